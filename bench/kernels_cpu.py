@@ -1,0 +1,158 @@
+"""CPU micro-benchmark of decode-attention twin variants (SmolLM2-135M shapes by default).
+
+Prints ms per call for each variant and its ratio to the first (the plain gather + einsum).
+Usage: .venv/bin/python bench/kernels_cpu.py [--batch 96] [--ctx 300] [--dtype bf16]
+"""
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def make_inputs(batch, ctx, hq, hkv, d, block_size, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(ctx - 50, ctx + 50, (batch,), generator=g).int()
+    max_blocks = int((lens.max() + block_size - 1) // block_size)
+    num_blocks = batch * max_blocks + 7
+    perm = torch.randperm(num_blocks, generator=g)[: batch * max_blocks].view(batch, max_blocks).int()
+    nblk = (lens + block_size - 1) // block_size
+    tables = torch.where(torch.arange(max_blocks)[None] < nblk[:, None], perm, -1).int()
+    k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g).to(dtype)
+    q = torch.randn(batch, hq, d, generator=g).to(dtype)
+    return q, k_cache, v_cache, tables, lens
+
+
+def _gather(cache, tables):
+    nb, bs, hkv, d = cache.shape
+    b, mb = tables.shape
+    return cache[tables.clamp(min=0)].view(b, mb * bs, hkv, d)  # [B, L, Hkv, D]
+
+
+def _mask(tables, lens, block_size):
+    pos = torch.arange(tables.shape[1] * block_size)
+    return pos[None, :] < lens[:, None]  # [B, L]
+
+
+def v_einsum(q, kc, vc, tables, lens, scale):
+    b, hq, d = q.shape
+    hkv = kc.shape[2]
+    k, v = _gather(kc, tables), _gather(vc, tables)
+    qg = q.view(b, hkv, hq // hkv, d)
+    s = torch.einsum("bhgd,blhd->bhgl", qg, k).float() * scale
+    s.masked_fill_(~_mask(tables, lens, kc.shape[1])[:, None, None, :], float("-inf"))
+    p = s.softmax(-1).to(q.dtype)
+    return torch.einsum("bhgl,blhd->bhgd", p, v).reshape(b, hq, d)
+
+
+def v_sdpa(q, kc, vc, tables, lens, scale):
+    b, hq, d = q.shape
+    hkv = kc.shape[2]
+    k = _gather(kc, tables).transpose(1, 2)  # [B, Hkv, L, D]
+    v = _gather(vc, tables).transpose(1, 2)
+    qg = q.view(b, hkv, hq // hkv, d)
+    m = _mask(tables, lens, kc.shape[1])[:, None, None, :]
+    return F.scaled_dot_product_attention(qg, k, v, attn_mask=m, scale=scale).reshape(b, hq, d)
+
+
+def v_sdpa_contig(q, kc, vc, tables, lens, scale):
+    b, hq, d = q.shape
+    hkv = kc.shape[2]
+    k = _gather(kc, tables).transpose(1, 2).contiguous()
+    v = _gather(vc, tables).transpose(1, 2).contiguous()
+    qg = q.view(b, hkv, hq // hkv, d)
+    m = _mask(tables, lens, kc.shape[1])[:, None, None, :]
+    return F.scaled_dot_product_attention(qg, k, v, attn_mask=m, scale=scale).reshape(b, hq, d)
+
+
+def v_sdpa_trim(q, kc, vc, tables, lens, scale):
+    """Gather only up to the longest context, via slot indices (not whole blocks)."""
+    b, hq, d = q.shape
+    nb, bs, hkv, _ = kc.shape
+    max_len = int(lens.max())
+    pos = torch.arange(max_len)
+    slots = tables.clamp(min=0).long()[:, pos // bs] * bs + pos % bs  # [B, Lmax]
+    k = kc.view(-1, hkv, d)[slots].transpose(1, 2)  # [B, Hkv, Lmax, D]
+    v = vc.view(-1, hkv, d)[slots].transpose(1, 2)
+    qg = q.view(b, hkv, hq // hkv, d)
+    m = (pos[None] < lens[:, None])[:, None, None, :]
+    return F.scaled_dot_product_attention(qg, k, v, attn_mask=m, scale=scale).reshape(b, hq, d)
+
+
+def v_float(q, kc, vc, tables, lens, scale):
+    b, hq, d = q.shape
+    hkv = kc.shape[2]
+    k, v = _gather(kc, tables).float(), _gather(vc, tables).float()
+    qg = q.float().view(b, hkv, hq // hkv, d)
+    s = torch.einsum("bhgd,blhd->bhgl", qg, k) * scale
+    s.masked_fill_(~_mask(tables, lens, kc.shape[1])[:, None, None, :], float("-inf"))
+    return torch.einsum("bhgl,blhd->bhgd", s.softmax(-1), v).reshape(b, hq, d).to(q.dtype)
+
+
+def v_loop(q, kc, vc, tables, lens, scale):
+    """Baseline: one SDPA per sequence."""
+    b, hq, d = q.shape
+    bs, hkv = kc.shape[1], kc.shape[2]
+    out = torch.empty_like(q)
+    for i, n in enumerate(lens.tolist()):
+        nblk = (n + bs - 1) // bs
+        blocks = tables[i, :nblk].long()
+        k = kc[blocks].view(-1, hkv, d)[:n].transpose(0, 1)  # [Hkv, n, D]
+        v = vc[blocks].view(-1, hkv, d)[:n].transpose(0, 1)
+        qg = q[i].view(hkv, hq // hkv, d)
+        out[i] = F.scaled_dot_product_attention(qg, k, v, scale=scale).reshape(hq, d)
+    return out
+
+
+def v_library(q, kc, vc, tables, lens, scale):
+    from batchapi.kernels.attention_ref import paged_attention
+
+    cu = torch.arange(q.shape[0] + 1, dtype=torch.int32)
+    return paged_attention(q, kc, vc, tables, cu, lens, scale)
+
+
+VARIANTS = [v_einsum, v_sdpa, v_sdpa_contig, v_sdpa_trim, v_float, v_loop, v_library]
+
+
+def bench(fn, args, reps):
+    fn(*args)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn(*args)
+    return (time.perf_counter() - t0) / reps * 1e3
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=96)
+    ap.add_argument("--ctx", type=int, default=300)
+    ap.add_argument("--hq", type=int, default=9)
+    ap.add_argument("--hkv", type=int, default=3)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--only", default="")
+    a = ap.parse_args()
+    dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
+    q, kc, vc, tables, lens = make_inputs(a.batch, a.ctx, a.hq, a.hkv, a.dim, 16, dtype)
+    args = (q, kc, vc, tables, lens, a.dim**-0.5)
+    ref = v_float(*args).float()
+    base = None
+    print(f"decode B={a.batch} ctx~{a.ctx} Hq={a.hq} Hkv={a.hkv} D={a.dim} {a.dtype} threads={torch.get_num_threads()}")
+    for fn in VARIANTS:
+        if a.only and fn.__name__ not in a.only.split(","):
+            continue
+        try:
+            err = (fn(*args).float() - ref).abs().max().item()
+            ms = bench(fn, args, a.reps)
+        except Exception as e:  # a variant may not exist yet (library) or fail on this torch
+            print(f"{fn.__name__:16s} failed: {type(e).__name__}: {e}")
+            continue
+        base = base or ms
+        print(f"{fn.__name__:16s} {ms:8.2f} ms  x{base / ms:5.2f} vs v_einsum  max_err {err:.2e}")
+
+
+if __name__ == "__main__":
+    main()
