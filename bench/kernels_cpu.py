@@ -106,6 +106,50 @@ def v_loop(q, kc, vc, tables, lens, scale):
     return out
 
 
+def _gather_sel(cache, tables, n):
+    b, mb = tables.shape
+    bs, hkv, d = cache.shape[1:]
+    kv = cache.index_select(0, tables.clamp(min=0).reshape(-1).long()).view(b, mb * bs, hkv, d)
+    return kv[:, :n].transpose(1, 2)  # [B, Hkv, n, D]
+
+
+def _bias(lens, n, dtype):
+    pos = torch.arange(n)
+    bias = torch.zeros(len(lens), 1, 1, n, dtype=dtype)
+    return bias.masked_fill_((pos[None] >= lens[:, None])[:, None, None, :], float("-inf"))
+
+
+def v_gqa_bool(q, kc, vc, tables, lens, scale):
+    b, hq, d = q.shape
+    n = int(lens.max())
+    tables = tables[:, : (n + kc.shape[1] - 1) // kc.shape[1]]
+    k, v = _gather_sel(kc, tables, n), _gather_sel(vc, tables, n)
+    m = (torch.arange(n)[None] < lens[:, None])[:, None, None, :]
+    out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=m, scale=scale, enable_gqa=True)
+    return out.view(b, hq, d)
+
+
+def v_group_bias(q, kc, vc, tables, lens, scale):
+    b, hq, d = q.shape
+    hkv = kc.shape[2]
+    n = int(lens.max())
+    tables = tables[:, : (n + kc.shape[1] - 1) // kc.shape[1]]
+    k, v = _gather_sel(kc, tables, n), _gather_sel(vc, tables, n)
+    qg = q.view(b, hkv, hq // hkv, d)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=_bias(lens, n, q.dtype), scale=scale)
+    return out.reshape(b, hq, d)
+
+
+def v_fp32_gqa_bias(q, kc, vc, tables, lens, scale):
+    b, hq, d = q.shape
+    n = int(lens.max())
+    tables = tables[:, : (n + kc.shape[1] - 1) // kc.shape[1]]
+    k, v = _gather_sel(kc, tables, n).float(), _gather_sel(vc, tables, n).float()
+    out = F.scaled_dot_product_attention(q[:, :, None].float(), k, v, attn_mask=_bias(lens, n, torch.float32),
+                                         scale=scale, enable_gqa=True)
+    return out.view(b, hq, d).to(q.dtype)
+
+
 def v_library(q, kc, vc, tables, lens, scale):
     from batchapi.kernels.attention_ref import paged_attention
 
@@ -113,15 +157,19 @@ def v_library(q, kc, vc, tables, lens, scale):
     return paged_attention(q, kc, vc, tables, cu, lens, scale)
 
 
-VARIANTS = [v_einsum, v_sdpa, v_sdpa_contig, v_sdpa_trim, v_float, v_loop, v_library]
+VARIANTS = [v_einsum, v_sdpa, v_sdpa_contig, v_sdpa_trim, v_float, v_loop, v_gqa_bool, v_group_bias, v_fp32_gqa_bias,
+            v_library]
 
 
 def bench(fn, args, reps):
+    """Median ms per call (the machine is shared, so the median is steadier than the mean)."""
     fn(*args)
-    t0 = time.perf_counter()
+    times = []
     for _ in range(reps):
+        t0 = time.perf_counter()
         fn(*args)
-    return (time.perf_counter() - t0) / reps * 1e3
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2] * 1e3
 
 
 def main():

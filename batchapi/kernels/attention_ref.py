@@ -29,9 +29,8 @@ def _decode(q, k_cache, v_cache, tables, context_lens, scale):
     k = _gather_blocks(k_cache, tables, max_len)  # [B, Hkv, L, D]
     v = _gather_blocks(v_cache, tables, max_len)
     pos = torch.arange(max_len, device=q.device)
-    bias = torch.zeros(num_seqs, 1, 1, max_len, dtype=q.dtype, device=q.device)
-    bias.masked_fill_((pos[None, :] >= context_lens[:, None].to(pos.device))[:, None, None, :], float("-inf"))
-    out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=bias, scale=scale, enable_gqa=True)
+    valid = (pos[None, :] < context_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
+    out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=valid, scale=scale, enable_gqa=True)
     return out.view(num_seqs, hq, d)  # [B, Hq, D]
 
 
