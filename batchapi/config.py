@@ -1,0 +1,148 @@
+"""Settings, read from the environment (prefix ``BATCHAPI_``) in this one place.
+
+Everything else receives a ``Settings`` object (or values taken from it); nothing
+else in the package reads ``os.environ``.
+"""
+
+from __future__ import annotations
+
+from decimal import Decimal
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+class SettingsError(Exception):
+    """Invalid configuration; the message names the environment variable."""
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="BATCHAPI_", extra="ignore")
+
+    # where things live
+    data_dir: Path = Path("./batchapi-data")
+    database_url: str = ""  # empty: SQLite file in the data dir
+    broker_url: str = ""  # empty: embedded in-process worker
+    storage_url: str = ""  # empty: file:// data dir / "storage"; s3://bucket/prefix uses boto3
+    s3_endpoint_url: str = ""
+    s3_region: str = "us-east-1"
+    s3_access_key_id: str = ""  # empty: boto3's own credential chain
+    s3_secret_access_key: str = ""
+
+    # model and engine
+    model: str = DEFAULT_MODEL
+    model_cache: Path = Path("~/.cache/batchapi")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    kernels: Literal["auto", "triton", "torch"] = "auto"
+    max_num_seqs: int = Field(default=128, ge=1)
+    max_num_batched_tokens: int = Field(default=2048, ge=16)
+    kv_cache_gb: float = Field(default=2.0, gt=0)  # CPU pool size
+    gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
+    enable_prefix_caching: bool = True
+
+    # service
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    max_file_bytes: int = Field(default=200 * 1024 * 1024, ge=1)
+    max_file_lines: int = Field(default=50_000, ge=1)
+    batch_discount_percent: Decimal = Field(default=Decimal(50), ge=0, le=100)
+    auth_required: bool = True
+    max_upload_bytes: int = Field(default=512 * 1024 * 1024, ge=1)
+    validation_lease_seconds: int = Field(default=300, ge=5)
+    # list prices per 1M tokens for the served model; unset: the table in batchapi/jobs/pricing.py
+    price_input_per_mtok: Decimal | None = Field(default=None, ge=0)
+    price_cached_input_per_mtok: Decimal | None = Field(default=None, ge=0)
+    price_output_per_mtok: Decimal | None = Field(default=None, ge=0)
+
+    # workers
+    shard_size: int = Field(default=256, ge=1)
+    lease_seconds: int = Field(default=120, ge=5)
+    heartbeat_seconds: float = Field(default=10.0, gt=0)
+    max_shard_attempts: int = Field(default=3, ge=1)
+    sweep_seconds: float = Field(default=5.0, gt=0)
+    engine_watermark: int = Field(default=64, ge=0)
+
+    @field_validator("data_dir", "model_cache")
+    @classmethod
+    def _expand(cls, value: Path) -> Path:
+        return value.expanduser()
+
+    @field_validator("database_url")
+    @classmethod
+    def _database_scheme(cls, value: str) -> str:
+        if value and not value.startswith(("sqlite", "postgresql", "postgres")):
+            raise ValueError("must be a sqlite:// or postgresql:// URL")
+        return value
+
+    @field_validator("storage_url")
+    @classmethod
+    def _storage_scheme(cls, value: str) -> str:
+        if value and not value.startswith(("file://", "s3://")):
+            raise ValueError("must be a file:// or s3://bucket/prefix URL")
+        return value
+
+    @field_validator("broker_url")
+    @classmethod
+    def _broker_scheme(cls, value: str) -> str:
+        if value and not value.startswith(("redis://", "rediss://", "amqp://", "pyamqp://")):
+            raise ValueError("must be a redis:// or amqp:// URL")
+        return value
+
+    @model_validator(mode="after")
+    def _heartbeat_inside_lease(self) -> Settings:
+        if self.heartbeat_seconds * 2 > self.lease_seconds:
+            raise ValueError(
+                "BATCHAPI_HEARTBEAT_SECONDS must be at most half of BATCHAPI_LEASE_SECONDS"
+            )
+        return self
+
+    # derived values, so callers never rebuild defaults themselves
+
+    @property
+    def sqlalchemy_url(self) -> str:
+        """The database URL with a driver chosen: plain postgresql:// gets psycopg 3."""
+        url = self.database_url or f"sqlite:///{(self.data_dir / 'batchapi.db').resolve()}"
+        for plain in ("postgres://", "postgresql://"):
+            if url.startswith(plain):
+                return "postgresql+psycopg://" + url[len(plain) :]
+        return url
+
+    @property
+    def resolved_storage_url(self) -> str:
+        return self.storage_url or f"file://{(self.data_dir / 'storage').resolve()}"
+
+    @property
+    def embedded(self) -> bool:
+        return not self.broker_url
+
+    @property
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch  # only asked for when a worker needs it
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_settings(**overrides) -> Settings:
+    """Build settings, turning pydantic's errors into one message naming the variables."""
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            field = ".".join(str(p) for p in err["loc"])
+            name = f"BATCHAPI_{field.upper()}" if field else "BATCHAPI_*"
+            problems.append(f"{name}: {err['msg']}")
+        raise SettingsError("invalid settings: " + "; ".join(problems)) from None
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return load_settings()

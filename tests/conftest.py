@@ -1,0 +1,57 @@
+"""Session-wide real services and models for the tests (no mocks, see tests/utils)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from batchapi.config import DEFAULT_MODEL
+from tests.utils import services
+from tests.utils.tiny_models import build_tiny_model
+
+MODEL_CACHE = Path(os.environ.get("BATCHAPI_MODEL_CACHE", "~/.cache/batchapi")).expanduser()
+
+
+@pytest.fixture(scope="session")
+def model_cache() -> Path:
+    return MODEL_CACHE
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(model_cache: Path) -> Path:
+    """The real default model, converted once into the shared cache (`make install` pulls it)."""
+    from batchapi.model_store import pull_model
+
+    return pull_model(DEFAULT_MODEL, model_cache)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, smollm2_dir: Path) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama", smollm2_dir, "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory, smollm2_dir: Path) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2", smollm2_dir, "qwen2")
+
+
+@pytest.fixture(scope="session")
+def pg_url() -> str:
+    """A fresh, empty PostgreSQL database for this test session (plain postgresql:// URL)."""
+    with services.fresh_database() as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    services.ensure_redis()
+    return f"redis://{services.REDIS_HOST}:{services.REDIS_PORT}/0"
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory) -> services.S3Server:
+    """A SeaweedFS S3 server (weed mini) on free ports, with credentials and a bucket."""
+    with services.seaweedfs(tmp_path_factory.mktemp("seaweedfs")) as server:
+        yield server

@@ -1,0 +1,70 @@
+"""The default model converts from its GGUF into a loadable HF directory, once."""
+
+import json
+
+import pytest
+
+from batchapi.model_store import (
+    ModelNotFound,
+    accepted_names,
+    list_models,
+    model_id,
+    pull_model,
+    resolve_model,
+)
+
+
+def test_converted_default_model_keeps_chat_template_and_vocabulary(smollm2_dir):
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(smollm2_dir)
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    assert config.model_type == "llama" and config.num_hidden_layers == 30
+    assert "quantization_config" not in json.loads((smollm2_dir / "config.json").read_text())
+    assert len(tokenizer) == config.vocab_size == 49152
+    assert tokenizer.convert_ids_to_tokens([0, 1, 2]) == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert text == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+        "<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert tokenizer.decode(tokenizer.encode("Paris is the capital of France.")) == (
+        "Paris is the capital of France."
+    )
+
+
+def test_converted_default_model_loads_as_plain_llama_and_answers(smollm2_dir):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.bfloat16)
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    inputs = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True, return_tensors="pt", return_dict=True,
+    )
+    out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+    assert "Paris" in tokenizer.decode(out[0, inputs["input_ids"].shape[1]:])
+
+
+def test_pull_twice_does_no_work(smollm2_dir, model_cache):
+    before = (smollm2_dir / "model.safetensors").stat().st_mtime_ns
+    assert pull_model("smollm2-135m-instruct", model_cache) == smollm2_dir
+    assert (smollm2_dir / "model.safetensors").stat().st_mtime_ns == before
+    assert ("smollm2-135m-instruct", smollm2_dir) in [(a, d) for a, d, _ in list_models(model_cache)]
+
+
+def test_names_resolve_to_directories(smollm2_dir, model_cache, tiny_llama_dir, tmp_path):
+    assert resolve_model("smollm2-135m-instruct", model_cache) == smollm2_dir
+    assert resolve_model(str(tiny_llama_dir), model_cache) == tiny_llama_dir.resolve()
+    assert model_id(str(tiny_llama_dir)) == "tiny-llama"
+    assert "HuggingFaceTB/SmolLM2-135M-Instruct" in accepted_names("smollm2-135m-instruct")
+    with pytest.raises(ModelNotFound, match="neither a known model"):
+        resolve_model(str(tmp_path / "missing"), model_cache)
+    with pytest.raises(ModelNotFound, match="unknown model"):
+        pull_model("gpt-17", model_cache)
+    with pytest.raises(ModelNotFound, match="not pulled yet"):
+        resolve_model("smollm2-135m-instruct", tmp_path)

@@ -1,0 +1,57 @@
+"""Tiny randomly initialised Llama-family models, saved like real HF checkpoints.
+
+They carry the default model's real tokenizer and chat template, so everything that
+tokenizes behaves as in production while a forward pass costs microseconds.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+
+def copy_tokenizer(source_dir: Path, out_dir: Path) -> None:
+    for name in TOKENIZER_FILES:
+        if (source_dir / name).exists():
+            shutil.copy(source_dir / name, out_dir / name)
+
+
+def build_tiny_model(out_dir: Path, tokenizer_dir: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Save a 2-layer random model of ``arch`` ("llama" or "qwen2") in ``out_dir``."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        bos_token_id=tokenizer.convert_tokens_to_ids("<|im_start|>"),
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        tie_word_embeddings=arch == "llama",
+    )
+    common.update(overrides)
+    torch.manual_seed(seed)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    else:
+        raise ValueError(f"unknown tiny architecture {arch!r}")
+    # random init gives near-uniform logits; a wider spread makes greedy decoding well separated
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.normal_(0.0, 0.08)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.to(torch.float32).save_pretrained(out_dir, safe_serialization=True)
+    copy_tokenizer(tokenizer_dir, out_dir)
+    return out_dir
