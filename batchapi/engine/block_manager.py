@@ -1,0 +1,134 @@
+"""Paged KV cache bookkeeping: which block holds which tokens, shared and cached how.
+
+Plain Python (no torch). Blocks are ref-counted. A full block is registered under a chained
+hash (its tokens and the hash of the block before it), so a later prompt with the same prefix
+reuses it. A freed block keeps its hash and sits in the free queue in LRU order; it is only
+forgotten when the queue hands it out again (lazy eviction). Blocks that hold nothing
+reusable go to the front of the queue so cached ones live longer.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from batchapi.engine.sequence import Sequence
+
+
+def chain_hash(prev: int | None, tokens: tuple[int, ...]) -> int:
+    # tuples of ints hash deterministically in CPython (no per-process salt)
+    return hash((prev, tokens))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        assert num_blocks > 0, "the KV pool needs at least one block"
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.hash_to_block: dict[int, int] = {}
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # evict from the front
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def usage(self) -> float:
+        return 1.0 - len(self.free) / self.num_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _take(self) -> int:
+        block_id, _ = self.free.popitem(last=False)
+        old = self.block_hash[block_id]
+        if old is not None:
+            if self.hash_to_block.get(old) == block_id:
+                del self.hash_to_block[old]
+            self.block_hash[block_id] = None
+            self.block_tokens[block_id] = None
+        assert self.ref_counts[block_id] == 0, f"block {block_id} handed out while in use"
+        self.ref_counts[block_id] = 1
+        return block_id
+
+    def match_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
+        """Cached blocks for the start of ``seq``: (block ids, their hashes).
+
+        At least one token is always left to compute, since its logits are needed.
+        """
+        if not self.enable_prefix_caching:
+            return [], []
+        bs = self.block_size
+        blocks, hashes, prev = [], [], None
+        for i in range((seq.num_tokens - 1) // bs):
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            h = chain_hash(prev, tokens)
+            block_id = self.hash_to_block.get(h)
+            if block_id is None or self.block_tokens[block_id] != tokens:
+                break
+            blocks.append(block_id)
+            hashes.append(h)
+            prev = h
+        return blocks, hashes
+
+    def can_admit(self, cached: list[int], num_tokens: int) -> bool:
+        """Whether a waiting seq with ``cached`` hit blocks can hold ``num_tokens`` tokens."""
+        reclaimed = sum(1 for b in cached if self.ref_counts[b] == 0)
+        return self.blocks_for(num_tokens) - len(cached) + reclaimed <= len(self.free)
+
+    def admit(self, seq: Sequence, cached: list[int], hashes: list[int], num_tokens: int) -> None:
+        assert not seq.block_table, f"seq {seq.seq_id} already holds blocks"
+        for block_id in cached:
+            if self.ref_counts[block_id] == 0:
+                del self.free[block_id]
+            self.ref_counts[block_id] += 1
+        seq.block_table = list(cached)
+        seq.block_hashes = list(hashes)
+        seq.num_computed_tokens = len(cached) * self.block_size
+        self.grow(seq, num_tokens)
+
+    def grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Give ``seq`` enough blocks for ``num_tokens`` tokens; False if the pool is short."""
+        need = self.blocks_for(num_tokens) - len(seq.block_table)
+        if need > len(self.free):
+            return False
+        for _ in range(need):
+            seq.block_table.append(self._take())
+        return True
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the blocks that ``seq`` has filled since the last call."""
+        bs = self.block_size
+        for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, tokens)
+            seq.block_hashes.append(h)
+            block_id = seq.block_table[i]
+            if self.enable_prefix_caching and h not in self.hash_to_block and self.block_hash[block_id] is None:
+                self.hash_to_block[h] = block_id
+                self.block_hash[block_id] = h
+                self.block_tokens[block_id] = tokens
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Share the parent's full blocks with ``child``; the child recomputes the partial tail."""
+        num_full = min(parent.num_computed_tokens // self.block_size, len(parent.block_hashes))
+        child.block_table = parent.block_table[:num_full]
+        child.block_hashes = parent.block_hashes[:num_full]
+        for block_id in child.block_table:
+            self.ref_counts[block_id] += 1
+        child.num_computed_tokens = num_full * self.block_size
+
+    def free_blocks(self, seq: Sequence) -> None:
+        # tail first, so a prompt's later blocks are evicted before its shared start
+        for block_id in reversed(seq.block_table):
+            self.ref_counts[block_id] -= 1
+            assert self.ref_counts[block_id] >= 0, f"block {block_id} freed twice"
+            if self.ref_counts[block_id] == 0:
+                self.free[block_id] = None
+                if self.block_hash[block_id] is None:
+                    self.free.move_to_end(block_id, last=False)
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0

@@ -1,0 +1,41 @@
+"""EngineConfig: every knob of the engine, validated once and passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+KERNELS = ("auto", "triton", "torch")
+
+
+@dataclass
+class EngineConfig:
+    model_path: str | Path
+    device: str = "cpu"
+    dtype: str = "auto"  # auto: bfloat16 where the device supports it, else float16 (CUDA)
+    kernels: str = "auto"  # auto: triton on CUDA, torch twins elsewhere
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    kv_cache_bytes: int = 1 << 30  # CPU pool size; CUDA sizes from gpu_memory_utilization
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    block_size: int = 16
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    num_threads: int | None = None  # CPU intra-op threads; None leaves torch's default
+
+    def __post_init__(self):
+        self.model_path = Path(self.model_path).expanduser()
+        assert self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}"
+        assert self.kernels in KERNELS, f"kernels must be one of {KERNELS}, got {self.kernels!r}"
+        assert self.device == "cpu" or self.device.startswith("cuda"), f"unsupported device {self.device!r}"
+        assert self.max_num_seqs >= 1, "max_num_seqs must be at least 1"
+        assert self.max_num_batched_tokens >= self.max_num_seqs, (
+            "max_num_batched_tokens must be at least max_num_seqs (one decode token per sequence)"
+        )
+        assert self.kv_cache_bytes > 0, "kv_cache_bytes must be positive"
+        assert 0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]"
+        assert self.block_size > 0 and self.block_size & (self.block_size - 1) == 0, (
+            "block_size must be a power of two"
+        )
+        assert self.max_model_len is None or self.max_model_len > 0, "max_model_len must be positive"

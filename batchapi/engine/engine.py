@@ -1,0 +1,177 @@
+"""LLMEngine: requests in, finished results out; each step is schedule -> execute -> update."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from transformers import AutoTokenizer
+
+from batchapi.engine.block_manager import BlockManager
+from batchapi.engine.config import EngineConfig
+from batchapi.engine.detokenizer import IncrementalDetokenizer, StopChecker
+from batchapi.engine.model_runner import ModelRunner, sample_rows
+from batchapi.engine.request import CompletionOutput, GenerationRequest, GenerationResult, TokenLogprob
+from batchapi.engine.scheduler import Scheduler
+from batchapi.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    """Text state of one sequence: incremental detokenizer and stop-string search."""
+
+    detok: IncrementalDetokenizer
+    stops: StopChecker | None
+
+
+@dataclass
+class _RequestState:
+    request: GenerationRequest
+    seqs: list[Sequence] = field(default_factory=list)
+    streams: dict[int, _Stream] = field(default_factory=dict)  # by seq_id
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, tokenizer=None):
+        self.config = config
+        self.runner = ModelRunner(config)
+        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(str(config.model_path))
+        mc = self.runner.model_config
+        self.eos_token_ids = set(mc.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        pool_tokens = self.runner.num_blocks * config.block_size
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, pool_tokens)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len)
+        self.requests: dict[str, _RequestState] = {}
+        self.num_generated_tokens = 0
+
+    # ---- requests ----
+
+    def add_request(self, request: GenerationRequest) -> None:
+        assert request.request_id not in self.requests, f"duplicate request id {request.request_id!r}"
+        params = request.params
+        seq = Sequence(request.request_id, list(request.prompt_token_ids), params, num_forks=params.n - 1)
+        state = _RequestState(request, [seq])
+        self.requests[request.request_id] = state
+        try:
+            params.check_vocab(self.runner.model_config.vocab_size)
+            bad = [t for t in request.prompt_token_ids if not 0 <= t < self.runner.model_config.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary")
+        except ValueError as exc:
+            seq.finish("error", str(exc))
+            self.scheduler.rejected.append(seq)
+            return
+        self._open_stream(state, seq)
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> GenerationResult | None:
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return None
+        for seq in self.scheduler.abort(request_id):
+            seq.finish("error", "aborted")
+        for seq in state.seqs:
+            if not seq.is_finished:
+                seq.finish("error", "aborted")
+        return self._result(state)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def kv_usage(self) -> float:
+        return self.block_manager.usage()
+
+    # ---- one step ----
+
+    def step(self) -> list[GenerationResult]:
+        """Advance every scheduled sequence by one step; return the requests that finished."""
+        finished = self._take_rejected()
+        batch = self.scheduler.schedule()
+        if len(batch):
+            samples = self.runner.execute(batch)
+            rows = sample_rows(batch)
+            self.scheduler.postprocess(batch)
+            for (seq, index), sample in zip(rows, samples, strict=True):
+                target = seq if index == seq.sample_index else self._fork(seq, index)
+                self._append(target, sample)
+            for seq, _ in rows:
+                seq.num_forks = 0
+            self.scheduler.release_finished()
+        for seq, _ in rows if len(batch) else []:
+            state = self.requests.get(seq.request_id)
+            if state is not None and all(s.is_finished for s in state.seqs):
+                finished.append(self._result(self.requests.pop(seq.request_id)))
+        return finished
+
+    def _take_rejected(self) -> list[GenerationResult]:
+        results = []
+        for seq in self.scheduler.rejected:
+            state = self.requests.pop(seq.request_id, None)
+            if state is not None:
+                results.append(self._result(state))
+        self.scheduler.rejected.clear()
+        return results
+
+    def _fork(self, parent: Sequence, index: int) -> Sequence:
+        child = Sequence(parent.request_id, parent.token_ids[: parent.num_prompt_tokens], parent.params,
+                         sample_index=index, num_cached_tokens=parent.num_cached_tokens)
+        state = self.requests[parent.request_id]
+        state.seqs.append(child)
+        self._open_stream(state, child)
+        self.scheduler.fork(parent, child)
+        return child
+
+    def _open_stream(self, state: _RequestState, seq: Sequence) -> None:
+        params = seq.params
+        detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids[: seq.num_prompt_tokens])
+        stops = StopChecker(params.stop) if params.stop else None
+        state.streams[seq.seq_id] = _Stream(detok, stops)
+
+    def _append(self, seq: Sequence, sample) -> None:
+        """Add a sampled token to ``seq`` and finish it if a stop condition holds."""
+        token = sample.token_id
+        seq.token_ids.append(token)
+        self.num_generated_tokens += 1
+        params = seq.params
+        if params.logprobs:
+            seq.logprobs = seq.logprobs or []
+            seq.logprobs.append(TokenLogprob(token, sample.logprob, sample.top_logprobs))
+        stream = self.requests[seq.request_id].streams[seq.seq_id]
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            seq.finish("stop")
+            return
+        text = stream.detok.add(token)
+        if stream.stops is not None:
+            if stream.stops.add(text):
+                seq.text = stream.stops.text
+                seq.finish("stop")
+                return
+        if (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens) or (
+            seq.num_tokens >= self.max_model_len
+        ):
+            seq.finish("length")
+
+    def _result(self, state: _RequestState) -> GenerationResult:
+        outputs, error = [], None
+        for seq in sorted(state.seqs, key=lambda s: s.sample_index):
+            stream = state.streams.get(seq.seq_id)
+            if not seq.text and stream is not None:
+                seq.text = stream.stops.text if stream.stops is not None else stream.detok.text
+            outputs.append(CompletionOutput(seq.sample_index, seq.text, seq.output_token_ids,
+                                            seq.finish_reason, seq.logprobs))
+            error = error or seq.error
+        first = state.seqs[0]
+        return GenerationResult(state.request.request_id, first.num_prompt_tokens, first.num_cached_tokens,
+                                outputs, error)

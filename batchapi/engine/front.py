@@ -1,0 +1,142 @@
+"""EngineFront: a thread-safe door to one LLMEngine running steps on a background thread.
+
+Any thread may submit requests and abort them; results come back through a
+``concurrent.futures.Future`` and an optional callback (called on the engine thread, so it
+should be quick). The engine itself is only ever touched by its own thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from batchapi.engine.config import EngineConfig
+from batchapi.engine.engine import LLMEngine
+from batchapi.engine.request import GenerationRequest, GenerationResult
+
+log = logging.getLogger(__name__)
+
+Callback = Callable[[GenerationResult], None]
+
+
+class EngineFront:
+    def __init__(self, config: EngineConfig, engine: LLMEngine | None = None):
+        self.config = config
+        self.engine = engine or LLMEngine(config)
+        self.tokenizer = self.engine.tokenizer
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._inbox: list[tuple[GenerationRequest, Future, Callback | None]] = []
+        self._aborts: list[str] = []
+        self._pending: dict[str, tuple[Future, Callback | None]] = {}
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    # ---- any thread ----
+
+    def start(self) -> EngineFront:
+        assert self._thread is None, "the engine front is already started"
+        self._thread = threading.Thread(target=self._run, name="batchapi-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def submit(self, request: GenerationRequest, callback: Callback | None = None) -> Future:
+        future: Future = Future()
+        with self._wake:
+            if self._stop:
+                raise RuntimeError("the engine front is shut down")
+            if request.request_id in self._pending:
+                raise ValueError(f"request id {request.request_id!r} is already in flight")
+            self._pending[request.request_id] = (future, callback)
+            self._inbox.append((request, future, callback))
+            self._wake.notify()
+        return future
+
+    def abort(self, request_id: str) -> None:
+        with self._wake:
+            self._aborts.append(request_id)
+            self._wake.notify()
+
+    def num_waiting(self) -> int:
+        return self.engine.num_waiting() + len(self._inbox)
+
+    def num_running(self) -> int:
+        return self.engine.num_running()
+
+    def num_in_flight(self) -> int:
+        return len(self._pending)
+
+    def kv_usage(self) -> float:
+        return self.engine.kv_usage()
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the engine thread; requests still in flight fail with RuntimeError."""
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for future, _ in pending.values():
+            if not future.done():
+                future.set_exception(RuntimeError("the engine front was shut down"))
+
+    def __enter__(self) -> EngineFront:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # ---- engine thread ----
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            with self._wake:
+                while not (self._stop or self._inbox or self._aborts or engine.has_unfinished()):
+                    self._wake.wait()
+                if self._stop:
+                    return
+                inbox, self._inbox = self._inbox, []
+                aborts, self._aborts = self._aborts, []
+            for request, _, _ in inbox:
+                engine.add_request(request)
+            for request_id in aborts:
+                result = engine.abort(request_id)
+                if result is not None:
+                    self._deliver(result)
+            if engine.has_unfinished():
+                self._step()
+
+    def _step(self) -> None:
+        try:
+            results = self.engine.step()
+        except Exception as exc:  # a bug, not a bad request: fail what is in flight, keep serving
+            log.exception("engine step failed; failing %d requests", len(self.engine.requests))
+            for request_id in list(self.engine.requests):
+                self.engine.abort(request_id)
+                self._fail(request_id, exc)
+            return
+        for result in results:
+            self._deliver(result)
+
+    def _deliver(self, result: GenerationResult) -> None:
+        with self._lock:
+            future, callback = self._pending.pop(result.request_id, (None, None))
+        if future is None:
+            return
+        future.set_result(result)
+        if callback is not None:
+            try:
+                callback(result)
+            except Exception:
+                log.exception("result callback for %s raised", result.request_id)
+
+    def _fail(self, request_id: str, exc: Exception) -> None:
+        with self._lock:
+            future, _ = self._pending.pop(request_id, (None, None))
+        if future is not None and not future.done():
+            future.set_exception(exc)

@@ -1,0 +1,114 @@
+"""Read a Hugging Face model directory: config.json into a ModelConfig, safetensors into tensors."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+SUPPORTED = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+
+class UnsupportedModelError(ValueError):
+    """The directory holds a model this engine cannot run."""
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    eos_token_ids: list[int]
+
+    def __post_init__(self):
+        assert self.num_heads % self.num_kv_heads == 0, (
+            f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+        )
+
+
+def _rope(raw: dict) -> tuple[float, dict | None]:
+    # transformers 5 writes rope_parameters; older configs rope_theta and rope_scaling
+    params = raw.get("rope_parameters") or {}
+    theta = raw.get("rope_theta") or params.get("rope_theta") or 10000.0
+    scaling = raw.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    if scaling is not None:
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind not in ("default", "llama3"):
+            raise UnsupportedModelError(f"rope scaling {kind!r} is not supported (default and llama3 are)")
+    return float(theta), scaling
+
+
+def _eos_ids(raw: dict, model_dir: Path) -> list[int]:
+    eos = raw.get("eos_token_id")
+    gen_path = model_dir / "generation_config.json"
+    if gen_path.exists():
+        eos = json.loads(gen_path.read_text()).get("eos_token_id", eos)
+    if eos is None:
+        return []
+    return list(eos) if isinstance(eos, list) else [eos]
+
+
+def load_config(model_dir: Path) -> ModelConfig:
+    path = Path(model_dir) / "config.json"
+    if not path.exists():
+        raise UnsupportedModelError(f"{model_dir} has no config.json; expected a Hugging Face model directory")
+    raw = json.loads(path.read_text())
+    archs = raw.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED), None)
+    if arch is None:
+        raise UnsupportedModelError(
+            f"architecture {archs or raw.get('model_type')!r} is not supported; "
+            f"this engine runs {sorted(SUPPORTED)}"
+        )
+    if raw.get("mlp_bias"):
+        raise UnsupportedModelError("MLP biases are not supported")
+    theta, scaling = _rope(raw)
+    heads = raw["num_attention_heads"]
+    return ModelConfig(
+        architecture=SUPPORTED[arch],
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_layers=raw["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=raw.get("num_key_value_heads") or heads,
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=raw.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        qkv_bias=SUPPORTED[arch] == "qwen2" or bool(raw.get("attention_bias")),
+        eos_token_ids=_eos_ids(raw, Path(model_dir)),
+    )
+
+
+def load_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    """All tensors of the directory's safetensors files, by their Hugging Face names."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise UnsupportedModelError(f"{model_dir} has no .safetensors files")
+    tensors = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                tensors[name] = f.get_tensor(name)
+    return tensors

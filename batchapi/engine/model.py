@@ -1,0 +1,147 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over a paged KV cache.
+
+Tokens of all sequences in a step are packed into one flat batch [T]; attention finds each
+sequence's keys and values through its block table. q/k/v and gate/up projections are fused
+into one matmul each (the loader concatenates the checkpoint's weights).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from batchapi.engine.loader import ModelConfig
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64, KV slot of each new token
+    block_tables: torch.Tensor  # [B, max_blocks] int32, pad -1
+    cu_seqlens_q: torch.Tensor  # [B+1] int32
+    context_lens: torch.Tensor  # [B] int32, KV length including this step's tokens
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops):
+        super().__init__()
+        self.ops = ops
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.k_cache = self.v_cache = torch.empty(0)  # set by the model runner
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.ops.rotary(q, k, positions, cos_sin)
+        self.ops.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        out = self.ops.paged_attention(q, self.k_cache, self.v_cache, meta.block_tables,
+                                       meta.cu_seqlens_q, meta.context_lens, self.scale)  # [T, Hq, D]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops):
+        super().__init__()
+        self.ops = ops
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))  # [T, H]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops):
+        super().__init__()
+        self.ops = ops
+        self.self_attn = Attention(cfg, ops)
+        self.mlp = MLP(cfg, ops)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, residual, positions, cos_sin, meta):
+        norm = self.input_layernorm
+        if residual is None:
+            residual, x = x, self.ops.rms_norm(x, norm.weight, norm.eps)
+        else:
+            x, residual = self.ops.fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+        x = self.self_attn(x, positions, cos_sin, meta)
+        norm = self.post_attention_layernorm
+        x, residual = self.ops.fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+        return self.mlp(x), residual
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops):
+        super().__init__()
+        self.cfg = cfg
+        self.ops = ops
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ops) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("cos_sin", torch.empty(0), persistent=False)  # [max_pos, D], set by the runner
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                logit_rows: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [T]; logit_rows [S] token indices to score -> logits [S, V] fp32."""
+        x, residual = self.embed_tokens(input_ids), None  # [T, H]
+        for layer in self.layers:
+            x, residual = layer(x, residual, positions, self.cos_sin, meta)
+        x = x.index_select(0, logit_rows)  # [S, H]: only the tokens that get sampled
+        residual = residual.index_select(0, logit_rows)
+        x, _ = self.ops.fused_add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
+        return self.lm_head(x).float()  # [S, V]
+
+    def load(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy Hugging Face tensors in, fusing q/k/v and gate/up."""
+        tied = self.cfg.tie_word_embeddings or "lm_head.weight" not in tensors
+        if tied:  # moving the module between devices unties the shared parameter
+            self.lm_head.weight = self.embed_tokens.weight
+        own = dict(self.named_parameters())
+        done = set()
+
+        def put(name: str, value: torch.Tensor) -> None:
+            param = own[name]
+            assert param.shape == value.shape, f"{name}: checkpoint {tuple(value.shape)} vs model {tuple(param.shape)}"
+            param.data.copy_(value)
+            done.add(name)
+
+        for i in range(self.cfg.num_layers):
+            hf, me = f"model.layers.{i}.", f"layers.{i}."
+            attn = hf + "self_attn."
+            put(me + "self_attn.qkv_proj.weight", torch.cat([tensors[attn + p + "_proj.weight"] for p in "qkv"]))
+            if self.cfg.qkv_bias:
+                put(me + "self_attn.qkv_proj.bias", torch.cat([tensors[attn + p + "_proj.bias"] for p in "qkv"]))
+            put(me + "self_attn.o_proj.weight", tensors[attn + "o_proj.weight"])
+            put(me + "mlp.gate_up_proj.weight",
+                torch.cat([tensors[hf + "mlp.gate_proj.weight"], tensors[hf + "mlp.up_proj.weight"]]))
+            put(me + "mlp.down_proj.weight", tensors[hf + "mlp.down_proj.weight"])
+            put(me + "input_layernorm.weight", tensors[hf + "input_layernorm.weight"])
+            put(me + "post_attention_layernorm.weight", tensors[hf + "post_attention_layernorm.weight"])
+        put("embed_tokens.weight", tensors["model.embed_tokens.weight"])
+        put("norm.weight", tensors["model.norm.weight"])
+        if not tied:
+            put("lm_head.weight", tensors["lm_head.weight"])
+        missing = set(own) - done
+        assert not missing, f"weights missing from the checkpoint: {sorted(missing)[:5]}"

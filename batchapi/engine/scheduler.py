@@ -1,0 +1,209 @@
+"""Which sequences advance in the next step, and by how many tokens.
+
+Plain Python (no torch). One rule, as in vLLM V1: each sequence's ``num_computed_tokens``
+catches up with its ``num_tokens`` under a per-step token budget. A prompt is a sequence far
+behind (chunked if the budget is short), a decode is one token behind, and both mix in one
+step. Running sequences go first, then waiting ones; when blocks run out the most recently
+admitted sequence is preempted and later recomputed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from batchapi.engine.block_manager import BlockManager
+from batchapi.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class WaitingQueue:
+    """FIFO of waiting sequences, grouped by the start of their prompt.
+
+    A new sequence joins the group of earlier ones that share its first ``key_len`` tokens,
+    so shared system prompts and few-shot blocks run back to back and hit the prefix cache.
+    Preempted sequences go first of all.
+    """
+
+    def __init__(self, key_len: int):
+        self.key_len = key_len
+        self.front: deque[Sequence] = deque()
+        self.groups: OrderedDict[tuple[int, ...], deque[Sequence]] = OrderedDict()
+        self.size = 0
+
+    def key(self, seq: Sequence) -> tuple[int, ...]:
+        return tuple(seq.token_ids[: min(self.key_len, seq.num_prompt_tokens)])
+
+    def push(self, seq: Sequence) -> None:
+        self.groups.setdefault(self.key(seq), deque()).append(seq)
+        self.size += 1
+
+    def push_front(self, seq: Sequence) -> None:
+        self.front.appendleft(seq)
+        self.size += 1
+
+    def peek(self) -> Sequence:
+        if self.front:
+            return self.front[0]
+        return self.groups[next(iter(self.groups))][0]
+
+    def pop(self) -> Sequence:
+        self.size -= 1
+        if self.front:
+            return self.front.popleft()
+        key = next(iter(self.groups))
+        group = self.groups[key]
+        seq = group.popleft()
+        if not group:
+            del self.groups[key]
+        return seq
+
+    def remove(self, seq: Sequence) -> None:
+        if seq in self.front:
+            self.front.remove(seq)
+        else:
+            key = self.key(seq)
+            self.groups[key].remove(seq)
+            if not self.groups[key]:
+                del self.groups[key]
+        self.size -= 1
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self) -> Iterator[Sequence]:
+        yield from self.front
+        for group in self.groups.values():
+            yield from group
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int):
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting = WaitingQueue(key_len=4 * block_manager.block_size)
+        self.running: list[Sequence] = []
+        self.rejected: list[Sequence] = []  # finished with an error at admission, reported next step
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        if seq.num_tokens == 0:
+            seq.finish("error", "the prompt is empty")
+        elif seq.num_tokens >= self.max_model_len:
+            seq.finish("error", f"the prompt has {seq.num_tokens} tokens; this engine holds at most "
+                                f"{self.max_model_len} tokens per sequence, output included")
+        if seq.is_finished:
+            self.rejected.append(seq)
+            return
+        self.waiting.push(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.running or len(self.waiting) or self.rejected)
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        found = [s for s in self.running if s.request_id == request_id]
+        self.running = [s for s in self.running if s.request_id != request_id]
+        waiting = [s for s in self.waiting if s.request_id == request_id]
+        for seq in waiting:
+            self.waiting.remove(seq)
+        for seq in found:
+            self.bm.free_blocks(seq)
+        return found + waiting
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        preempted = self._schedule_running(batch, budget)
+        if not preempted:
+            self._schedule_waiting(batch, budget - batch.num_tokens)
+        return batch
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> bool:
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            assert n > 0, f"running seq {seq.seq_id} has nothing to compute"
+            while not self.bm.grow(seq, seq.num_computed_tokens + n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    return preempted
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+            i += 1
+        return preempted
+
+    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        deferred_key = None
+        while len(self.waiting) and budget > 0:
+            seq = self.waiting.peek()
+            extra = seq.num_forks  # children forked later take seq slots too
+            if self.running and len(self.running) + 1 + extra > self.max_num_seqs:
+                break
+            key = self.waiting.key(seq)
+            if key == deferred_key:
+                break  # its shared prefix is being computed this step; wait and hit the cache
+            cached, hashes = self.bm.match_prefix(seq)
+            num_cached = len(cached) * self.bm.block_size
+            n = min(seq.num_tokens - num_cached, budget)
+            if not self.bm.can_admit(cached, num_cached + n):
+                break
+            self.waiting.pop()
+            self.bm.admit(seq, cached, hashes, num_cached + n)
+            if seq.num_output_tokens == 0:  # first admission, not a recompute after preemption
+                seq.num_cached_tokens = num_cached
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+            if self.bm.enable_prefix_caching and num_cached < len(key):
+                deferred_key = key
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.bm.free_blocks(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.push_front(seq)
+        self.num_preemptions += 1
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Run ``child`` (n > 1) on the blocks of ``parent``, whose prompt is computed."""
+        self.bm.fork(parent, child)
+        child.status = SequenceStatus.RUNNING
+        self.running.append(child)
+
+    def postprocess(self, batch: ScheduledBatch) -> None:
+        """Advance the computed counts of a step's sequences and release finished ones."""
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            if seq.status is SequenceStatus.WAITING:
+                continue  # aborted or preempted meanwhile
+            seq.num_computed_tokens += n
+            self.bm.cache_full_blocks(seq)
+        self.release_finished()
+
+    def release_finished(self) -> None:
+        done = [s for s in self.running if s.is_finished]
+        if done:
+            self.running = [s for s in self.running if not s.is_finished]
+            for seq in done:
+                self.bm.free_blocks(seq)
