@@ -1,0 +1,35 @@
+# batchapi: `make demo` and `make test` do all the set-up on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+MODEL := smollm2-135m-instruct
+
+.PHONY: install model demo test lint bench clean
+
+install: $(STAMP) model
+
+# torch is pinned through constraints.txt to the CPU build on this kind of machine's disk;
+# pyproject.toml keeps a loose range for users with GPUs.
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
+	touch $(STAMP)
+
+model: $(STAMP)
+	$(VENV)/bin/batchapi models pull $(MODEL)
+
+demo: install
+	bash examples/demo.sh
+
+test: install
+	$(VENV)/bin/pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check batchapi tests bench
+
+bench: install
+	$(PY) bench/engine_throughput.py
+
+clean:
+	rm -rf $(VENV) batchapi-data .pytest_cache

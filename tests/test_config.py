@@ -1,0 +1,71 @@
+"""Settings come from BATCHAPI_* variables, and bad ones fail naming the variable."""
+
+from pathlib import Path
+
+import pytest
+
+from batchapi.config import SettingsError, load_settings
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("BATCHAPI_"):
+            monkeypatch.delenv(name)
+
+
+def test_defaults_are_the_embedded_service(tmp_path, monkeypatch):
+    monkeypatch.setenv("BATCHAPI_DATA_DIR", str(tmp_path))
+    settings = load_settings()
+    assert settings.embedded
+    assert settings.sqlalchemy_url == f"sqlite:///{tmp_path / 'batchapi.db'}"
+    assert settings.resolved_storage_url == f"file://{tmp_path / 'storage'}"
+    assert settings.model == "smollm2-135m-instruct"
+    assert settings.model_cache == Path("~/.cache/batchapi").expanduser()
+    assert settings.resolved_device == "cpu"
+
+
+def test_plain_postgres_url_gets_a_driver(monkeypatch):
+    monkeypatch.setenv("BATCHAPI_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/db")
+    monkeypatch.setenv("BATCHAPI_BROKER_URL", "redis://127.0.0.1:6379/0")
+    settings = load_settings()
+    assert settings.sqlalchemy_url == "postgresql+psycopg://postgres@127.0.0.1:5432/db"
+    assert not settings.embedded
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("BATCHAPI_DTYPE", "int4"),
+        ("BATCHAPI_DEVICE", "tpu"),
+        ("BATCHAPI_DATABASE_URL", "mysql://x"),
+        ("BATCHAPI_STORAGE_URL", "ftp://bucket"),
+        ("BATCHAPI_BROKER_URL", "kafka://x"),
+        ("BATCHAPI_PORT", "seventy"),
+        ("BATCHAPI_MAX_NUM_SEQS", "0"),
+        ("BATCHAPI_KERNELS", "cuda"),
+    ],
+)
+def test_invalid_setting_names_the_variable(monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SettingsError, match=name):
+        load_settings()
+
+
+def test_heartbeat_must_fit_in_the_lease(monkeypatch):
+    monkeypatch.setenv("BATCHAPI_LEASE_SECONDS", "10")
+    monkeypatch.setenv("BATCHAPI_HEARTBEAT_SECONDS", "8")
+    with pytest.raises(SettingsError, match="BATCHAPI_HEARTBEAT_SECONDS"):
+        load_settings()
+
+
+def test_cli_reports_bad_settings_without_a_traceback(monkeypatch, capsys):
+    from batchapi.cli import main
+
+    monkeypatch.setenv("BATCHAPI_DTYPE", "int4")
+    with pytest.raises(SystemExit) as exc:
+        main(["models", "list"])
+    assert exc.value.code == 2
+    assert "BATCHAPI_DTYPE" in capsys.readouterr().out
