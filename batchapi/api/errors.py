@@ -1,0 +1,60 @@
+"""Every error leaves the API in the OpenAI shape: ``{"error": {message, type, param, code}}``."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from batchapi.jobs.errors import Conflict, InvalidRequest, JobsError, NotFound, StorageError, Unauthenticated
+
+log = logging.getLogger(__name__)
+
+STATUS = {NotFound: 404, InvalidRequest: 400, Conflict: 409, Unauthenticated: 401, StorageError: 503}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   type_: str = "invalid_request_error", headers: dict | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+async def _jobs_error(_request: Request, exc: JobsError) -> JSONResponse:
+    status = next((s for cls, s in STATUS.items() if isinstance(exc, cls)), 400)
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    type_ = "server_error" if status >= 500 else "invalid_request_error"
+    return error_response(status, exc.message, exc.param, exc.code, type_, headers)
+
+
+async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0] if exc.errors() else {}
+    loc = [str(part) for part in first.get("loc", ()) if part not in ("body", "query", "path", "header")]
+    param = ".".join(loc) or None
+    message = first.get("msg", "invalid request")
+    if first.get("type") == "json_invalid":
+        message, param = "We could not parse the JSON body of your request.", None
+    elif param:
+        message = f"{param}: {message}"
+    return error_response(400, message, param, first.get("type"))
+
+
+async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    messages = {404: "Not found.", 405: "Method not allowed."}
+    message = exc.detail if isinstance(exc.detail, str) and exc.detail else messages.get(exc.status_code, "error")
+    type_ = "server_error" if exc.status_code >= 500 else "invalid_request_error"
+    return error_response(exc.status_code, message, None, None, type_, getattr(exc, "headers", None))
+
+
+async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error", exc_info=exc)
+    return error_response(500, "The server had an error processing your request.", type_="server_error")
+
+
+def install(app: FastAPI) -> None:
+    app.add_exception_handler(JobsError, _jobs_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected)

@@ -1,0 +1,54 @@
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Query
+from fastapi.responses import StreamingResponse
+
+from batchapi.api.deps import IdempotencyKey, JobsDep, ProjectDep
+from batchapi.api.schemas import BatchList, BatchObject, CreateBatchRequest
+from batchapi.jobs import batches
+
+router = APIRouter(prefix="/v1/batches", tags=["batches"])
+
+
+@router.post("")
+def create_batch(
+    jobs: JobsDep, project_id: ProjectDep, body: CreateBatchRequest, idempotency_key: IdempotencyKey = None
+) -> BatchObject:
+    batch = batches.create_batch(
+        jobs, project_id, body.input_file_id, body.endpoint, body.completion_window, body.metadata, idempotency_key
+    )
+    return BatchObject.of(batch)
+
+
+@router.get("")
+def list_batches(
+    jobs: JobsDep,
+    project_id: ProjectDep,
+    after: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+) -> BatchList:
+    rows, has_more = batches.list_batches(jobs, project_id, limit, after)
+    data = [BatchObject.of(r) for r in rows]
+    return BatchList(data=data, first_id=data[0].id if data else None,
+                     last_id=data[-1].id if data else None, has_more=has_more)
+
+
+@router.get("/{batch_id}")
+def retrieve_batch(jobs: JobsDep, project_id: ProjectDep, batch_id: str) -> BatchObject:
+    return BatchObject.of(batches.get_batch(jobs, project_id, batch_id))
+
+
+@router.post("/{batch_id}/cancel")
+def cancel_batch(jobs: JobsDep, project_id: ProjectDep, batch_id: str) -> BatchObject:
+    return BatchObject.of(batches.cancel_batch(jobs, project_id, batch_id))
+
+
+@router.get("/{batch_id}/partial_results", response_class=StreamingResponse)
+def partial_results(
+    jobs: JobsDep, project_id: ProjectDep, batch_id: str, kind: Literal["output", "error"] = "output"
+) -> StreamingResponse:
+    """Extension (docs/API_EXTENSIONS.md): result lines of the shards finished so far."""
+    chunks = batches.iter_partial_results(jobs, project_id, batch_id, kind)
+    return StreamingResponse(chunks, media_type="application/jsonl")

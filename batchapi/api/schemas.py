@@ -1,0 +1,131 @@
+"""Request and response bodies, in the shapes of the OpenAI Files and Batches API."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from batchapi.jobs.accounting import cost, estimated_cost, usage
+from batchapi.jobs.models import Batch, File
+
+
+class FileObject(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+    status: Literal["processed"] = "processed"
+    expires_at: int | None = None
+    status_details: str | None = None
+
+    @classmethod
+    def of(cls, row: File) -> FileObject:
+        return cls(id=row.id, bytes=row.bytes, created_at=row.created_at, filename=row.filename, purpose=row.purpose)
+
+
+class FileList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[FileObject]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool = True
+
+
+class CreateBatchRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    input_file_id: str = Field(min_length=1, max_length=64)
+    endpoint: str
+    completion_window: str
+    metadata: dict[str, str] | None = None
+
+
+class RequestCounts(BaseModel):
+    total: int
+    completed: int
+    failed: int
+
+
+class Cost(BaseModel):
+    """Beyond OpenAI: decimal strings, ``amount`` at the batch price, ``list_amount`` at list price."""
+
+    currency: str
+    amount: str
+    list_amount: str
+
+
+class BatchObject(BaseModel):
+    id: str
+    object: Literal["batch"] = "batch"
+    endpoint: str
+    model: str | None
+    errors: dict | None
+    input_file_id: str
+    completion_window: str
+    status: str
+    output_file_id: str | None
+    error_file_id: str | None
+    created_at: int
+    in_progress_at: int | None
+    expires_at: int | None
+    finalizing_at: int | None
+    completed_at: int | None
+    failed_at: int | None
+    expired_at: int | None
+    cancelling_at: int | None
+    cancelled_at: int | None
+    request_counts: RequestCounts
+    usage: dict
+    metadata: dict[str, str] | None
+    cost: Cost
+    estimated_cost: Cost | None
+
+    @classmethod
+    def of(cls, b: Batch) -> BatchObject:
+        estimate = estimated_cost(b)
+        return cls(
+            id=b.id, endpoint=b.endpoint, model=b.model, errors=b.errors, input_file_id=b.input_file_id,
+            completion_window=b.completion_window, status=b.status, output_file_id=b.output_file_id,
+            error_file_id=b.error_file_id, created_at=b.created_at, in_progress_at=b.in_progress_at,
+            expires_at=b.expires_at, finalizing_at=b.finalizing_at, completed_at=b.completed_at,
+            failed_at=b.failed_at, expired_at=b.expired_at, cancelling_at=b.cancelling_at,
+            cancelled_at=b.cancelled_at,
+            request_counts=RequestCounts(total=b.request_total, completed=b.request_completed, failed=b.request_failed),
+            usage=usage(b), metadata=b.metadata_, cost=Cost(**cost(b).as_dict()),
+            estimated_cost=Cost(**estimate.as_dict()) if estimate else None,
+        )
+
+
+class BatchList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[BatchObject]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class ModelObject(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "batchapi"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelObject]
+
+
+class Health(BaseModel):
+    status: Literal["ok", "unavailable"]
+    database: str
+    storage: str

@@ -1,0 +1,120 @@
+"""The Files service: upload, list, retrieve, stream content, delete."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import BinaryIO
+
+from sqlalchemy import and_, or_, select
+from sqlalchemy.orm import Session
+
+from batchapi.jobs.context import Jobs
+from batchapi.jobs.db import session_scope
+from batchapi.jobs.errors import InvalidRequest, NotFound
+from batchapi.jobs.ids import file_id, now
+from batchapi.jobs.models import Batch, File
+from batchapi.jobs.states import ACTIVE
+from batchapi.jobs.storage import file_key
+
+UPLOAD_PURPOSES = ("batch",)
+
+
+class TooLarge(InvalidRequest):
+    code = "file_too_large"
+
+
+class LimitedReader:
+    """Reads through to ``stream`` and raises ``TooLarge`` past ``limit`` bytes."""
+
+    def __init__(self, stream: BinaryIO, limit: int):
+        self._stream = stream
+        self._left = limit + 1
+        self._limit = limit
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._stream.read(self._left if size is None or size < 0 else min(size, self._left))
+        self._left -= len(data)
+        if self._left <= 0:
+            raise TooLarge(f"the file is larger than the upload limit of {self._limit} bytes", "file")
+        return data
+
+
+def upload_file(jobs: Jobs, project_id: str, filename: str, purpose: str, stream: BinaryIO) -> File:
+    if purpose not in UPLOAD_PURPOSES:
+        raise InvalidRequest(f"'{purpose}' is not a supported purpose; expected 'batch'", "purpose")
+    if not filename:
+        raise InvalidRequest("the upload needs a file name", "file")
+    fid = file_id()
+    key = file_key(fid)
+    size = jobs.storage.put_stream(key, LimitedReader(stream, jobs.settings.max_upload_bytes))
+    row = File(
+        id=fid, project_id=project_id, filename=filename[:512], purpose=purpose, bytes=size,
+        storage_key=key, created_at=now(),
+    )
+    with session_scope(jobs.sessions) as session:
+        session.add(row)
+    return row
+
+
+def register_file(session: Session, project_id: str, filename: str, purpose: str, storage_key: str, size: int) -> File:
+    """Record an object already in storage (a batch's output or error file); caller commits."""
+    row = File(
+        id=file_id(), project_id=project_id, filename=filename, purpose=purpose, bytes=size,
+        storage_key=storage_key, created_at=now(),
+    )
+    session.add(row)
+    return row
+
+
+def get_file_row(session: Session, project_id: str, fid: str) -> File:
+    row = session.get(File, fid)
+    if row is None or row.project_id != project_id or row.deleted_at is not None:
+        raise NotFound(f"No such File object: {fid}", "id")
+    return row
+
+
+def get_file(jobs: Jobs, project_id: str, fid: str) -> File:
+    with jobs.sessions() as session:
+        return get_file_row(session, project_id, fid)
+
+
+def list_files(
+    jobs: Jobs, project_id: str, limit: int, after: str | None, order: str, purpose: str | None
+) -> tuple[list[File], bool]:
+    """Up to ``limit`` files after the cursor ``after`` (a file id), and whether more follow."""
+    newest_first = order == "desc"
+    with jobs.sessions() as session:
+        query = select(File).where(File.project_id == project_id, File.deleted_at.is_(None))
+        if purpose:
+            query = query.where(File.purpose == purpose)
+        if after:
+            cursor = get_file_row(session, project_id, after)
+            query = query.where(_beyond(File, cursor.created_at, cursor.id, newest_first))
+        keys = (File.created_at.desc(), File.id.desc()) if newest_first else (File.created_at, File.id)
+        rows = list(session.scalars(query.order_by(*keys).limit(limit + 1)))
+    return rows[:limit], len(rows) > limit
+
+
+def _beyond(model, created_at: int, row_id: str, newest_first: bool):
+    """Rows after (``created_at``, ``row_id``) in the listing order."""
+    if newest_first:
+        return or_(model.created_at < created_at, and_(model.created_at == created_at, model.id < row_id))
+    return or_(model.created_at > created_at, and_(model.created_at == created_at, model.id > row_id))
+
+
+def open_content(jobs: Jobs, project_id: str, fid: str) -> tuple[File, Iterator[bytes]]:
+    row = get_file(jobs, project_id, fid)
+    return row, jobs.storage.iter_chunks(row.storage_key)
+
+
+def delete_file(jobs: Jobs, project_id: str, fid: str) -> str:
+    with session_scope(jobs.sessions) as session:
+        row = get_file_row(session, project_id, fid)
+        row.deleted_at = now()
+        in_use = session.scalar(
+            select(Batch.id).where(Batch.input_file_id == fid, Batch.status.in_(sorted(ACTIVE))).limit(1)
+        )
+        key = row.storage_key
+    if in_use is None:  # a running batch still reads its input; the object stays until then
+        jobs.storage.delete(key)
+    return fid

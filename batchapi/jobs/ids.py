@@ -1,0 +1,26 @@
+"""Identifiers in the OpenAI style (``file-…``, ``batch_…``) and the clock the database uses."""
+
+from __future__ import annotations
+
+import secrets
+import time
+
+
+def new_id(prefix: str) -> str:
+    return prefix + secrets.token_hex(12)
+
+
+def file_id() -> str:
+    return new_id("file-")
+
+
+def batch_id() -> str:
+    return new_id("batch_")
+
+
+def shard_id(batch: str, index: int) -> str:
+    return f"{batch}_{index:05d}"
+
+
+def now() -> int:
+    return int(time.time())
