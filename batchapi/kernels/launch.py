@@ -1,0 +1,47 @@
+"""Launch helpers shared by the Triton launchers."""
+
+import functools
+
+import torch
+import triton
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
+
+
+@functools.cache
+def _interpreted(fn):
+    return InterpretedFunction(fn)
+
+
+def _call_interpreted(self, *args, **kwargs):
+    return _interpreted(self.fn)(*args, **kwargs)
+
+
+def for_device(kernel, tensor: torch.Tensor):
+    """The kernel for tensor's device: compiled on GPU, Triton's interpreter on CPU.
+
+    Triton picks interpret-or-compile when a function is decorated (from TRITON_INTERPRET), both for
+    our kernels and for triton.language's own helpers (tl.sum, tl.cdiv ...). When triton was
+    imported without the variable (transformers imports it, for one) and kernels run on CPU
+    anyway, the kernel is wrapped in the interpreter here, and compiled helpers called from inside
+    it are routed to the interpreter too: their __call__ otherwise only raises "Cannot call
+    @triton.jit'd outside of the scope of a kernel", which the compiler itself never calls.
+    """
+    if tensor.device.type != "cpu" or isinstance(kernel, InterpretedFunction):
+        return kernel
+    JITFunction.__call__ = _call_interpreted
+    return _interpreted(kernel.fn)
+
+
+def check_last_dim_contiguous(**tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        assert t.stride(-1) == 1, f"{name} must be contiguous in its last dim, strides {t.stride()}"
+
+
+def check_same_device(*tensors: torch.Tensor) -> None:
+    devices = {t.device for t in tensors}
+    assert len(devices) == 1, f"tensors on different devices: {devices}"
+
+
+def next_pow2(n: int) -> int:
+    return triton.next_power_of_2(n)
