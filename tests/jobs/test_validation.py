@@ -1,0 +1,147 @@
+"""Every validation rule, with the line numbers it reports (the scanner, no database)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from batchapi.jobs.prompt_tokens import PromptCounter
+from batchapi.jobs.validation import Limits, Scanner, iter_lines
+from tests.utils.batch_service import CHAT, jsonl, request_line
+
+M = "tiny-llama"
+
+
+@pytest.fixture(scope="module")
+def counter(tiny_llama_dir) -> PromptCounter:
+    return PromptCounter(tiny_llama_dir)
+
+
+def scan(counter, data: bytes, endpoint: str = CHAT, max_lines: int = 1000, shard_size: int = 2, chunk: int = 7):
+    limits = Limits(endpoint=endpoint, served_model=M, model_aliases=frozenset({M, "/models/tiny-llama"}),
+                    max_lines=max_lines, shard_size=shard_size)
+    chunks = [data[i : i + chunk] for i in range(0, len(data), chunk)]  # lines cut across chunks
+    return Scanner(limits, counter).scan(chunks)
+
+
+def codes(result) -> list[tuple[str, int | None]]:
+    return [(e.code, e.line) for e in result.errors]
+
+
+def ok(i: int, **body) -> dict:
+    return request_line(f"r{i}", M, **body)
+
+
+CASES = {
+    "not json": ([ok(1), "{not json", ok(3)], [("invalid_json_line", 2)]),
+    "not an object": ([ok(1), ok(2), "[1, 2]", '"text"'], [("invalid_json_line", 3), ("invalid_json_line", 4)]),
+    "missing custom_id": ([{k: v for k, v in ok(1).items() if k != "custom_id"}], [("missing_custom_id", 1)]),
+    "empty custom_id": ([ok(1), {**ok(2), "custom_id": ""}], [("missing_custom_id", 2)]),
+    "custom_id not a string": ([{**ok(1), "custom_id": 7}], [("missing_custom_id", 1)]),
+    "duplicate custom_id": ([ok(1), ok(2), ok(1), ok(2)], [("duplicate_custom_id", 3), ("duplicate_custom_id", 4)]),
+    "method not POST": ([ok(1), {**ok(2), "method": "GET"}], [("invalid_method", 2)]),
+    "url not the endpoint": ([{**ok(1), "url": "/v1/completions"}, ok(2)], [("invalid_url", 1)]),
+    "unknown model": ([request_line("a", "gpt-4o")], [("model_not_found", 1)]),
+    "more than one model": ([ok(1), ok(2), request_line("x", "gpt-4o")], [("mismatched_model", 3)]),
+    "no messages": ([{**ok(1), "body": {"model": M}}], [("missing_required_parameter", 1)]),
+    "bad role": ([ok(1), ok(2, messages=[{"role": "wizard", "content": "x"}])], [("invalid_value", 2)]),
+    "max_tokens out of range": ([ok(1, max_tokens=0)], [("invalid_value", 1)]),
+    "n below 1": ([ok(1), ok(2), ok(3, n=0)], [("invalid_value", 3)]),
+    "sampling field of the wrong type": ([ok(1, temperature="hot")], [("invalid_type", 1)]),
+    "unknown field": ([ok(1, frobnicate=1)], [("unknown_parameter", 1)]),
+    "body not an object": ([{**ok(1), "body": []}], [("invalid_type", 1)]),
+    "prompt longer than the context": ([ok(1), ok(2, content="hello " * 600)], [("context_length_exceeded", 2)]),
+    "prompt plus max_tokens over the context": ([ok(1, max_tokens=500)], [("context_length_exceeded", 1)]),
+    "not UTF-8": ([ok(1), b'{"custom_id": "\xff\xfe"}'], [("invalid_encoding", 2)]),
+    "only blank lines": (["", "  "], [("empty_file", None)]),
+}
+
+
+@pytest.mark.parametrize("lines,expected", CASES.values(), ids=list(CASES))
+def test_each_rule_reports_its_line(counter, lines, expected):
+    result = scan(counter, jsonl(lines))
+    assert codes(result) == expected
+    assert result.shards == []
+
+
+def test_errors_name_the_param(counter):
+    result = scan(counter, jsonl([ok(1, temperature="hot"), {**ok(2), "url": "/x"}, request_line("r3", "gpt")]))
+    assert [e.param for e in result.errors] == ["body.temperature", "url", "body.model"]
+    assert all(e.message for e in result.errors)
+
+
+def test_too_many_lines(counter):
+    result = scan(counter, jsonl([ok(i) for i in range(1, 6)]), max_lines=3)
+    assert codes(result) == [("too_many_lines", 4)]
+
+
+def test_valid_file_is_sharded_by_byte_ranges(counter, tiny_llama_dir):
+    lines = [ok(1), ok(2, content="longer " * 20, max_tokens=10), "", ok(4, n=2, max_tokens=5), ok(5)]
+    data = jsonl(lines)
+    result = scan(counter, data, shard_size=2)
+    assert result.errors == []
+    assert result.request_count == 4
+    assert [(s.first_line, s.last_line) for s in result.shards] == [(1, 2), (4, 5)]
+    for shard, expected in zip(result.shards, [[1, 2], [4, 5]], strict=True):
+        chunk = data[shard.start_byte : shard.end_byte]
+        ids = [json.loads(x)["custom_id"] for x in chunk.splitlines() if x.strip()]
+        assert ids == [f"r{i}" for i in expected]
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    expected_counts = []
+    for i in (1, 2, 4, 5):
+        messages = lines[i - 1]["body"]["messages"]
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        expected_counts.append(len(ids["input_ids"] if not isinstance(ids, list) else ids))
+    assert [c for s in result.shards for c in s.prompt_token_counts] == expected_counts
+    assert result.prompt_tokens == sum(expected_counts)
+    context = counter.context_length
+    # max_tokens bound: 10, 2 x 5, and the rest of the context where max_tokens is unset
+    bounds = [context - expected_counts[0], 10, 10, context - expected_counts[3]]
+    assert result.max_output_tokens == sum(bounds)
+
+
+def test_completions_prompts_are_counted(counter, tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    url = "/v1/completions"
+    lines = [
+        {"custom_id": "a", "method": "POST", "url": url, "body": {"model": M, "prompt": "Once upon a time"}},
+        {"custom_id": "b", "method": "POST", "url": url, "body": {"model": M, "prompt": [1, 2, 3, 4, 5]}},
+        {"custom_id": "c", "method": "POST", "url": url, "body": {"model": M, "prompt": "héllo wörld"}},
+    ]
+    result = scan(counter, jsonl(lines), endpoint=url, shard_size=10)
+    assert result.errors == []
+    counts = result.shards[0].prompt_token_counts
+    assert counts == [len(tok("Once upon a time")["input_ids"]), 5, len(tok("héllo wörld")["input_ids"])]
+
+
+def test_multi_message_templates_match_transformers(counter, tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    conversations = [
+        [{"role": "system", "content": "  Be brief.\n"}, {"role": "user", "content": "Hi <|im_end|>"}],
+        [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}],
+        [{"role": "user", "content": ""}],
+    ]
+    for messages in conversations * 2:  # the second round uses the cached template pieces
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert counter.render_chat(messages) == text
+        assert counter.count_chats([messages]) == [len(tok(text, add_special_tokens=False)["input_ids"])]
+
+
+def test_error_reports_are_capped(counter):
+    result = scan(counter, jsonl(["nope"] * 500))
+    assert len(result.errors) == 100
+    assert result.errors[-1].line == 100
+
+
+def test_iter_lines_keeps_byte_offsets():
+    data = b'a\n\nbcd\r\nlast'
+    got = list(iter_lines([data[:3], data[3:5], data[5:]]))
+    assert got == [(1, 0, 2, b"a"), (2, 2, 3, b""), (3, 3, 8, b"bcd\r"), (4, 8, 12, b"last")]
