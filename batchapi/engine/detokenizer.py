@@ -29,7 +29,8 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer, prompt_token_ids: Sequence[int] = (), *, skip_special_tokens: bool = True):
         self._tokenizer = tokenizer
-        self._skip_special_tokens = skip_special_tokens
+        # transformers rebuilds this set on every convert_ids_to_tokens call; build it once
+        self._skipped_ids = frozenset(tokenizer.all_special_ids) if skip_special_tokens else frozenset()
         context = list(prompt_token_ids[max(0, len(prompt_token_ids) - PROMPT_CONTEXT - 2) :])
         self._tokens: list[str] = self._to_tokens(context)
         self._read_offset = len(self._tokens)  # tokens before this are already in the text
@@ -60,7 +61,7 @@ class IncrementalDetokenizer:
         return delta
 
     def _to_tokens(self, ids: list[int]) -> list[str]:
-        tokens = self._tokenizer.convert_ids_to_tokens(ids, skip_special_tokens=self._skip_special_tokens)
+        tokens = self._tokenizer.convert_ids_to_tokens([i for i in ids if i not in self._skipped_ids])
         # ids past the tokenizer's vocabulary (models pad their embedding) have no token: no text
         return [t for t in tokens if t is not None]
 
