@@ -6,7 +6,6 @@ in chunks (optionally a byte range), so a 200 MB file never sits in memory whole
 
 from __future__ import annotations
 
-import io
 from collections.abc import Iterable, Iterator
 from typing import BinaryIO, Protocol
 
@@ -70,26 +69,29 @@ def shard_error_key(batch_id: str, index: int) -> str:
     return f"batches/{batch_id}/shards/{index:05d}.error.jsonl"
 
 
-class ChunkReader(io.RawIOBase):
-    """A read-only file object over an iterable of byte chunks (for APIs that want ``read``)."""
+class ChunkReader:
+    """A read-only file object over an iterable of byte chunks. ``read(n)`` returns ``n`` bytes
+    unless the chunks run out, as boto3's transfer manager expects of a stream."""
 
     def __init__(self, chunks: Iterable[bytes]):
         self._chunks = iter(chunks)
         self._pending = b""
 
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer) -> int:
-        while not self._pending:
-            try:
-                self._pending = next(self._chunks)
-            except StopIteration:
-                return 0
-        n = min(len(buffer), len(self._pending))
-        buffer[:n] = self._pending[:n]
-        self._pending = self._pending[n:]
-        return n
+    def read(self, size: int = -1) -> bytes:
+        parts = [self._pending]
+        have = len(self._pending)
+        while size is None or size < 0 or have < size:
+            chunk = next(self._chunks, None)
+            if chunk is None:
+                break
+            parts.append(chunk)
+            have += len(chunk)
+        data = b"".join(parts)
+        if size is None or size < 0:
+            self._pending = b""
+            return data
+        self._pending = data[size:]
+        return data[:size]
 
 
 class CountingReader:
