@@ -129,6 +129,36 @@ def v_gqa_bool(q, kc, vc, tables, lens, scale):
     return out.view(b, hq, d)
 
 
+def v_gqa_bool_clean(q, kc, vc, tables, lens, scale):
+    """v_gqa_bool, with masked slots zeroed so that NaN garbage in unwritten cache slots cannot leak."""
+    b, hq, d = q.shape
+    n = int(lens.max())
+    tables = tables[:, : (n + kc.shape[1] - 1) // kc.shape[1]]
+    k, v = _gather_sel(kc, tables, n), _gather_sel(vc, tables, n)
+    m = (torch.arange(n)[None] < lens[:, None])[:, None, :, None]  # [B, 1, L, 1]
+    k, v = k.masked_fill(~m, 0), v.masked_fill(~m, 0)
+    out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=m.transpose(2, 3), scale=scale,
+                                         enable_gqa=True)
+    return out.view(b, hq, d)
+
+
+def v_gqa_bool_inplace(q, kc, vc, tables, lens, scale):
+    """Zero the masked slots in the gathered buffer before transposing."""
+    b, hq, d = q.shape
+    bs, hkv = kc.shape[1], kc.shape[2]
+    n = int(lens.max())
+    tables = tables[:, : (n + bs - 1) // bs]
+    flat = tables.clamp(min=0).reshape(-1).long()
+    m = torch.arange(tables.shape[1] * bs)[None] < lens[:, None]  # [B, L]
+    k = kc.index_select(0, flat).view(b, -1, hkv, d)
+    v = vc.index_select(0, flat).view(b, -1, hkv, d)
+    k[~m] = 0
+    v[~m] = 0
+    out = F.scaled_dot_product_attention(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=m[:, None, None, :], scale=scale, enable_gqa=True)
+    return out.view(b, hq, d)
+
+
 def v_group_bias(q, kc, vc, tables, lens, scale):
     b, hq, d = q.shape
     hkv = kc.shape[2]
@@ -157,7 +187,7 @@ def v_library(q, kc, vc, tables, lens, scale):
     return paged_attention(q, kc, vc, tables, cu, lens, scale)
 
 
-VARIANTS = [v_einsum, v_sdpa, v_sdpa_contig, v_sdpa_trim, v_float, v_loop, v_gqa_bool, v_group_bias, v_fp32_gqa_bias,
+VARIANTS = [v_einsum, v_sdpa, v_sdpa_contig, v_sdpa_trim, v_float, v_loop, v_gqa_bool, v_gqa_bool_clean, v_gqa_bool_inplace, v_group_bias, v_fp32_gqa_bias,
             v_library]
 
 

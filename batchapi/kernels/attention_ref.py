@@ -3,6 +3,8 @@
 Decode sequences (one query token) go through one batched SDPA over their block tables gathered
 at once, padded to the longest context and masked; longer query runs (prefill, chunked prefill,
 prefill on a cached prefix) go through one SDPA each with a bottom-right causal mask.
+Masked slots are read and weighted by zero, so the unwritten tail slots of a sequence's last
+block must hold finite numbers: allocate the caches zeroed (torch.zeros), not with torch.empty.
 On a small CPU the gather's memory traffic costs as much as the matmuls: bench/kernels_cpu.py
 measures the variants this file chose between.
 """
@@ -15,7 +17,8 @@ def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor, num_tokens: int) -
     # cache [num_blocks, bs, Hkv, D], tables [B, nb] -> [B, Hkv, num_tokens, D] (a strided view)
     num_seqs, num_tables = tables.shape
     bs, hkv, d = cache.shape[1:]
-    flat = tables.clamp(min=0).reshape(-1).long()
+    # padding (-1) reads the sequence's own first block, never another's, which may hold NaN garbage
+    flat = torch.where(tables >= 0, tables, tables[:, :1]).reshape(-1).long()
     kv = cache.index_select(0, flat).view(num_seqs, num_tables * bs, hkv, d)
     return kv[:, :num_tokens].transpose(1, 2)
 

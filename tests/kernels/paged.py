@@ -35,8 +35,9 @@ def make_case(
 ) -> PagedCase:
     """Sequences with the given query and context lengths; blocks placed at random permuted ids.
 
-    num_blocks larger than needed spreads the ids over a wide range (the cache is allocated with
-    torch.empty, so untouched blocks cost no memory and hold garbage the kernel must never read).
+    Blocks no sequence owns hold NaN, so reading one shows in the output. num_blocks far larger
+    than needed spreads the ids over a wide range; such a cache is left torch.empty (untouched
+    pages cost no memory).
     """
     assert all(0 < q <= c for q, c in zip(q_lens, ctx_lens, strict=True)), "need 0 < q_len <= ctx_len"
     g = torch.Generator().manual_seed(seed)
@@ -44,8 +45,8 @@ def make_case(
     needed = sum(blocks_per_seq)
     num_blocks = num_blocks or needed + 5
     ids = _spread_ids(needed, num_blocks, g)
-    k_cache = torch.empty(num_blocks, block_size, hkv, d, dtype=dtype, device=device)
-    v_cache = torch.empty(num_blocks, block_size, hkv, d, dtype=dtype, device=device)
+    k_cache = _poisoned_cache(num_blocks, block_size, hkv, d, dtype, device)
+    v_cache = _poisoned_cache(num_blocks, block_size, hkv, d, dtype, device)
     max_blocks = max(blocks_per_seq) + 1
     tables = torch.full((len(ctx_lens), max_blocks), -1, dtype=torch.int32)
     keys, values, pos = [], [], 0
@@ -63,6 +64,13 @@ def make_case(
     cu = torch.tensor([0] + list(_cumsum(q_lens)), dtype=torch.int32, device=device)
     ctx = torch.tensor(ctx_lens, dtype=torch.int32, device=device)
     return PagedCase(q, k_cache, v_cache, tables.to(device), cu, ctx, keys, values, d**-0.5)
+
+
+def _poisoned_cache(num_blocks, block_size, hkv, d, dtype, device) -> torch.Tensor:
+    cache = torch.empty(num_blocks, block_size, hkv, d, dtype=dtype, device=device)
+    if num_blocks <= 100_000:
+        cache.fill_(float("nan"))  # blocks of no sequence: neither kernel nor twin may read them
+    return cache
 
 
 def _spread_ids(needed: int, num_blocks: int, g: torch.Generator) -> torch.Tensor:

@@ -1,0 +1,87 @@
+"""The Triton paged-attention kernel (under TRITON_INTERPRET=1 on CPU) against its twin.
+
+Sizes stay small: the interpreter runs each program instance in numpy (about 0.4 ms each) and
+cannot do bf16 arithmetic, so the dtypes are fp32 and fp16.
+Tolerances: fp32 1e-5 (summation order only), fp16 3e-3 (P rounded to fp16 before P @ V, output
+rounded to fp16; values are O(1)).
+"""
+
+import random
+
+import pytest
+import torch
+
+from batchapi.kernels import attention, attention_ref
+from tests.kernels.paged import dense_attention, make_case
+
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
+GQA = [(1, 1), (2, 3), (1, 5), (2, 4), (3, 3)]  # (Hkv, group)
+
+
+def _mixed_lens(rng: random.Random, num_seqs: int, max_ctx: int):
+    """A step like the engine's: decodes, whole prefills and chunks on top of a cached prefix."""
+    q_lens, ctx_lens = [], []
+    for i in range(num_seqs):
+        ctx = rng.randint(1, max_ctx)
+        kind = ["decode", "prefill", "chunk"][i % 3] if i < 3 else rng.choice(["decode", "prefill", "chunk"])
+        q_lens.append(1 if kind == "decode" else ctx if kind == "prefill" else rng.randint(1, ctx))
+        ctx_lens.append(ctx)
+    return q_lens, ctx_lens
+
+
+def _check(case, dtype, **kwargs):
+    out = attention.paged_attention(*case.args(), case.scale, **kwargs)
+    expected = attention_ref.paged_attention(*case.args(), case.scale)
+    torch.testing.assert_close(out, expected, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("seed", range(3))
+def test_mixed_step_matches_twin(seed, dtype):
+    rng = random.Random(seed)
+    hkv, group = GQA[seed % len(GQA)] if dtype == torch.float32 else rng.choice(GQA)
+    d = [64, 128][seed % 2]
+    q_lens, ctx_lens = _mixed_lens(rng, rng.randint(3, 5), 40)
+    case = make_case(q_lens, ctx_lens, hkv * group, hkv, d, block_size=rng.choice([8, 16]), dtype=dtype, seed=seed)
+    _check(case, dtype)
+
+
+@pytest.mark.parametrize("num_splits", [2, 4])
+def test_split_kv_matches_twin(num_splits):
+    rng = random.Random(num_splits)
+    q_lens, ctx_lens = [1, 1, 1], [rng.randint(30, 90) for _ in range(3)]
+    case = make_case(q_lens, ctx_lens, 5, 1, 64, dtype=torch.float16, seed=num_splits)
+    _check(case, torch.float16, num_splits=num_splits)
+
+
+def test_split_kv_handles_prefill_rows():
+    # the split path is general: slices a causal row never sees must merge as empty
+    case = make_case([1, 9], [40, 20], 3, 1, 64, seed=5)
+    _check(case, torch.float32, num_splits=4)
+
+
+def test_huge_block_ids_do_not_overflow():
+    # ids near 2.2M with 1 KiB-element blocks put element offsets past 2^31 (caches are torch.empty,
+    # so only the used blocks take memory)
+    case = make_case([1, 1, 3], [17, 5, 20], 2, 1, 64, dtype=torch.float16, num_blocks=2_200_000, seed=7)
+    assert int(case.block_tables.max()) * case.k_cache.stride(0) > 2**31
+    _check(case, torch.float16)
+
+
+def test_twin_and_kernel_match_dense_on_block_edges():
+    # contexts one below, at and one above a block boundary; prefill exactly one block
+    case = make_case([1, 1, 1, 16, 2], [15, 16, 17, 16, 33], 4, 2, 64, block_size=16, seed=3)
+    expected = dense_attention(case)
+    for fn in (attention.paged_attention, attention_ref.paged_attention):
+        torch.testing.assert_close(fn(*case.args(), case.scale), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_launcher_rejects_bad_inputs():
+    case = make_case([1], [5], 2, 1, 64)
+    with pytest.raises(AssertionError, match="int32"):
+        attention.paged_attention(case.q, case.k_cache, case.v_cache, case.block_tables.long(),
+                                  case.cu_seqlens_q, case.context_lens, case.scale)
+    with pytest.raises(AssertionError, match="dtypes"):
+        attention.paged_attention(case.q.half(), *case.args()[1:], case.scale)
+    with pytest.raises(AssertionError, match="multiple"):
+        attention.paged_attention(torch.zeros(1, 3, 64), *make_case([1], [5], 2, 2, 64).args()[1:], case.scale)
