@@ -54,6 +54,14 @@ def cmd_models_list(args: argparse.Namespace) -> int:
 # engine without a server
 
 
+def resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def engine_config_from(settings: Settings, model: str | None = None):
     """EngineConfig from settings: the one place a worker or the CLI builds it."""
     from batchapi.engine import EngineConfig
@@ -62,7 +70,7 @@ def engine_config_from(settings: Settings, model: str | None = None):
     path = resolve_model(model or settings.model, settings.model_cache)
     return EngineConfig(
         model_path=str(path),
-        device=settings.resolved_device,
+        device=resolve_device(settings.device),
         dtype=settings.dtype,
         kernels=settings.kernels,
         max_num_seqs=settings.max_num_seqs,
@@ -88,6 +96,78 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
     return 0
 
 
+# the service
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """The API; with no broker, the embedded worker runs in the same process."""
+    from batchapi.api.main import serve
+
+    settings = _settings()
+    if args.port is not None:
+        settings = settings.model_copy(update={"port": args.port})
+    if settings.embedded:
+        from batchapi.workers.embedded import EmbeddedWorker
+
+        worker = EmbeddedWorker()
+        serve(settings, dispatcher=worker, hook=worker.run)
+    else:
+        from batchapi.workers.celery_app import CeleryDispatcher, make_celery
+
+        serve(settings, dispatcher=CeleryDispatcher(make_celery(settings), settings.celery_queue))
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from batchapi.workers.processes import run_worker
+
+    settings = _settings()
+    if settings.embedded:
+        console.print("[red]error:[/red] `batchapi worker` needs BATCHAPI_BROKER_URL (without one, "
+                      "`batchapi serve` runs the worker itself)")
+        return 2
+    run_worker(settings, args.name)
+    return 0
+
+
+def cmd_beat(args: argparse.Namespace) -> int:
+    from batchapi.workers.processes import run_beat
+
+    settings = _settings()
+    if settings.embedded:
+        console.print("[red]error:[/red] `batchapi beat` needs BATCHAPI_BROKER_URL")
+        return 2
+    run_beat(settings)
+    return 0
+
+
+def cmd_db_upgrade(args: argparse.Namespace) -> int:
+    from batchapi.jobs.migrate import upgrade
+
+    upgrade(_settings(), args.revision)
+    console.print(f"database at {args.revision}")
+    return 0
+
+
+def cmd_keys_create(args: argparse.Namespace) -> int:
+    from batchapi.jobs.keys import create_key
+
+    key = create_key(_settings(), args.project)
+    console.print(f"API key for project {args.project!r} (shown once):")
+    print(key)
+    return 0
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from batchapi.submit import submit
+
+    settings = _settings()
+    return submit(
+        Path(args.file), base_url=args.base_url or f"http://{settings.host}:{settings.port}/v1", api_key=args.api_key, endpoint=args.endpoint,
+        wait=args.wait, show=args.show, console=console,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="batchapi", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -105,6 +185,34 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--model", default=None, help="model name or HF directory (default: BATCHAPI_MODEL)")
     run.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     run.set_defaults(func=cmd_run_batch)
+
+    serve = sub.add_parser("serve", help="the API (with the embedded worker when no broker is set)")
+    serve.add_argument("--port", type=int, default=None, help="default: BATCHAPI_PORT")
+    serve.set_defaults(func=cmd_serve)
+    worker = sub.add_parser("worker", help="a Celery GPU worker (one per GPU)")
+    worker.add_argument("-n", "--name", default=None, help="Celery node name")
+    worker.set_defaults(func=cmd_worker)
+    sub.add_parser("beat", help="the sweeper: re-queue lost shards, expire and cancel batches").set_defaults(
+        func=cmd_beat
+    )
+
+    db = sub.add_parser("db", help="database migrations").add_subparsers(dest="action", required=True)
+    up = db.add_parser("upgrade", help="migrate the database to the latest schema")
+    up.add_argument("revision", nargs="?", default="head")
+    up.set_defaults(func=cmd_db_upgrade)
+    keys = sub.add_parser("keys", help="API keys").add_subparsers(dest="action", required=True)
+    create = keys.add_parser("create", help="create an API key for a project")
+    create.add_argument("--project", required=True)
+    create.set_defaults(func=cmd_keys_create)
+
+    submit = sub.add_parser("submit", help="upload a JSONL file to a running server and create a batch")
+    submit.add_argument("file")
+    submit.add_argument("--wait", action="store_true", help="follow it with a progress bar until it ends")
+    submit.add_argument("--base-url", default=None, help="default: http://BATCHAPI_HOST:BATCHAPI_PORT/v1")
+    submit.add_argument("--api-key", default=None, help="default: OPENAI_API_KEY")
+    submit.add_argument("--endpoint", default=None, help="default: the url of the file's first line")
+    submit.add_argument("--show", type=int, default=3, help="results to print at the end")
+    submit.set_defaults(func=cmd_submit)
     return parser
 
 

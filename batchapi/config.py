@@ -67,6 +67,11 @@ class Settings(BaseSettings):
     max_shard_attempts: int = Field(default=3, ge=1)
     sweep_seconds: float = Field(default=5.0, gt=0)
     engine_watermark: int = Field(default=64, ge=0)
+    max_shards_in_flight: int = Field(default=4, ge=1)  # per worker engine
+    worker_poll_seconds: float = Field(default=2.0, gt=0)  # how often an idle worker looks for shards
+    celery_queue: str = "gpu"
+    # longer than any shard: Redis redelivers an unacked task only after this
+    visibility_timeout_seconds: int = Field(default=3 * 3600, ge=60)
 
     @field_validator("data_dir", "model_cache")
     @classmethod
@@ -120,14 +125,6 @@ class Settings(BaseSettings):
     @property
     def embedded(self) -> bool:
         return not self.broker_url
-
-    @property
-    def resolved_device(self) -> str:
-        if self.device != "auto":
-            return self.device
-        import torch  # only asked for when a worker needs it
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def load_settings(**overrides) -> Settings:

@@ -24,7 +24,6 @@ def test_defaults_are_the_embedded_service(tmp_path, monkeypatch):
     assert settings.resolved_storage_url == f"file://{tmp_path / 'storage'}"
     assert settings.model == "smollm2-135m-instruct"
     assert settings.model_cache == Path("~/.cache/batchapi").expanduser()
-    assert settings.resolved_device == "cpu"
 
 
 def test_plain_postgres_url_gets_a_driver(monkeypatch):
