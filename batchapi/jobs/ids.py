@@ -7,7 +7,9 @@ import time
 
 
 def new_id(prefix: str) -> str:
-    return prefix + secrets.token_hex(12)
+    """Time-ordered (microseconds, then random), so listings created in one second keep
+    their order when sorted by (created_at, id)."""
+    return f"{prefix}{time.time_ns() // 1000:013x}{secrets.token_hex(6)}"
 
 
 def file_id() -> str:

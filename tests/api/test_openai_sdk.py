@@ -1,0 +1,168 @@
+"""The official openai SDK against a live server on PostgreSQL and SeaweedFS."""
+
+from __future__ import annotations
+
+import io
+
+import openai
+import pytest
+
+from batchapi.jobs.db import session_scope
+from batchapi.jobs.models import Shard
+from tests.utils.batch_service import jsonl, request_line, wait_until
+
+
+def upload(client, lines, name="batch.jsonl"):
+    return client.files.create(file=(name, io.BytesIO(jsonl(lines))), purpose="batch")
+
+
+def validated(client, batch_id):
+    return wait_until(lambda: (b := client.batches.retrieve(batch_id)).status != "validating" and b)
+
+
+def test_upload_create_retrieve_cancel_download(client, model_id):
+    lines = [request_line(f"r{i}", model_id, max_tokens=8) for i in range(10)]
+    data = jsonl(lines)
+    f = upload(client, lines)
+    assert (f.object, f.purpose, f.bytes, f.filename) == ("file", "batch", len(data), "batch.jsonl")
+    assert client.files.retrieve(f.id).id == f.id
+    assert client.files.content(f.id).content == data
+
+    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h", metadata={"run": "nightly"})
+    assert batch.status == "validating"
+    assert batch.expires_at == batch.created_at + 86400
+    assert batch.metadata == {"run": "nightly"}
+
+    batch = validated(client, batch.id)
+    assert batch.status == "in_progress", batch.errors
+    assert batch.model == model_id
+    assert batch.request_counts.total == 10
+    assert batch.in_progress_at is not None
+    extra = batch.model_extra
+    assert extra["cost"] == {"currency": "usd", "amount": "0.00", "list_amount": "0.00"}
+    assert float(extra["estimated_cost"]["amount"]) > 0
+    assert batch.usage.input_tokens == 0
+
+    cancelled = client.batches.cancel(batch.id)
+    assert cancelled.status == "cancelling" and cancelled.cancelling_at is not None
+    assert client.batches.cancel(batch.id).status == "cancelling"  # cancelling again is no error
+
+
+def test_shards_are_recorded(client, model_id, pg_server):
+    f = upload(client, [request_line(f"r{i}", model_id) for i in range(10)])
+    batch = validated(client, client.batches.create(
+        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h").id)
+    with pg_server.jobs.sessions() as session:
+        shards = session.query(Shard).filter_by(batch_id=batch.id).order_by(Shard.index).all()
+    assert [(s.first_line, s.last_line, s.request_count, s.status) for s in shards] == [
+        (1, 4, 4, "queued"), (5, 8, 4, "queued"), (9, 10, 2, "queued")]
+    assert shards[0].start_byte == 0 and shards[-1].end_byte == f.bytes
+    assert sum(sum(s.prompt_token_counts) for s in shards) > 0
+
+
+def test_list_batches_with_paging(client, model_id):
+    f = upload(client, [request_line("a", model_id)])
+    ids = [client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                 completion_window="24h").id for _ in range(5)]
+    page = client.batches.list(limit=2)
+    assert [b.id for b in page.data] == ids[::-1][:2]
+    assert page.has_more
+    assert [b.id for b in client.batches.list(limit=2).iter_pages().__next__().data] == ids[::-1][:2]
+    assert [b.id for b in client.batches.list(limit=2)] == ids[::-1]  # auto-paging follows `after`
+    last = client.batches.list(after=ids[1], limit=10)
+    assert [b.id for b in last.data] == [ids[0]] and not last.has_more
+
+
+def test_list_and_delete_files(client):
+    ids = [upload(client, [{"x": i}], name=f"f{i}.jsonl").id for i in range(3)]
+    assert [f.id for f in client.files.list()] == ids[::-1]
+    assert [f.id for f in client.files.list(order="asc", limit=2)] == ids
+    deleted = client.files.delete(ids[0])
+    assert deleted.deleted and deleted.id == ids[0]
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(ids[0])
+    assert [f.id for f in client.files.list()] == ids[:0:-1]
+
+
+def test_validation_errors_come_back_with_line_numbers(client, model_id):
+    lines = [request_line("a", model_id), "{oops", request_line("a", model_id), request_line("b", "gpt-4o")]
+    f = upload(client, lines)
+    batch = validated(client, client.batches.create(
+        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h").id)
+    assert batch.status == "failed" and batch.failed_at is not None
+    assert [(e.code, e.line) for e in batch.errors.data] == [
+        ("invalid_json_line", 2), ("duplicate_custom_id", 3), ("mismatched_model", 4)]
+    assert batch.model_extra["estimated_cost"] is None
+
+
+def test_cancel_while_validating_ends_cancelled(client, model_id, pg_server):
+    f = upload(client, [request_line(f"r{i}", model_id) for i in range(3)])
+    runner_paused = pg_server.jobs.on_batch_created
+    pg_server.jobs.on_batch_created = None  # leave it in validating, as if the validator died
+    try:
+        batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="1h")
+    finally:
+        pg_server.jobs.on_batch_created = runner_paused
+    assert client.batches.cancel(batch.id).status == "cancelling"
+    from batchapi.jobs.validation_runner import _settle_cancel
+
+    assert _settle_cancel(pg_server.jobs, batch.id) == "cancelled"
+    assert client.batches.retrieve(batch.id).cancelled_at is not None
+
+
+def test_a_finished_batch_cannot_be_cancelled(client, model_id, pg_server):
+    from batchapi.jobs import states
+
+    f = upload(client, [request_line("z", model_id)])
+    batch = validated(client, client.batches.create(
+        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h").id)
+    with session_scope(pg_server.jobs.sessions) as session:
+        assert states.transition(session, batch.id, states.FINALIZING)
+        assert states.transition(session, batch.id, states.COMPLETED)
+    with pytest.raises(openai.ConflictError) as err:
+        client.batches.cancel(batch.id)
+    assert "completed" in err.value.message
+
+
+def test_idempotency_key_returns_the_first_batch(client, model_id):
+    f = upload(client, [request_line("a", model_id)])
+    args = dict(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    first = client.batches.create(**args, extra_headers={"Idempotency-Key": "nightly-42"})
+    again = client.batches.create(**args, extra_headers={"Idempotency-Key": "nightly-42"})
+    assert again.id == first.id
+    other = client.batches.create(**args, extra_headers={"Idempotency-Key": "nightly-43"})
+    assert other.id != first.id
+    with pytest.raises(openai.ConflictError) as err:
+        client.batches.create(**{**args, "completion_window": "48h"}, extra_headers={"Idempotency-Key": "nightly-42"})
+    assert err.value.code == "idempotency_key_reused"
+    assert len(client.batches.list().data) == 2
+
+
+def test_partial_results_stream_finished_shards(client, model_id, pg_server, api_key):
+    import httpx
+
+    f = upload(client, [request_line(f"r{i}", model_id) for i in range(10)])
+    batch = validated(client, client.batches.create(
+        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h").id)
+    jobs = pg_server.jobs
+    for index, status in ((1, "succeeded"), (0, "succeeded"), (2, "running")):
+        key = f"batches/{batch.id}/shards/{index:05d}.output.jsonl"
+        jobs.storage.put_chunks(key, [f'{{"custom_id": "shard{index}"}}\n'.encode()])
+        with session_scope(jobs.sessions) as session:
+            shard = session.query(Shard).filter_by(batch_id=batch.id, index=index).one()
+            shard.status, shard.output_key = status, key
+    response = httpx.get(f"{pg_server.base_url}/v1/batches/{batch.id}/partial_results",
+                         headers={"Authorization": f"Bearer {api_key}"})
+    assert response.status_code == 200
+    assert response.text == '{"custom_id": "shard0"}\n{"custom_id": "shard1"}\n'
+    errors = httpx.get(f"{pg_server.base_url}/v1/batches/{batch.id}/partial_results?kind=error",
+                       headers={"Authorization": f"Bearer {api_key}"})
+    assert errors.status_code == 200 and errors.text == ""
+
+
+def test_models_lists_the_served_model(client, model_id):
+    assert [m.id for m in client.models.list()] == [model_id]
+    assert client.models.retrieve(model_id).id == model_id
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
