@@ -8,6 +8,8 @@ contexts at small batch) each program covers one slice of the KV and a second ke
 slices. The twin is attention_ref.paged_attention.
 """
 
+import weakref
+
 import torch
 import triton
 import triton.language as tl
@@ -180,6 +182,24 @@ def _choose_splits(num_seqs: int, num_kv_heads: int, max_seqlen_q: int, max_cont
     return min(16, next_pow2(max(1, max_context_len // (4 * tile))))
 
 
+_last_step: dict = {}
+
+
+def _step_maxima(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor) -> tuple[int, int]:
+    """Longest query run and context of a step, read from the device once per step, not per layer.
+
+    The engine passes the same metadata tensors to every layer of a step; holding a weak reference
+    to the last ones seen tells a new step's tensors from the same ones again.
+    """
+    ref = _last_step.get("tensors")
+    if ref is not None and ref[0]() is cu_seqlens_q and ref[1]() is context_lens:
+        return _last_step["maxima"]
+    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    maxima = tuple(torch.stack([q_lens.max(), context_lens.max()]).tolist())
+    _last_step.update(tensors=(weakref.ref(cu_seqlens_q), weakref.ref(context_lens)), maxima=maxima)
+    return maxima
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -193,7 +213,12 @@ def paged_attention(
     max_context_len: int | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
-    """q [T, Hq, D] -> [T, Hq, D]; see docs/CONTRACTS.md. The keyword hints avoid a device sync."""
+    """q [T, Hq, D] -> [T, Hq, D]; see docs/CONTRACTS.md.
+
+    max_seqlen_q / max_context_len: the step's longest query run and context, known on the host
+    by the engine; without them they are read from the device once per step. num_splits forces
+    the split-KV path (a power of 2; 1 turns it off).
+    """
     _check(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens)
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = context_lens.shape[0]
@@ -202,14 +227,12 @@ def paged_attention(
     out = torch.empty_like(q)
     if num_tokens == 0 or num_seqs == 0:
         return out
-    if max_seqlen_q is None:
-        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    if max_seqlen_q is None or (num_splits is None and max_seqlen_q == 1 and max_context_len is None):
+        max_seqlen_q, max_context_len = _step_maxima(cu_seqlens_q, context_lens)
     block_m = max(16, next_pow2(group)) if max_seqlen_q <= 4 else max(64, next_pow2(group))
     block_q = block_m // group
     tile = 32 if max_seqlen_q <= 4 else 64
     if num_splits is None:
-        if max_seqlen_q == 1 and max_context_len is None:
-            max_context_len = int(context_lens.max())
         num_splits = _choose_splits(num_seqs, num_kv_heads, max_seqlen_q, max_context_len or 0, tile)
     assert num_splits == next_pow2(num_splits), f"num_splits must be a power of 2, got {num_splits}"
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)

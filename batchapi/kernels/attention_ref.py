@@ -62,7 +62,10 @@ def paged_attention(
     cu_seqlens_q: torch.Tensor,  # [B+1] int32
     context_lens: torch.Tensor,  # [B] int32, KV length including this step's tokens
     scale: float,
+    **hints,
 ) -> torch.Tensor:
+    """See docs/CONTRACTS.md. hints (max_seqlen_q, max_context_len, num_splits) are the Triton
+    launcher's and are accepted here so that the engine calls both alike."""
     assert q.shape[1] % k_cache.shape[2] == 0, f"Hq={q.shape[1]} not a multiple of Hkv={k_cache.shape[2]}"
     starts = cu_seqlens_q.tolist()
     q_lens = [e - s for s, e in zip(starts[:-1], starts[1:], strict=True)]
