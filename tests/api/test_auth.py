@@ -1,0 +1,65 @@
+"""Missing or wrong keys get 401 everywhere; another project's objects are 404s."""
+
+from __future__ import annotations
+
+import io
+
+import httpx
+import pytest
+
+from tests.api.conftest import new_key
+from tests.utils.batch_service import jsonl, request_line, wait_until
+
+ENDPOINTS = [
+    ("POST", "/v1/files"), ("GET", "/v1/files"), ("GET", "/v1/files/file-x"), ("GET", "/v1/files/file-x/content"),
+    ("DELETE", "/v1/files/file-x"), ("POST", "/v1/batches"), ("GET", "/v1/batches"), ("GET", "/v1/batches/batch_x"),
+    ("POST", "/v1/batches/batch_x/cancel"), ("GET", "/v1/batches/batch_x/partial_results"), ("GET", "/v1/models"),
+    ("GET", "/v1/models/tiny-llama"),
+]
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer sk-batch-wrong"}, {"Authorization": "Basic abc"},
+                                     {"Authorization": "Bearer"}], ids=["missing", "wrong", "basic", "empty"])
+def test_every_endpoint_needs_a_valid_key(pg_server, headers):
+    with httpx.Client(base_url=pg_server.base_url, headers=headers) as http:
+        for method, path in ENDPOINTS:
+            response = http.request(method, path)
+            assert response.status_code == 401, (method, path)
+            error = response.json()["error"]
+            assert error["type"] == "invalid_request_error"
+            assert error["code"] in ("invalid_api_key", "missing_api_key")
+            assert "wrong" not in error["message"] or "sk-batch…" in error["message"]
+
+
+def test_health_needs_no_key(pg_server):
+    response = httpx.get(pg_server.base_url + "/health")
+    assert response.status_code == 200
+    assert response.json() == {"status": "ok", "database": "ok", "storage": "ok"}
+
+
+def test_another_projects_objects_are_invisible(pg_server, model_id):
+    mine = httpx.Client(base_url=pg_server.base_url,
+                        headers={"Authorization": f"Bearer {new_key(pg_server, 'owner-project')}"})
+    theirs = httpx.Client(base_url=pg_server.base_url,
+                          headers={"Authorization": f"Bearer {new_key(pg_server, 'other-project')}"})
+    with mine, theirs:
+        upload = mine.post("/v1/files", data={"purpose": "batch"},
+                           files={"file": ("b.jsonl", io.BytesIO(jsonl([request_line("a", model_id)])))})
+        fid = upload.json()["id"]
+        bid = mine.post("/v1/batches", json={"input_file_id": fid, "endpoint": "/v1/chat/completions",
+                                             "completion_window": "24h"}).json()["id"]
+        wait_until(lambda: mine.get(f"/v1/batches/{bid}").json()["status"] != "validating")
+        for method, path in [("GET", f"/v1/files/{fid}"), ("GET", f"/v1/files/{fid}/content"),
+                             ("DELETE", f"/v1/files/{fid}"), ("GET", f"/v1/batches/{bid}"),
+                             ("POST", f"/v1/batches/{bid}/cancel"), ("GET", f"/v1/batches/{bid}/partial_results"),
+                             ("GET", f"/v1/batches?after={bid}"), ("GET", f"/v1/files?after={fid}")]:
+            response = theirs.request(method, path)
+            assert response.status_code == 404, (method, path)
+            assert response.json()["error"]["type"] == "invalid_request_error"
+        # their own batch from my file: the file does not exist for them
+        response = theirs.post("/v1/batches", json={"input_file_id": fid, "endpoint": "/v1/chat/completions",
+                                                    "completion_window": "24h"})
+        assert response.status_code == 404
+        assert theirs.get("/v1/batches").json()["data"] == []
+        assert theirs.get("/v1/files").json()["data"] == []
+        assert mine.get(f"/v1/batches/{bid}").status_code == 200
