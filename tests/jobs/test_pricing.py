@@ -10,9 +10,9 @@ def test_list_amount_is_exact():
     price = Price(Decimal("0.15"), Decimal("0.075"), Decimal("0.60"))
     # 476 uncached and 1024 cached input tokens, 500 output tokens
     amount = list_amount(price, 1500, 1024, 500)
-    assert amount == Decimal("0.0003768")
-    assert discounted(amount, Decimal(50)) == Decimal("0.0001884")
-    assert format_amount(discounted(amount, Decimal(50))) == "0.0001884"
+    assert amount == Decimal("0.0004482")
+    assert discounted(amount, Decimal(50)) == Decimal("0.0002241")
+    assert format_amount(discounted(amount, Decimal(50))) == "0.0002241"
     assert format_amount(Decimal(0)) == "0.00"
     assert format_amount(list_amount(price, 10**9, 0, 0)) == "150.00"
 

@@ -1,0 +1,41 @@
+"""The same code on SQLite and a local storage directory (the embedded default)."""
+
+from __future__ import annotations
+
+import io
+
+import httpx
+from openai import OpenAI
+
+from batchapi.config import load_settings
+from batchapi.jobs.migrate import upgrade
+from tests.api.conftest import new_key
+from tests.utils.batch_service import jsonl, live_server, request_line, wait_until
+
+
+def test_sdk_flow_on_sqlite(sqlite_server):
+    client = OpenAI(base_url=sqlite_server.base_url + "/v1", api_key=new_key(sqlite_server, "lite"), max_retries=0)
+    model = sqlite_server.app.state.model.id
+    data = jsonl([request_line(f"r{i}", model) for i in range(6)])
+    f = client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
+    assert client.files.content(f.id).content == data
+    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="2d")
+    assert batch.expires_at - batch.created_at == 2 * 86400
+    batch = wait_until(lambda: (b := client.batches.retrieve(batch.id)).status != "validating" and b)
+    assert (batch.status, batch.request_counts.total) == ("in_progress", 6)
+    assert [b.id for b in client.batches.list(limit=1)] == [batch.id]
+    assert client.batches.cancel(batch.id).status == "cancelling"
+    assert (sqlite_server.jobs.settings.data_dir / "storage" / "files" / f.id).is_file()
+    bad = client.files.create(file=("bad.jsonl", io.BytesIO(b"\xff\n")), purpose="batch")
+    failed = client.batches.create(input_file_id=bad.id, endpoint="/v1/chat/completions", completion_window="24h")
+    failed = wait_until(lambda: (b := client.batches.retrieve(failed.id)).status != "validating" and b)
+    assert [(e.code, e.line) for e in failed.errors.data] == [("invalid_encoding", 1)]
+
+
+def test_auth_off_uses_one_default_project(tmp_path, tiny_llama_dir):
+    settings = load_settings(data_dir=tmp_path, model=str(tiny_llama_dir), auth_required=False)
+    upgrade(settings)
+    with live_server(settings) as server, httpx.Client(base_url=server.base_url) as http:
+        response = http.post("/v1/files", data={"purpose": "batch"}, files={"file": ("a.jsonl", b"{}\n")})
+        assert response.status_code == 200
+        assert [f["id"] for f in http.get("/v1/files").json()["data"]] == [response.json()["id"]]

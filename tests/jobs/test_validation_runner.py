@@ -1,0 +1,134 @@
+"""Validation against the database: outcomes, shard rows, dispatch after commit, resuming."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from decimal import Decimal
+
+import pytest
+from sqlalchemy import select, update
+
+from batchapi.jobs import states
+from batchapi.jobs.accounting import cost, estimated_cost
+from batchapi.jobs.batches import create_batch, get_batch
+from batchapi.jobs.db import session_scope
+from batchapi.jobs.files import TooLarge, delete_file, upload_file
+from batchapi.jobs.keys import get_or_create_project
+from batchapi.jobs.models import Batch, File, Shard
+from batchapi.jobs.validation_runner import claim, resume_stale, validate_batch
+from tests.utils.batch_service import jsonl, request_line
+
+CHAT = "/v1/chat/completions"
+
+
+class RecordingDispatcher:
+    def __init__(self, jobs):
+        self.jobs = jobs
+        self.ready: list[tuple[str, list[str], int]] = []
+
+    def batch_ready(self, batch_id, shard_ids):
+        with self.jobs.sessions() as session:  # a fresh session sees only committed rows
+            visible = len(session.scalars(select(Shard.id).where(Shard.batch_id == batch_id)).all())
+        self.ready.append((batch_id, shard_ids, visible))
+
+    def batch_cancelled(self, batch_id):
+        pass
+
+
+@pytest.fixture
+def project(pg_jobs, request):
+    with session_scope(pg_jobs.sessions) as session:
+        return get_or_create_project(session, f"runner-{request.node.name}").id
+
+
+def new_batch(jobs, project, data: bytes) -> str:
+    f = upload_file(jobs, project, "in.jsonl", "batch", io.BytesIO(data))
+    return create_batch(jobs, project, f.id, CHAT, "24h").id
+
+
+def model(jobs) -> str:
+    from batchapi.jobs.served_model import served_model_id
+
+    return served_model_id(jobs.settings)
+
+
+def test_valid_batch_gets_shards_then_dispatch(pg_jobs, project):
+    pg_jobs.dispatcher = RecordingDispatcher(pg_jobs)
+    bid = new_batch(pg_jobs, project, jsonl([request_line(f"r{i}", model(pg_jobs), max_tokens=7) for i in range(9)]))
+    assert validate_batch(pg_jobs, bid) == states.IN_PROGRESS
+    assert pg_jobs.dispatcher.ready == [(bid, [f"{bid}_00000", f"{bid}_00001", f"{bid}_00002"], 3)]
+    batch = get_batch(pg_jobs, project, bid)
+    assert (batch.request_total, batch.estimated_output_tokens) == (9, 63)
+    assert batch.validation_lease_expires_at is None
+    assert estimated_cost(batch).amount > 0
+    assert validate_batch(pg_jobs, bid) == states.IN_PROGRESS  # a second run changes nothing
+    assert len(pg_jobs.dispatcher.ready) == 1
+
+
+def test_interrupted_validation_is_resumed_once_its_lease_expires(pg_jobs, project):
+    bid = new_batch(pg_jobs, project, jsonl([request_line("a", model(pg_jobs))]))
+    assert not claim(pg_jobs, bid, stale_only=True)  # the creator's lease still holds
+    assert bid not in resume_stale(pg_jobs)
+    with session_scope(pg_jobs.sessions) as session:  # the validator died long ago
+        session.execute(update(Batch).where(Batch.id == bid).values(validation_lease_expires_at=1))
+    assert bid in resume_stale(pg_jobs)
+    assert get_batch(pg_jobs, project, bid).status == states.IN_PROGRESS
+    assert bid not in resume_stale(pg_jobs)
+
+
+def test_only_one_claim_of_a_stale_batch_wins(pg_jobs, project):
+    bid = new_batch(pg_jobs, project, jsonl([request_line("a", model(pg_jobs))]))
+    with session_scope(pg_jobs.sessions) as session:
+        session.execute(update(Batch).where(Batch.id == bid).values(validation_lease_expires_at=1))
+    assert [claim(pg_jobs, bid, stale_only=True) for _ in range(3)] == [True, False, False]
+
+
+def test_file_over_the_size_limit_fails_without_reading(pg_jobs, project):
+    small = dataclasses.replace(pg_jobs, settings=pg_jobs.settings.model_copy(update={"max_file_bytes": 100}))
+    bid = new_batch(small, project, jsonl([request_line(f"r{i}", model(pg_jobs)) for i in range(3)]))
+    assert validate_batch(small, bid) == states.FAILED
+    errors = get_batch(small, project, bid).errors["data"]
+    assert [(e["code"], e["line"]) for e in errors] == [("file_too_large", None)]
+
+
+def test_empty_file_fails(pg_jobs, project):
+    bid = new_batch(pg_jobs, project, b"")
+    assert validate_batch(pg_jobs, bid) == states.FAILED
+    assert get_batch(pg_jobs, project, bid).errors["data"][0]["code"] == "empty_file"
+
+
+def test_deleted_input_file_fails(pg_jobs, project):
+    bid = new_batch(pg_jobs, project, jsonl([request_line("a", model(pg_jobs))]))
+    delete_file(pg_jobs, project, get_batch(pg_jobs, project, bid).input_file_id)
+    assert validate_batch(pg_jobs, bid) == states.FAILED
+    assert get_batch(pg_jobs, project, bid).errors["data"][0]["code"] == "file_not_found"
+
+
+def test_cancel_during_validation_ends_cancelled(pg_jobs, project):
+    bid = new_batch(pg_jobs, project, jsonl([request_line("a", model(pg_jobs))]))
+    with session_scope(pg_jobs.sessions) as session:
+        assert states.transition(session, bid, states.CANCELLING)
+    assert validate_batch(pg_jobs, bid) == states.CANCELLING  # it never started
+    with session_scope(pg_jobs.sessions) as session:
+        session.execute(update(Batch).where(Batch.id == bid).values(validation_lease_expires_at=1))
+    resume_stale(pg_jobs)
+    assert get_batch(pg_jobs, project, bid).status == states.CANCELLED
+
+
+def test_uploads_over_the_limit_are_refused_and_not_kept(pg_jobs, project):
+    small = dataclasses.replace(pg_jobs, settings=pg_jobs.settings.model_copy(update={"max_upload_bytes": 10}))
+    with pytest.raises(TooLarge):
+        upload_file(small, project, "big.jsonl", "batch", io.BytesIO(b"x" * 11))
+    with pg_jobs.sessions() as session:
+        assert session.scalars(select(File).where(File.project_id == project)).all() == []
+
+
+def test_cost_counts_only_recorded_usage_at_the_batch_discount(pg_jobs, project):
+    bid = new_batch(pg_jobs, project, jsonl([request_line("a", model(pg_jobs))]))
+    with session_scope(pg_jobs.sessions) as session:
+        session.execute(update(Batch).where(Batch.id == bid).values(
+            input_tokens=1500, cached_tokens=1024, output_tokens=500, price_input=Decimal("0.15"),
+            price_cached_input=Decimal("0.075"), price_output=Decimal("0.60"), discount_percent=Decimal(50)))
+    batch = get_batch(pg_jobs, project, bid)
+    assert cost(batch).as_dict() == {"currency": "usd", "amount": "0.0002241", "list_amount": "0.0004482"}
