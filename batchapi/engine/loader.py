@@ -73,6 +73,8 @@ def load_config(model_dir: Path) -> ModelConfig:
     raw = json.loads(path.read_text())
     archs = raw.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED), None)
+    if not archs:  # some converters write only model_type
+        arch = next((a for a, kind in SUPPORTED.items() if kind == raw.get("model_type")), None)
     if arch is None:
         raise UnsupportedModelError(
             f"architecture {archs or raw.get('model_type')!r} is not supported; "

@@ -1,0 +1,106 @@
+"""Scheduler: token budget, chunked prefill, mixed steps, preemption, rejection, prefix grouping."""
+
+from batchapi.engine.block_manager import BlockManager
+from batchapi.engine.scheduler import Scheduler
+from batchapi.engine.sequence import Sequence, SequenceStatus
+
+
+def make(num_blocks=16, block_size=4, max_num_seqs=4, budget=8, max_model_len=64, caching=True):
+    bm = BlockManager(num_blocks, block_size, caching)
+    return Scheduler(bm, max_num_seqs, budget, max_model_len)
+
+
+def add(sched, request_id, tokens):
+    s = Sequence(request_id, list(tokens), params=None)
+    sched.add(s)
+    return s
+
+
+def step(sched, sample=None):
+    """One schedule + postprocess; append token 7 to every seq that caught up."""
+    batch = sched.schedule()
+    plan = [(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)]
+    caught_up = [s for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
+                 if s.num_computed_tokens + n == s.num_tokens]
+    sched.postprocess(batch)
+    for s in caught_up:
+        s.token_ids.append(7)
+    sched.release_finished()
+    return plan
+
+
+def test_chunked_prefill_mixes_with_decode_under_the_budget():
+    sched = make(budget=8)
+    a = add(sched, "a", range(5))
+    b = add(sched, "b", range(100, 120))
+    assert step(sched) == [("a", 5), ("b", 3)]
+    assert a.block_table == [0, 1] and b.block_table == [2]
+    assert step(sched) == [("a", 1), ("b", 7)]  # a decodes, b's prompt continues
+    assert step(sched) == [("a", 1), ("b", 7)]
+    assert step(sched) == [("a", 1), ("b", 3)]  # b's last chunk, then both decode
+    assert step(sched) == [("a", 1), ("b", 1)]
+    # running seqs grow in order: a takes block 7 for its 9th token, then b block 8
+    assert b.block_table == [2, 3, 4, 5, 6, 8] and b.num_computed_tokens == 21
+    assert a.block_table == [0, 1, 7] and a.num_computed_tokens == 9
+
+
+def test_sequence_cap_keeps_extra_requests_waiting():
+    sched = make(max_num_seqs=2, budget=32)
+    for i, r in enumerate("abc"):
+        add(sched, r, range(10 * i, 10 * i + 3))
+    assert step(sched) == [("a", 3), ("b", 3)]
+    sched.running[0].finish("stop")
+    sched.release_finished()
+    assert step(sched) == [("b", 1), ("c", 3)]
+
+
+def test_preemption_frees_the_newest_and_recomputes_it_later():
+    sched = make(num_blocks=4, block_size=4, budget=32)
+    a = add(sched, "a", range(7))
+    b = add(sched, "b", range(50, 57))
+    assert step(sched) == [("a", 7), ("b", 7)]
+    assert a.block_table == [0, 1] and b.block_table == [2, 3]
+    assert step(sched) == [("a", 1), ("b", 1)]  # 8 tokens each: blocks still hold them
+    # a needs a third block: none free, so b (admitted last) is preempted and requeued first
+    assert step(sched) == [("a", 1)]
+    assert b.status is SequenceStatus.WAITING and b.block_table == [] and b.num_computed_tokens == 0
+    # b's cached blocks were freed tail first, so a took b's second block (3), LRU
+    assert a.block_table == [0, 1, 3] and sched.num_preemptions == 1
+    a.finish("stop")
+    sched.release_finished()
+    # b comes back: its first block (2) is still cached; the rest is recomputed
+    assert step(sched) == [("b", 5)]
+    assert b.num_computed_tokens == 9 and b.block_table == [2, 3, 1]
+
+
+def test_request_that_can_never_fit_is_rejected_with_an_error():
+    sched = make(max_model_len=16)
+    s = add(sched, "big", range(16))
+    assert s.is_finished and s.finish_reason == "error" and "at most 16 tokens" in s.error
+    assert sched.rejected == [s] and len(sched.waiting) == 0
+    empty = add(sched, "empty", [])
+    assert empty.finish_reason == "error" and sched.schedule().seqs == []
+
+
+def test_waiting_requests_grouped_by_shared_prefix():
+    sched = make(block_size=4, budget=64, max_num_seqs=8)
+    shared = list(range(16))
+    add(sched, "p1", shared + [1, 2])
+    add(sched, "other", range(200, 230))
+    add(sched, "p2", shared + [3, 4])
+    order = [s.request_id for s in sched.waiting]
+    assert order == ["p1", "p2", "other"]
+    # p1 computes the shared blocks; p2 waits one step and hits them instead of recomputing
+    assert step(sched) == [("p1", 18)]
+    assert step(sched) == [("p1", 1), ("p2", 2), ("other", 30)]
+
+
+def test_abort_frees_blocks():
+    sched = make(budget=32)
+    a = add(sched, "a", range(6))
+    add(sched, "b", range(10, 16))
+    step(sched)
+    assert sched.bm.num_free_blocks == 12
+    assert [s.request_id for s in sched.abort("a")] == ["a"]
+    assert sched.bm.num_free_blocks == 14 and a not in sched.running
+    assert [s.request_id for s in sched.abort("b")] == ["b"] and not sched.has_work()
