@@ -1,0 +1,419 @@
+"""GPU check: kernels, engine parity and throughput in one prepared run that ends within 8 minutes.
+
+On CUDA: the Triton kernels against their twins in bf16 and fp16; the engine's greedy outputs
+against Hugging Face `generate` on a random-weight Llama-3.2-1B-shaped model; output tokens/s
+(fixed output lengths, EOS ignored) of the engine with Triton kernels, of Hugging Face static
+batching (best batch size) and of the HBM roofline (weight + KV bytes per decode step at 4.8 TB/s)
+for the 1B and Llama-3-8B shapes at batch 64 and 256. One table at the end.
+Without CUDA (or with --cpu) it runs the same code at tiny sizes: kernels under TRITON_INTERPRET
+in fp32/fp16, the engine with twins and with interpreted Triton kernels against HF on a tiny model,
+and says that the GPU run is pending. No model file is needed: weights are random, made here.
+
+Usage: .venv/bin/python bench/gpu_check.py [--cpu] [--budget-s 450] [--out table.md]
+"""
+
+import argparse
+import gc
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the test builders in tests/kernels
+
+HBM_BYTES_PER_S = 4.8e12
+SHAPES = {
+    "llama-3.2-1b": dict(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072,
+        tie_word_embeddings=True, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    "llama-3-8b": dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=8192,
+        tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+    "tiny": dict(  # CPU stand-in: GQA 3, llama3 rope, untied head
+        hidden_size=384, intermediate_size=256, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, head_dim=64, vocab_size=512, max_position_embeddings=1024,
+        tie_word_embeddings=False, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+}
+
+
+class Report:
+    def __init__(self, budget_s: float):
+        self.rows: list[tuple[str, str, str]] = []
+        self.deadline = time.monotonic() + budget_s
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def add(self, check: str, result: str, verdict: str) -> None:
+        self.rows.append((check, result, verdict))
+        print(f"  {check:44s} {result:60s} {verdict}", flush=True)
+
+    def table(self) -> str:
+        lines = ["| check | result | verdict |", "| --- | --- | --- |"]
+        lines += [f"| {c} | {r} | {v} |" for c, r, v in self.rows]
+        return "\n".join(lines)
+
+
+# ---- kernels -------------------------------------------------------------------------------
+
+def check_kernels(report: Report, device: str, dtypes, big: bool) -> None:
+    import torch
+
+    from batchapi.kernels import TORCH_OPS, build_rope_cache, get_ops
+    from batchapi.kernels import attention as triton_attention
+    from tests.kernels.paged import make_case
+
+    tol = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+    ops = get_ops("triton", device)
+    rng = random.Random(0)
+    for dtype in dtypes:
+        worst, cases = 0.0, 0
+        max_ctx, num_seqs = (2000, 24) if big else (40, 4)
+        for seed in range(6 if big else 2):
+            hkv, group = rng.choice([(8, 4), (2, 3), (1, 5), (4, 2), (8, 1)])
+            q_lens, ctx_lens = [], []
+            for i in range(num_seqs):
+                ctx = rng.randint(1, max_ctx)
+                kind = i % 3
+                q_lens.append(1 if kind == 0 else ctx if kind == 1 else rng.randint(1, ctx))
+                ctx_lens.append(ctx)
+            case = make_case(q_lens, ctx_lens, hkv * group, hkv, rng.choice([64, 128]), dtype=dtype,
+                             seed=seed, device=device)
+            worst = max(worst, _attention_err(case, triton_attention, None))
+            cases += 1
+        long = [8000, 3000] if big else [90, 70]
+        for splits in (None, 4):  # auto (split-KV chosen for 2 long decodes on a GPU) and forced
+            case = make_case([1, 1], long, 32, 8, 128 if big else 64, dtype=dtype, seed=9, device=device)
+            worst = max(worst, _attention_err(case, triton_attention, splits))
+            cases += 1
+        if big:  # element offsets past 2^31: 140k blocks of 16 x 8 x 128
+            case = make_case([1, 1, 7], [300, 17, 40], 32, 8, 128, dtype=dtype, seed=11, device=device,
+                             num_blocks=140_000)
+            worst = max(worst, _attention_err(case, triton_attention, None))
+            cases += 1
+        verdict = "ok" if worst <= tol[dtype] * 4 else "FAIL"
+        report.add(f"paged_attention vs twin, {_name(dtype)}", f"{cases} cases, max err {worst:.1e} "
+                   f"(tol {tol[dtype] * 4:.0e})", verdict)
+
+        n, hidden = (512, 4096) if big else (5, 192)
+        x, res = torch.randn(n, hidden, device=device).to(dtype), torch.randn(n, hidden, device=device).to(dtype)
+        w = torch.randn(hidden, device=device).to(dtype)
+        gate_up = torch.randn(n, 2 * hidden, device=device).to(dtype)
+        qkv = torch.randn(n, 48 * 128, device=device).to(dtype)
+        q, k = qkv[:, : 32 * 128].view(n, 32, 128), qkv[:, 32 * 128 : 40 * 128].view(n, 8, 128)
+        cos_sin = build_rope_cache(128, 8192, 500000.0, SHAPES["llama-3.2-1b"]["rope_parameters"], device,
+                                   torch.float32)
+        pos = torch.randint(0, 8192, (n,), device=device)
+        errs = [
+            _rel_err(ops.rms_norm(x, w, 1e-5), TORCH_OPS.rms_norm(x, w, 1e-5)),
+            _rel_err(ops.fused_add_rms_norm(x, res, w, 1e-5)[0], TORCH_OPS.fused_add_rms_norm(x, res, w, 1e-5)[0]),
+            _rel_err(ops.silu_and_mul(gate_up), TORCH_OPS.silu_and_mul(gate_up)),
+            _rel_err(ops.rotary(q, k, pos, cos_sin)[0], TORCH_OPS.rotary(q, k, pos, cos_sin)[0]),
+            _store_err(ops, TORCH_OPS, k, device, dtype),
+        ]
+        limit = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]  # ~ one ulp
+        report.add(f"norm/rotary/silu/store vs twins, {_name(dtype)}",
+                   "max rel errs " + " ".join(f"{e:.1e}" for e in errs), "ok" if max(errs) <= limit else "FAIL")
+
+
+def _attention_err(case, attention, splits) -> float:
+    from batchapi.kernels import attention_ref
+
+    out = attention.paged_attention(*case.args(), case.scale, num_splits=splits)
+    ref = attention_ref.paged_attention(*case.args(), case.scale)
+    return _err(out, ref)
+
+
+def _store_err(ops, ref_ops, k, device, dtype) -> float:
+    import torch
+
+    caches = [torch.zeros(64, 16, k.shape[1], k.shape[2], dtype=dtype, device=device) for _ in range(4)]
+    n = k.shape[0]
+    slots = torch.randperm(64 * 16, device=device)[:n]
+    slots[::7] = -1
+    ops.store_kvcache(k, k, caches[0], caches[1], slots)
+    ref_ops.store_kvcache(k, k, caches[2], caches[3], slots)
+    return _err(caches[0], caches[2])
+
+
+def _err(a, b) -> float:
+    return (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
+
+
+def _rel_err(a, b) -> float:
+    return _err(a, b) / max(1.0, b.float().abs().max().item())
+
+
+def _name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+# ---- random models -------------------------------------------------------------------------
+
+def build_model(shape_name: str, out_dir: Path, device: str, dtype, std: float, seed: int = 0):
+    """A random-weight Llama of the named shape on device, saved with a word-level tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = SHAPES[shape_name]
+    config = LlamaConfig(**shape, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=1, pad_token_id=0)
+    torch.manual_seed(seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    with torch.no_grad():  # wider than HF's init, so greedy choices are not near-ties
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.normal_(0.0, std)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    _save_tokenizer(out_dir, shape["vocab_size"])
+    return model.eval()
+
+
+def _save_tokenizer(out_dir: Path, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", pad_token="t0", eos_token="t1").save_pretrained(out_dir)
+
+
+def random_prompts(n: int, length: int | tuple[int, int], vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    lens = [length if isinstance(length, int) else rng.randint(*length) for _ in range(n)]
+    return [[rng.randrange(2, vocab) for _ in range(k)] for k in lens]
+
+
+# ---- Hugging Face --------------------------------------------------------------------------
+
+def hf_greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    import torch
+
+    outs = []
+    for prompt in prompts:  # one at a time: no padding to blur the comparison
+        ids = torch.tensor([prompt], device=model.device)
+        with torch.inference_mode():
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        outs.append(gen[0, len(prompt):].tolist())
+    return outs
+
+
+def hf_tokens_per_s(model, batch: int, prompt_len: int, new_tokens: int, vocab: int) -> float:
+    import torch
+
+    ids = torch.randint(2, vocab, (batch, prompt_len), device=model.device)
+    _sync(model.device)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    _sync(model.device)
+    return batch * new_tokens / (time.perf_counter() - start)
+
+
+def hf_best(report, model, label, batches, prompt_len, new_tokens, vocab) -> tuple[float, int]:
+    import torch
+
+    best = (0.0, 0)
+    hf_tokens_per_s(model, 2, 8, 4, vocab)  # warm-up
+    for batch in batches:
+        if report.left() < 60:
+            break
+        try:
+            best = max(best, (hf_tokens_per_s(model, batch, prompt_len, new_tokens, vocab), batch))
+        except torch.OutOfMemoryError:
+            break
+        finally:
+            _free_memory()
+    print(f"  HF static batching {label}: best {best[0]:.0f} tok/s at batch {best[1]}", flush=True)
+    return best
+
+
+def _free_memory() -> None:
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _sync(device) -> None:
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+# ---- engine --------------------------------------------------------------------------------
+
+def start_engine(model_dir: Path, device: str, dtype: str, kernels: str):
+    from batchapi.engine import EngineConfig, EngineFront
+
+    config = EngineConfig(model_path=model_dir, device=device, dtype=dtype, kernels=kernels, max_num_seqs=256,
+                          max_num_batched_tokens=8192, gpu_memory_utilization=0.85, max_model_len=4096,
+                          kv_cache_bytes=64 << 20)
+    return EngineFront(config).start()
+
+
+def engine_generate(front, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], float]:
+    from batchapi.engine import GenerationRequest, SamplingParams
+
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    futures = [front.submit(GenerationRequest(f"r{i}-{start}", p, params)) for i, p in enumerate(prompts)]
+    results = [f.result() for f in futures]
+    elapsed = time.perf_counter() - start
+    errors = [r.error for r in results if r.error]
+    assert not errors, f"engine errors: {errors[:3]}"
+    return [r.outputs[0].token_ids for r in results], elapsed
+
+
+def parity(report: Report, label: str, ours: list[list[int]], reference: list[list[int]], need: float) -> None:
+    same = sum(a == b for a, b in zip(ours, reference, strict=True))
+    prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(ours, reference)]
+    verdict = "ok" if same >= need * len(ours) else "FAIL"
+    report.add(label, f"{same}/{len(ours)} identical, shortest common prefix {min(prefix)}/{len(ours[0])}", verdict)
+
+
+def roofline_tokens_per_s(shape: dict, batch: int, prompt_len: int, new_tokens: int, itemsize: int = 2) -> float:
+    """Decode tokens/s if every step only streamed the weights and the batch's KV from HBM once."""
+    hidden, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    q = shape["num_attention_heads"] * shape["head_dim"]
+    kv = shape["num_key_value_heads"] * shape["head_dim"]
+    per_layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter + 2 * hidden
+    weights = layers * per_layer + shape["vocab_size"] * hidden + hidden  # lm_head read every step
+    kv_per_token = layers * 2 * kv
+    mean_context = prompt_len + new_tokens / 2
+    step_bytes = (weights + batch * mean_context * kv_per_token) * itemsize
+    return batch / (step_bytes / HBM_BYTES_PER_S)
+
+
+def throughput(report, shape_name, model_dir, hf_model, batches, prompt_len, new_tokens, device) -> None:
+    """HF static batching first (then freed), the engine after, on the same saved weights."""
+    shape = SHAPES[shape_name]
+    vocab = shape["vocab_size"]
+    hf_rate, hf_batch = hf_best(report, hf_model, shape_name, [32, 64, 128, 256], prompt_len, new_tokens, vocab)
+    del hf_model  # the caller passes its only reference: the engine gets the memory
+    _free_memory()
+    front = start_engine(model_dir, device, "bfloat16", "triton")
+    try:
+        engine_generate(front, random_prompts(8, prompt_len, vocab, 1), 8)  # warm-up: compiles the kernels
+        for batch in batches:
+            if report.left() < 30:
+                report.add(f"throughput {shape_name} batch {batch}", "skipped: out of time budget", "-")
+                continue
+            outs, elapsed = engine_generate(front, random_prompts(batch, prompt_len, vocab, batch), new_tokens)
+            rate = sum(len(o) for o in outs) / elapsed
+            roof = roofline_tokens_per_s(shape, batch, prompt_len, new_tokens)
+            report.add(f"throughput {shape_name} batch {batch} (in {prompt_len}, out {new_tokens})",
+                       f"engine {rate:.0f} tok/s, HF best {hf_rate:.0f} (batch {hf_batch}), roofline {roof:.0f}; "
+                       f"x{rate / max(hf_rate, 1e-9):.1f} HF, {100 * rate / roof:.0f}% roofline",
+                       _throughput_verdict(shape_name, batch, rate / max(hf_rate, 1e-9), rate / roof))
+    finally:
+        front.shutdown()
+        del front
+        _free_memory()
+
+
+def _throughput_verdict(shape_name: str, batch: int, vs_hf: float, vs_roof: float) -> str:
+    if shape_name != "llama-3-8b" or batch != 256:
+        return "info"
+    return "ok" if vs_hf >= 5 and vs_roof >= 0.5 else "below target (5x HF, 50% roofline)"
+
+
+# ---- runs ----------------------------------------------------------------------------------
+
+def run_gpu(report: Report, work: Path) -> None:
+    import torch
+
+    check_kernels(report, "cuda", [torch.bfloat16, torch.float16], big=True)
+    one_b = work / "llama-3.2-1b"
+    model = build_model("llama-3.2-1b", one_b, "cuda", torch.bfloat16, std=0.05)
+    prompts = random_prompts(8, (16, 96), SHAPES["llama-3.2-1b"]["vocab_size"], 0)
+    reference = hf_greedy(model, prompts, 32)
+    front = start_engine(one_b, "cuda", "bfloat16", "triton")
+    try:
+        ours, _ = engine_generate(front, prompts, 32)
+    finally:
+        front.shutdown()
+        del front
+    parity(report, "greedy parity llama-3.2-1b bf16 vs HF generate", ours, reference, need=0.75)
+    throughput(report, "llama-3.2-1b", one_b, model, [64, 256], 128, 128, "cuda")
+    del model
+    _free_memory()
+    if report.left() < 200:
+        report.add("llama-3-8b", "skipped: out of time budget", "-")
+        return
+    eight_b = work / "llama-3-8b"
+    throughput(report, "llama-3-8b", eight_b, build_model("llama-3-8b", eight_b, "cuda", torch.bfloat16, std=0.02),
+               [64, 256], 128, 128, "cuda")
+
+
+def run_cpu(report: Report, work: Path) -> None:
+    import torch
+
+    check_kernels(report, "cpu", [torch.float32, torch.float16], big=False)
+    tiny = work / "tiny"
+    model = build_model("tiny", tiny, "cpu", torch.float32, std=0.08)
+    vocab = SHAPES["tiny"]["vocab_size"]
+    prompts = random_prompts(4, (3, 40), vocab, 0)
+    reference = hf_greedy(model, prompts, 12)
+    for kernels in ("torch", "triton"):
+        front = start_engine(tiny, "cpu", "float32", kernels)
+        try:
+            ours, _ = engine_generate(front, prompts, 12)
+        finally:
+            front.shutdown()
+        parity(report, f"greedy parity tiny fp32, engine {kernels} kernels vs HF", ours, reference, need=1.0)
+    front = start_engine(tiny, "cpu", "float32", "torch")
+    try:
+        outs, elapsed = engine_generate(front, random_prompts(16, 32, vocab, 1), 16)
+    finally:
+        front.shutdown()
+    hf_rate = hf_tokens_per_s(model, 16, 32, 16, vocab)
+    rate = sum(len(o) for o in outs) / elapsed
+    report.add("throughput tiny CPU batch 16 (in 32, out 16)", f"engine {rate:.0f} tok/s, HF static {hf_rate:.0f}",
+               "info")
+    report.add("GPU run", "pending: no CUDA device in this run", "-")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cpu", action="store_true", help="run the CPU-safe parts even if CUDA is present")
+    ap.add_argument("--budget-s", type=float, default=450.0, help="stop starting new phases after this")
+    ap.add_argument("--out", type=Path, help="also write the table (markdown) here")
+    args = ap.parse_args()
+    import torch
+
+    on_gpu = torch.cuda.is_available() and not args.cpu
+    if not on_gpu:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton's kernels
+    report = Report(args.budget_s)
+    device_name = torch.cuda.get_device_name() if on_gpu else "CPU"
+    print(f"gpu_check on {device_name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+        (run_gpu if on_gpu else run_cpu)(report, Path(tmp))
+    table = report.table()
+    print("\n" + table)
+    if args.out:
+        args.out.write_text(f"gpu_check on {device_name}, {time.strftime('%Y-%m-%d', time.gmtime())}\n\n{table}\n")
+    return 0 if all(v != "FAIL" for _, _, v in report.rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
