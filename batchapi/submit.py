@@ -1,0 +1,102 @@
+"""``batchapi submit FILE --wait``: a client for people, on the official ``openai`` SDK.
+
+Uploads the file, creates the batch and, with ``--wait``, follows it with a progress bar
+(requests done, output tokens/s, ETA), then prints a few results and what the batch cost.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+TERMINAL = {"completed", "failed", "expired", "cancelled"}
+POLL_SECONDS = 1.0
+
+
+def _client(base_url: str, api_key: str | None):
+    from openai import OpenAI, OpenAIError
+
+    try:
+        return OpenAI(base_url=base_url, api_key=api_key)
+    except OpenAIError:  # no key given nor in OPENAI_API_KEY: a server with auth off takes any
+        return OpenAI(base_url=base_url, api_key="none")
+
+
+def _first_url(path: Path) -> str:
+    with path.open("rb") as handle:
+        for raw in handle:
+            if raw.strip():
+                return json.loads(raw)["url"]
+    raise SystemExit(f"{path} holds no requests")
+
+
+def submit(
+    path: Path, *, base_url: str, api_key: str | None, endpoint: str | None, wait: bool, show: int,
+    console: Console,
+) -> int:
+    for noisy in ("httpx", "httpx2", "openai"):  # one line per poll would drown the progress bar
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    client = _client(base_url, api_key)
+    with path.open("rb") as handle:
+        uploaded = client.files.create(file=handle, purpose="batch")
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint=endpoint or _first_url(path), completion_window="24h"
+    )
+    console.print(f"uploaded {uploaded.id} ({uploaded.bytes} bytes); batch [bold]{batch.id}[/bold]")
+    if not wait:
+        return 0
+    batch = _follow(client, batch.id, console)
+    _report(client, batch, show, console)
+    return 0 if batch.status == "completed" else 1
+
+
+def _follow(client, batch_id: str, console: Console):
+    columns = (
+        TextColumn("[bold]{task.fields[status]}"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("{task.fields[rate]:.0f} tok/s"), TimeRemainingColumn(),
+    )
+    start = time.monotonic()
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task("batch", total=None, status="validating", rate=0.0)
+        while True:
+            batch = client.batches.retrieve(batch_id)
+            counts = batch.request_counts
+            done = (counts.completed + counts.failed) if counts else 0
+            tokens = (batch.usage.output_tokens if getattr(batch, "usage", None) else 0) or 0
+            rate = tokens / max(time.monotonic() - start, 1e-6)
+            total = counts.total if counts and counts.total else None
+            progress.update(task, completed=done, total=total, status=batch.status, rate=rate)
+            if batch.status in TERMINAL:
+                return batch
+            time.sleep(POLL_SECONDS)
+
+
+def _report(client, batch, show: int, console: Console) -> None:
+    counts = batch.request_counts
+    console.print(f"batch {batch.id}: [bold]{batch.status}[/bold]"
+                  + (f", {counts.completed} completed, {counts.failed} failed" if counts else ""))
+    if batch.errors and batch.errors.data:
+        for err in batch.errors.data[:show]:
+            console.print(f"  line {err.line}: {err.code}: {err.message}")
+    if batch.output_file_id:
+        lines = client.files.content(batch.output_file_id).text.splitlines()
+        for raw in lines[:show]:
+            record = json.loads(raw)
+            console.print(f"  [cyan]{record['custom_id']}[/cyan]: {_answer(record['response']['body'])!r}")
+    usage = getattr(batch, "usage", None)
+    if usage:
+        console.print(f"usage: {usage.input_tokens} input ({usage.input_tokens_details.cached_tokens} cached), "
+                      f"{usage.output_tokens} output tokens")
+    cost = (batch.model_extra or {}).get("cost")
+    if cost:
+        console.print(f"cost: {cost['amount']} {cost['currency']} (list price {cost['list_amount']})")
+
+
+def _answer(body: dict) -> str:
+    choice = body["choices"][0]
+    return choice["message"]["content"] if "message" in choice else choice["text"]

@@ -1,0 +1,71 @@
+"""The Celery app for long GPU work, built from settings (never at import).
+
+Tasks carry shard ids only; the database is the source of truth and a message is a wake-up.
+- ``task_acks_late`` + ``task_reject_on_worker_lost``: a message is acknowledged only after its
+  shard is done, so a worker that dies mid-shard leaves it for another one;
+- ``worker_prefetch_multiplier=1``: a worker never hoards messages it cannot start;
+- the Redis visibility timeout is longer than any shard, so a slow shard's message is not
+  handed to a second worker while the first still runs it (were it so, the claim refuses it);
+- shard tasks go to their own queue (``BATCHAPI_CELERY_QUEUE``, default ``gpu``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from celery import Celery
+from kombu import Queue
+
+from batchapi.config import Settings
+from batchapi.workers import tasks
+
+log = logging.getLogger(__name__)
+
+RUN_SHARD = "batchapi.run_shard"
+
+
+def make_celery(settings: Settings) -> Celery:
+    app = Celery("batchapi", broker=settings.broker_url, set_as_current=False)
+    app.conf.update(
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        broker_transport_options={"visibility_timeout": settings.visibility_timeout_seconds},
+        broker_connection_retry_on_startup=True,
+        broker_connection_max_retries=None,  # a Redis restart is waited out, not fatal
+        task_queues=[Queue(settings.celery_queue)],
+        task_default_queue=settings.celery_queue,
+        task_routes={RUN_SHARD: {"queue": settings.celery_queue}},
+        task_serializer="json",
+        accept_content=["json"],
+        task_ignore_result=True,
+        worker_hijack_root_logger=False,
+        worker_cancel_long_running_tasks_on_connection_loss=False,
+    )
+    app.task(
+        name=RUN_SHARD,
+        autoretry_for=tasks.TRANSIENT,
+        retry_backoff=True,
+        max_retries=5,
+    )(tasks.run_shard)
+    return app
+
+
+class CeleryDispatcher:
+    """The API's dispatcher when a broker is configured: one task per shard, by name."""
+
+    def __init__(self, app: Celery, queue: str):
+        self.app = app
+        self.queue = queue
+
+    def batch_ready(self, batch_id: str, shard_ids: list[str]) -> None:
+        send_shards(self.app, self.queue, shard_ids)
+
+    def batch_cancelled(self, batch_id: str) -> None:
+        # workers see the status within a second and abort the batch's requests themselves
+        log.info("batch %s cancelling", batch_id)
+
+
+def send_shards(app: Celery, queue: str, shard_ids: list[str]) -> None:
+    for shard_id in shard_ids:
+        app.send_task(RUN_SHARD, args=[shard_id], queue=queue)

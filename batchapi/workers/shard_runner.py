@@ -1,0 +1,246 @@
+"""The shard runner: keeps several shards in flight in one engine, pulling by capacity.
+
+Three threads besides the engine's own:
+- the feeder claims the next shard whenever the engine's waiting queue is below the watermark
+  (and fewer than ``max_shards_in_flight`` are held), so the engine never idles on a shard's
+  tail; an idle feeder looks again every ``worker_poll_seconds`` or when woken;
+- the monitor, once a second, aborts the requests of shards whose batch was cancelled or
+  expired, and every ``heartbeat_seconds`` extends the leases (a shard whose lease was taken
+  away is dropped without writing anything);
+- the finisher writes a finished shard's objects to their fixed keys, completes it and
+  finalizes the batch when it was the last shard.
+Celery tasks and the embedded worker share this class; the broker only wakes the feeder.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from sqlalchemy import select
+from sqlalchemy.exc import OperationalError
+
+from batchapi.engine import EngineFront
+from batchapi.jobs import states
+from batchapi.jobs.context import Jobs
+from batchapi.jobs.errors import StorageError
+from batchapi.jobs.ids import now
+from batchapi.jobs.models import Batch
+from batchapi.jobs.storage import shard_error_key, shard_output_key
+from batchapi.workers import leases
+from batchapi.workers.codec import Codec
+from batchapi.workers.finalize import finalize_batch
+from batchapi.workers.leases import Claimed
+from batchapi.workers.shard_input import read_shard
+from batchapi.workers.shard_work import ShardWork
+
+log = logging.getLogger(__name__)
+
+MONITOR_SECONDS = 1.0
+TRANSIENT = (OperationalError, StorageError, OSError)
+
+
+class ShardRunner:
+    def __init__(self, jobs: Jobs, front: EngineFront, codec: Codec, owner: str):
+        self.jobs = jobs
+        self.settings = jobs.settings
+        self.front = front
+        self.codec = codec
+        self.owner = owner
+        self._inflight: dict[str, ShardWork] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchapi-finish")
+        self._threads = [
+            threading.Thread(target=self._feed_loop, name="batchapi-feeder", daemon=True),
+            threading.Thread(target=self._monitor_loop, name="batchapi-monitor", daemon=True),
+        ]
+
+    # ---- control ----
+
+    def start(self) -> ShardRunner:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def wake(self) -> None:
+        """New shards may be queued: look now instead of at the next poll."""
+        self._wake.set()
+
+    def run_shard(self, shard_id: str, timeout: float | None = None) -> str:
+        """Claim ``shard_id`` and wait until it is finished (a Celery task's body). A shard that
+        someone else holds or already finished is left alone: duplicated messages do nothing."""
+        while not self._has_room() and not self._stop.is_set():
+            time.sleep(0.1)  # the feeder may claim this very shard meanwhile: then it is skipped
+        claimed = leases.claim(self.jobs, shard_id, self.owner)
+        if claimed is None:
+            self.wake()
+            return "skipped"
+        work = self._start(claimed)
+        if work is None:
+            return "released"
+        work.done.wait(timeout)
+        return work.reason or "done"
+
+    def in_flight(self) -> list[str]:
+        with self._lock:
+            return list(self._inflight)
+
+    def abort_batch(self, batch_id: str, reason: str) -> int:
+        """Cut the batch's shards short now (the embedded API calls this on cancel)."""
+        with self._lock:
+            works = [w for w in self._inflight.values() if w.shard.batch_id == batch_id]
+        for work in works:
+            self._close(work, reason)
+        return len(works)
+
+    def shutdown(self) -> None:
+        """Stop pulling, give held shards back to the queue, stop the engine."""
+        self._stop.set()
+        self._wake.set()
+        for thread in self._threads:
+            thread.join(timeout=10)
+        with self._lock:
+            works = list(self._inflight.values())
+        for work in works:
+            work.close(None, lost=True)
+        released = leases.release(self.jobs, [w.shard.id for w in works], self.owner)
+        if released:
+            log.info("gave %d shards back to the queue", released)
+        self._finisher.shutdown(wait=True)
+        self.front.shutdown()
+
+    # ---- feeder ----
+
+    def _has_room(self) -> bool:
+        with self._lock:
+            held = len(self._inflight)
+        return held < self.settings.max_shards_in_flight and self.front.num_waiting() <= self.settings.engine_watermark
+
+    def _feed_loop(self) -> None:
+        while not self._stop.is_set():
+            if not self._has_room():
+                self._wake.wait(0.1)
+                self._wake.clear()
+                continue
+            try:
+                claimed = leases.claim_next(self.jobs, self.owner)
+            except OperationalError:
+                log.warning("database unavailable while claiming; retrying", exc_info=True)
+                claimed = None
+            if claimed is not None:
+                self._start(claimed)
+                continue
+            self._wake.wait(self.settings.worker_poll_seconds)
+            self._wake.clear()
+
+    def _start(self, claimed: Claimed) -> ShardWork | None:
+        try:
+            lines = read_shard(self.jobs.storage, claimed)
+        except TRANSIENT:
+            log.warning("could not read shard %s; giving it back", claimed.id, exc_info=True)
+            leases.release(self.jobs, [claimed.id], self.owner)
+            return None
+        work = ShardWork(claimed, lines, self.codec.model_id)
+        requests = [self.codec.request(line, work.request_id(line)) for line in work.runnable()]
+        work.expect([r.request_id for r in requests])
+        with self._lock:
+            self._inflight[claimed.id] = work
+        log.info("shard %s (attempt %d): %d requests", claimed.id, claimed.attempts, len(requests))
+        if work.done.is_set():  # nothing to run: every line was rejected
+            self._finish(work)
+        for request in requests:
+            self.front.submit(request, callback=lambda result, w=work: self._on_result(w, result))
+        return work
+
+    def _on_result(self, work: ShardWork, result) -> None:  # engine thread: keep it short
+        if work.add(result):
+            self._finish(work)
+
+    def _finish(self, work: ShardWork) -> None:
+        self._finisher.submit(self._write, work)
+        self._wake.set()
+
+    # ---- finisher ----
+
+    def _write(self, work: ShardWork) -> None:
+        shard = work.shard
+        try:
+            if not work.lost:
+                self._store(work)
+        finally:
+            with self._lock:
+                self._inflight.pop(shard.id, None)
+            self._wake.set()
+
+    def _store(self, work: ShardWork) -> None:
+        shard = work.shard
+        rendered = work.render(self.codec.body)
+        out_key, err_key = shard_output_key(shard.batch_id, shard.index), shard_error_key(shard.batch_id, shard.index)
+        try:
+            if shard.id not in leases.heartbeat(self.jobs, [shard.id], self.owner):
+                log.warning("lost the lease of shard %s before writing; dropping its results", shard.id)
+                return
+            self.jobs.storage.put_chunks(out_key, [rendered.output])
+            self.jobs.storage.put_chunks(err_key, [rendered.errors])
+            if not leases.complete(self.jobs, shard, self.owner, rendered.outcome, out_key, err_key):
+                log.warning("lost the lease of shard %s while writing; its retry counts", shard.id)
+                return
+        except TRANSIENT:
+            # the lease runs out and the sweeper re-queues the shard: it is run again
+            log.exception("could not store shard %s; leaving it to the sweeper", shard.id)
+            return
+        log.info("shard %s done: %d ok, %d failed%s", shard.id, rendered.outcome.completed,
+                 rendered.outcome.failed, f" ({work.reason})" if work.reason else "")
+        finalize_batch(self.jobs, shard.batch_id)
+
+    # ---- monitor ----
+
+    def _monitor_loop(self) -> None:
+        last_beat = time.monotonic()
+        while not self._stop.wait(MONITOR_SECONDS):
+            try:
+                self._check_batches()
+                if time.monotonic() - last_beat >= self.settings.heartbeat_seconds:
+                    last_beat = time.monotonic()
+                    self._beat()
+            except OperationalError:
+                log.warning("database unavailable in the monitor; retrying", exc_info=True)
+
+    def _check_batches(self) -> None:
+        with self._lock:
+            works = list(self._inflight.values())
+        if not works:
+            return
+        with self.jobs.sessions() as session:
+            rows = dict(session.execute(
+                select(Batch.id, Batch.status).where(Batch.id.in_({w.shard.batch_id for w in works}))
+            ).all())
+        t = now()
+        for work in works:
+            status = rows.get(work.shard.batch_id)
+            if status in (states.CANCELLING, states.CANCELLED):
+                self._close(work, "batch_cancelled")
+            elif status == states.EXPIRED or t >= work.shard.expires_at:
+                self._close(work, "batch_expired")
+
+    def _beat(self) -> None:
+        with self._lock:
+            works = list(self._inflight.values())
+        held = leases.heartbeat(self.jobs, [w.shard.id for w in works], self.owner)
+        for work in works:
+            if work.shard.id not in held and not work.done.is_set():
+                log.warning("lease of shard %s was taken away; dropping it", work.shard.id)
+                self._close(work, None, lost=True)
+
+    def _close(self, work: ShardWork, reason: str | None, lost: bool = False) -> None:
+        aborted = work.close(reason, lost)
+        if not aborted:  # it had finished already
+            return
+        for request_id in aborted:
+            self.front.abort(request_id)
+        log.info("shard %s closed (%s): %d requests aborted", work.shard.id, reason or "lease lost", len(aborted))
+        self._finish(work)

@@ -1,0 +1,28 @@
+"""Celery task bodies: as thin as views. They take ids and hand them to this process's runner.
+
+The runner (and so the engine) is built once per worker process by ``batchapi worker``
+before it consumes anything, and installed here with ``install``.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy.exc import OperationalError
+
+from batchapi.jobs.errors import StorageError
+from batchapi.workers.shard_runner import ShardRunner
+
+# named transient failures a task is retried for (the database or storage briefly away)
+TRANSIENT = (OperationalError, StorageError)
+
+_runner: ShardRunner | None = None
+
+
+def install(runner: ShardRunner | None) -> None:
+    global _runner
+    _runner = runner
+
+
+def run_shard(shard_id: str) -> str:
+    """Claim and run one shard; a duplicate or late message finds it taken and returns."""
+    assert _runner is not None, "the worker's runner is not installed (start it with `batchapi worker`)"
+    return _runner.run_shard(shard_id)
