@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # the test builders in tests/kernels
+sys.path.insert(0, str(ROOT))  # the test builders in tests/kernels (paged KV cases, random models)
 
 HBM_BYTES_PER_S = 4.8e12
 SHAPES = {
@@ -161,35 +161,9 @@ def _name(dtype) -> str:
 
 def build_model(shape_name: str, out_dir: Path, device: str, dtype, std: float, seed: int = 0):
     """A random-weight Llama of the named shape on device, saved with a word-level tokenizer."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.kernels.random_model import build_random_llama
 
-    shape = SHAPES[shape_name]
-    config = LlamaConfig(**shape, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=1, pad_token_id=0)
-    torch.manual_seed(seed)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(default)
-    with torch.no_grad():  # wider than HF's init, so greedy choices are not near-ties
-        for param in model.parameters():
-            if param.dim() == 2:
-                param.normal_(0.0, std)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    _save_tokenizer(out_dir, shape["vocab_size"])
-    return model.eval()
-
-
-def _save_tokenizer(out_dir: Path, vocab_size: int) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", pad_token="t0", eos_token="t1").save_pretrained(out_dir)
+    return build_random_llama(SHAPES[shape_name], out_dir, device, dtype, std, seed)
 
 
 def random_prompts(n: int, length: int | tuple[int, int], vocab: int, seed: int) -> list[list[int]]:
