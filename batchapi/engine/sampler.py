@@ -25,7 +25,7 @@ import torch
 from batchapi.engine.sampling_params import SamplingParams
 
 # top_p first looks for its cut among this many of the most likely tokens, then widens
-TOP_P_CANDIDATES = (256, 4096)
+TOP_P_CANDIDATES = (64, 512, 4096)
 
 
 @dataclass
@@ -63,27 +63,32 @@ class Sampler:
         return _outputs(logits, rows, token_ids.tolist())
 
     def _choose(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        x = logits.to(torch.float32, copy=True)  # [B, V]; the caller's logits stay raw for logprobs
-        _apply_logit_bias(x, rows)
-        _apply_penalties(x, rows)
-        token_ids = torch.empty(len(rows), dtype=torch.long, device=x.device)
+        # temperature first, as the scratch copy (the raw logits stay for logprobs); bias and
+        # penalties are then added divided by it: (x + b) / T == x / T + b / T
+        scale = _column([1.0 if r.params.greedy else 1.0 / r.params.temperature for r in rows], logits)
+        x = (logits * scale[:, None]).float()  # [B, V]
+        _apply_logit_bias(x, rows, scale)
+        _apply_penalties(x, rows, scale)
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
-        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if len(greedy) == len(rows):
+            return x.argmax(dim=-1)
+        token_ids = torch.empty(len(rows), dtype=torch.long, device=x.device)
         if greedy:
             idx = _index(greedy, x.device)
             token_ids[idx] = x[idx].argmax(dim=-1)
-        if sampled:
-            idx = _index(sampled, x.device)
-            token_ids[idx] = self._sample(x[idx], [rows[i] for i in sampled])
+        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        sub, idx = _subset(x, sampled)  # [S, V], a copy only when some rows are greedy
+        token_ids[idx] = self._sample(sub, [rows[i] for i in sampled])
         return token_ids
 
     def _sample(self, x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        """x [S, V] processed logits of non-greedy rows -> sampled token ids [S]."""
-        temperature = _column([r.params.temperature for r in rows], x)
-        probs = torch.softmax(x / temperature[:, None], dim=-1)  # [S, V]
-        _apply_min_p(probs, rows)
-        _apply_top_k_top_p(probs, rows)
-        return _inverse_cdf(probs, self._uniforms(rows).to(x.device))
+        """x [S, V] processed logits of non-greedy rows over temperature, overwritten -> token ids [S]."""
+        # unnormalised probabilities with each row's largest at 1: the draw and every filter are
+        # scale-free, and min_p's threshold is then min_p itself
+        x.sub_(x.max(dim=-1, keepdim=True).values).exp_()
+        _apply_min_p(x, rows)
+        _apply_top_k_top_p(x, rows)
+        return _inverse_cdf(x, self._uniforms(rows).to(x.device))
 
     def _uniforms(self, rows: list[SampleRow]) -> torch.Tensor:
         """One number in [0, 1) per row [S] float64: seeded rows from their hash, others from the generator."""
@@ -108,11 +113,20 @@ def _index(positions: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(positions, dtype=torch.long, device=device)
 
 
+def _subset(x: torch.Tensor, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor | slice]:
+    """Rows ``positions`` of x, and how to index them: x itself (no copy) when that is every row."""
+    if len(positions) == x.shape[0]:
+        return x, slice(None)
+    idx = _index(positions, x.device)
+    return x[idx], idx
+
+
 def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32, device=like.device)
 
 
-def _apply_logit_bias(x: torch.Tensor, rows: list[SampleRow]) -> None:
+def _apply_logit_bias(x: torch.Tensor, rows: list[SampleRow], scale: torch.Tensor | None = None) -> None:
+    """Add each row's logit_bias (times its ``scale`` [B], if given) to x [B, V]."""
     row_ids, token_ids, biases = [], [], []
     for i, r in enumerate(rows):
         for token, bias in r.params.logit_bias.items():
@@ -124,70 +138,74 @@ def _apply_logit_bias(x: torch.Tensor, rows: list[SampleRow]) -> None:
     assert max(token_ids) < x.shape[1], (
         f"logit_bias token {max(token_ids)} outside vocab {x.shape[1]}; SamplingParams.check_vocab skipped"
     )
-    index = (_index(row_ids, x.device), _index(token_ids, x.device))
-    x.index_put_(index, _column(biases, x), accumulate=True)
+    row_ids = _index(row_ids, x.device)
+    biases = _column(biases, x) if scale is None else _column(biases, x) * scale[row_ids]
+    x.index_put_((row_ids, _index(token_ids, x.device)), biases, accumulate=True)
 
 
-def _apply_penalties(x: torch.Tensor, rows: list[SampleRow]) -> None:
-    """OpenAI's formula: logit[j] -= frequency * count[j] + presence * (count[j] > 0), output tokens only."""
+def _apply_penalties(x: torch.Tensor, rows: list[SampleRow], scale: torch.Tensor | None = None) -> None:
+    """OpenAI's formula: logit[j] -= frequency * count[j] + presence * (count[j] > 0), output tokens only.
+
+    The penalty is multiplied by the row's ``scale`` [B], if given."""
     penalised = [i for i, r in enumerate(rows) if r.params.has_penalties and r.output_token_ids]
     if not penalised:
         return
     vocab = x.shape[1]
-    # one bincount for all rows: token t of the k-th penalised row counts at k * vocab + t
-    flat = [k * vocab + t for k, i in enumerate(penalised) for t in rows[i].output_token_ids]
-    counts = torch.bincount(_index(flat, x.device), minlength=len(penalised) * vocab)
-    counts = counts.view(len(penalised), vocab).to(torch.float32)  # [P, V]
-    frequency = _column([rows[i].params.frequency_penalty for i in penalised], x)
-    presence = _column([rows[i].params.presence_penalty for i in penalised], x)
-    penalty = frequency[:, None] * counts + presence[:, None] * (counts > 0)
-    idx = _index(penalised, x.device)
-    x[idx] -= penalty
+    # count (row, token) pairs as row * vocab + token: work in the number of output tokens, not B * V
+    flat = _index([i * vocab + t for i in penalised for t in rows[i].output_token_ids], x.device)
+    pairs, counts = torch.unique(flat, return_counts=True)
+    row_ids, token_ids = pairs // vocab, pairs % vocab
+    frequency = _column([r.params.frequency_penalty for r in rows], x)[row_ids]
+    presence = _column([r.params.presence_penalty for r in rows], x)[row_ids]
+    penalty = frequency * counts + presence
+    x[row_ids, token_ids] -= penalty if scale is None else penalty * scale[row_ids]
 
 
-def _apply_min_p(probs: torch.Tensor, rows: list[SampleRow]) -> None:
-    """Drop tokens less likely than min_p times the most likely one."""
+def _apply_min_p(weights: torch.Tensor, rows: list[SampleRow]) -> None:
+    """Drop tokens less likely than min_p times the most likely one (whose weight is 1)."""
     filtered = [i for i, r in enumerate(rows) if r.params.min_p > 0]
     if not filtered:
         return
-    idx = _index(filtered, probs.device)
-    sub = probs[idx]  # [F, V]
-    min_p = _column([rows[i].params.min_p for i in filtered], probs)
-    threshold = min_p * sub.max(dim=-1).values
-    probs[idx] = sub.masked_fill(sub < threshold[:, None], 0.0)
+    sub, idx = _subset(weights, filtered)
+    min_p = _column([rows[i].params.min_p for i in filtered], weights)
+    sub.masked_fill_(sub < min_p[:, None], 0.0)
+    if sub is not weights:
+        weights[idx] = sub
 
 
-def _apply_top_k_top_p(probs: torch.Tensor, rows: list[SampleRow]) -> None:
+def _apply_top_k_top_p(weights: torch.Tensor, rows: list[SampleRow]) -> None:
     """Keep each row's top_k most likely tokens, then the smallest head of those holding top_p of their mass."""
-    vocab = probs.shape[1]
-    filtered = [
-        i for i, r in enumerate(rows) if 0 < r.params.top_k < vocab or r.params.top_p < 1.0
-    ]
+    vocab = weights.shape[1]
+    filtered = [i for i, r in enumerate(rows) if 0 < r.params.top_k < vocab or r.params.top_p < 1.0]
     if not filtered:
         return
-    idx = _index(filtered, probs.device)
-    sub = probs[idx]  # [F, V]
+    sub, idx = _subset(weights, filtered)
     top_k = torch.tensor(
         [rows[i].params.top_k if 0 < rows[i].params.top_k < vocab else vocab for i in filtered],
-        dtype=torch.long, device=probs.device,
+        dtype=torch.long,
+        device=weights.device,
     )
-    top_p = _column([rows[i].params.top_p for i in filtered], probs)
+    top_p = _column([rows[i].params.top_p for i in filtered], weights)
     threshold = _keep_thresholds(sub, top_k, top_p)
-    probs[idx] = sub.masked_fill(sub < threshold[:, None], 0.0)
+    sub.masked_fill_(sub < threshold[:, None], 0.0)
+    if sub is not weights:
+        weights[idx] = sub
 
 
 def _keep_thresholds(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """probs [F, V], top_k [F] (V when off), top_p [F] -> the smallest kept probability per row [F].
+    """probs [F, V] (may be unnormalised), top_k [F] (V when off), top_p [F] -> the smallest kept value per row [F].
 
     A full sort of the vocabulary is slow on CPU, so each row's cut is looked for among the
     K most likely tokens (torch.topk), widening K only for rows whose cut lies beyond it."""
     vocab = probs.shape[1]
     threshold = torch.zeros(probs.shape[0], dtype=probs.dtype, device=probs.device)
+    total = probs.sum(dim=-1)
     pending = torch.arange(probs.shape[0], device=probs.device)
     for cap in (*TOP_P_CANDIDATES, vocab):
         # enough columns for the widest top_k still pending, up to this level's cap
         k = min(vocab, cap, int(top_k[pending].max()))
-        done, cut = _cut_among_top(probs[pending], top_k[pending], top_p[pending], k)
+        rows = probs if len(pending) == probs.shape[0] else probs[pending]
+        done, cut = _cut_among_top(rows, total[pending], top_k[pending], top_p[pending], k)
         threshold[pending[done]] = cut[done]
         pending = pending[~done]
         if len(pending) == 0:
@@ -197,7 +215,7 @@ def _keep_thresholds(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
 
 
 def _cut_among_top(
-    probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, k: int
+    probs: torch.Tensor, row_total: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Look for each row's cut among its k most likely tokens -> (found [F] bool, threshold [F])."""
     vocab = probs.shape[1]
@@ -207,7 +225,7 @@ def _cut_among_top(
     cumulative = values.cumsum(dim=-1)  # [F, k]
     top_k_inside = top_k <= k
     # mass to cover: all of the top_k tokens when they are all here, else the whole row's
-    total = torch.where(top_k_inside, cumulative[:, -1], probs.sum(dim=-1))
+    total = torch.where(top_k_inside, cumulative[:, -1], row_total)
     target = top_p * total
     # keep a token while the mass before it is short of the target; top_p == 1 keeps all top_k
     keep = ((cumulative - values) < target[:, None]) & in_top_k
@@ -218,9 +236,9 @@ def _cut_among_top(
     return found, cut
 
 
-def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """probs [S, V] (unnormalised, zeros never drawn), u [S] in [0, 1) -> token ids [S]."""
-    cdf = probs.cumsum(dim=-1)  # [S, V]
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """weights [S, V] (unnormalised, zeros never drawn; overwritten), u [S] in [0, 1) -> token ids [S]."""
+    cdf = weights.cumsum_(dim=-1)  # [S, V]
     total = cdf[:, -1]
     target = (u * total.double()).to(cdf.dtype)
     # rounding may lift u * total to total, past the last drawable token; stay just below it
@@ -233,15 +251,19 @@ def _outputs(logits: torch.Tensor, rows: list[SampleRow], token_ids: list[int]) 
     wanted = [i for i, r in enumerate(rows) if r.params.logprobs]
     if not wanted:
         return outputs
-    idx = _index(wanted, logits.device)
-    logprobs = torch.log_softmax(logits[idx].float(), dim=-1)  # [L, V] raw model distribution
-    chosen = logprobs.gather(1, _index([token_ids[i] for i in wanted], logits.device)[:, None])
-    chosen = chosen.squeeze(1).tolist()
+    raw, _ = _subset(logits, wanted)
+    raw = raw.float()  # [L, V] the unmodified model logits
+    # log-softmax at a few tokens only: logit - logsumexp, without writing out [L, V] logprobs
+    norm = torch.logsumexp(raw, dim=-1)
+    chosen = raw.gather(1, _index([token_ids[i] for i in wanted], raw.device)[:, None]).squeeze(1)
+    chosen = (chosen - norm).tolist()
     num_top = max(rows[i].params.top_logprobs for i in wanted)
-    top_values, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (None, None)
+    if num_top:
+        top_values, top_ids = raw.topk(num_top, dim=-1)
+        top_values, top_ids = (top_values - norm[:, None]).tolist(), top_ids.tolist()
     for k, i in enumerate(wanted):
         outputs[i].logprob = chosen[k]
         n = rows[i].params.top_logprobs
         if n:
-            outputs[i].top_logprobs = list(zip(top_ids[k, :n].tolist(), top_values[k, :n].tolist()))
+            outputs[i].top_logprobs = list(zip(top_ids[k][:n], top_values[k][:n], strict=True))
     return outputs

@@ -31,7 +31,9 @@ def encode(tokenizer, text: str) -> list[int]:
 
 def chat_prompt(tokenizer) -> list[int]:
     messages = [{"role": "user", "content": "Say something."}]
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"])
+    return list(
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+    )
 
 
 def feed(detok: IncrementalDetokenizer, ids: list[int], chunk: int = 1) -> list[str]:

@@ -32,9 +32,18 @@ def test_top_k_zero_and_minus_one_are_off():
 
 def test_accepts_the_edges():
     SamplingParams(
-        max_tokens=None, temperature=0, top_p=1, min_p=1, presence_penalty=-2, frequency_penalty=2,
-        logit_bias={0: -100, 5: 100.0}, stop_token_ids=[0], top_logprobs=20, logprobs=True,
-        seed=-(2**63), n=128,
+        max_tokens=None,
+        temperature=0,
+        top_p=1,
+        min_p=1,
+        presence_penalty=-2,
+        frequency_penalty=2,
+        logit_bias={0: -100, 5: 100.0},
+        stop_token_ids=[0],
+        top_logprobs=20,
+        logprobs=True,
+        seed=-(2**63),
+        n=128,
     )
 
 
