@@ -1,0 +1,183 @@
+"""LLMEngine end to end on CPU: parity with Hugging Face generate and the cache/scheduling paths."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from batchapi.engine import EngineConfig, GenerationRequest, LLMEngine, SamplingParams, UnsupportedModelError
+
+PROMPTS = [
+    "The quick brown fox",
+    "Once upon a time, in a land far away, there lived a king who had three daughters and",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23,",
+    "Hi",
+]
+SHARED = "You are a careful assistant. Answer in one short sentence, without any preamble. " * 2
+
+
+def greedy(max_tokens=16, **kw):
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], params) -> list:
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(GenerationRequest(f"r{i}", ids, p))
+    results = {}
+    while engine.has_unfinished():
+        for result in engine.step():
+            results[result.request_id] = result
+    return [results[f"r{i}"] for i in range(len(prompts))]
+
+
+def hf_greedy(model_dir, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    out = []
+    for ids in prompts:
+        gen = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+        out.append(gen[0, len(ids):].tolist())
+    return out
+
+
+def engine_for(model_dir, **kw) -> LLMEngine:
+    kw.setdefault("dtype", "float32")
+    kw.setdefault("kv_cache_bytes", 4 << 20)
+    return LLMEngine(EngineConfig(model_path=model_dir, **kw))
+
+
+def tokenize(model_dir, texts):
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return [tok(t)["input_ids"] for t in texts]
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
+def test_greedy_parity_with_hf_on_tiny_models(fixture, request):
+    model_dir = request.getfixturevalue(fixture)
+    prompts = tokenize(model_dir, PROMPTS)
+    expected = hf_greedy(model_dir, prompts, 24)
+    # a small budget and seq cap: prompts are chunked and decodes mix with prefills
+    engine = engine_for(model_dir, max_num_seqs=3, max_num_batched_tokens=16)
+    results = run(engine, prompts, greedy(24))
+    assert [r.outputs[0].token_ids for r in results] == expected
+    assert all(r.outputs[0].finish_reason == "length" and r.completion_tokens == 24 for r in results)
+    assert [r.prompt_tokens for r in results] == [len(p) for p in prompts]
+
+
+def test_greedy_parity_with_hf_on_smollm2(smollm2_dir):
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    chats = ["What is the capital of France?", "Write a haiku about the sea.", "List three primary colors."]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
+                                       tokenize=False) for c in chats]
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    expected = hf_greedy(smollm2_dir, prompts, 20)
+    engine = engine_for(smollm2_dir, kv_cache_bytes=64 << 20)
+    results = run(engine, prompts, greedy(20))
+    assert [r.outputs[0].token_ids for r in results] == expected
+    assert "Paris" in results[0].outputs[0].text
+
+
+def test_prefix_caching_on_and_off_give_the_same_tokens(tiny_llama_dir):
+    prompts = tokenize(tiny_llama_dir, [SHARED + p for p in PROMPTS] + [SHARED + PROMPTS[0]])
+    off = run(engine_for(tiny_llama_dir, enable_prefix_caching=False), prompts, greedy())
+    on = run(engine_for(tiny_llama_dir, enable_prefix_caching=True), prompts, greedy())
+    assert [r.outputs[0].token_ids for r in on] == [r.outputs[0].token_ids for r in off]
+    assert all(r.cached_tokens == 0 for r in off)
+    shared_blocks = len(tokenize(tiny_llama_dir, [SHARED])[0]) // 16 * 16
+    assert on[0].cached_tokens == 0
+    assert all(r.cached_tokens >= shared_blocks for r in on[1:])
+
+
+def test_small_kv_pool_preempts_and_still_matches(tiny_llama_dir):
+    prompts = tokenize(tiny_llama_dir, PROMPTS)
+    expected = run(engine_for(tiny_llama_dir), prompts, greedy(40))
+    # 2 layers x 2 KV heads x 16 dims x (K and V) x 4 bytes = 512 bytes a token: 8 blocks, 128 tokens
+    engine = engine_for(tiny_llama_dir, kv_cache_bytes=8 * 16 * 512, max_num_seqs=5)
+    results = run(engine, prompts, greedy(40))
+    assert engine.scheduler.num_preemptions > 0
+    assert [r.outputs[0].token_ids for r in results] == [r.outputs[0].token_ids for r in expected]
+    assert engine.kv_usage() == 0.0 or engine.block_manager.num_free_blocks == engine.runner.num_blocks
+
+
+def test_seeded_sampling_is_the_same_whatever_the_batch(tiny_llama_dir):
+    prompts = tokenize(tiny_llama_dir, PROMPTS)
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    alone = run(engine_for(tiny_llama_dir), [prompts[1]], seeded)[0].outputs[0].token_ids
+    noise = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
+    mixed = run(engine_for(tiny_llama_dir), prompts, [noise, seeded, noise, noise, noise])
+    assert mixed[1].outputs[0].token_ids == alone
+    other_seed = run(engine_for(tiny_llama_dir), [prompts[1]],
+                     SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=99, ignore_eos=True))
+    assert other_seed[0].outputs[0].token_ids != alone
+
+
+def test_n_samples_fork_from_one_prompt(tiny_llama_dir):
+    prompts = tokenize(tiny_llama_dir, [SHARED + PROMPTS[1]])
+    single = run(engine_for(tiny_llama_dir), prompts, greedy(10))[0]
+    engine = engine_for(tiny_llama_dir)
+    result = run(engine, prompts, greedy(10, n=3))[0]
+    assert [o.index for o in result.outputs] == [0, 1, 2]
+    assert all(o.token_ids == single.outputs[0].token_ids for o in result.outputs)
+    assert result.completion_tokens == 30 and result.prompt_tokens == len(prompts[0])
+    sampled = run(engine_for(tiny_llama_dir), prompts,
+                  SamplingParams(max_tokens=10, temperature=1.0, seed=5, n=3, ignore_eos=True))[0]
+    assert len({tuple(o.token_ids) for o in sampled.outputs}) > 1
+
+
+def test_stop_string_is_excluded_and_stops(tiny_llama_dir):
+    prompts = tokenize(tiny_llama_dir, [PROMPTS[0]])
+    full = run(engine_for(tiny_llama_dir), prompts, greedy(24))[0].outputs[0]
+    stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 3]
+    assert stop.strip(), f"pick a visible stop string from {full.text!r}"
+    cut = run(engine_for(tiny_llama_dir), prompts, greedy(24, stop=[stop]))[0].outputs[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.index(stop)]
+    eos = run(engine_for(tiny_llama_dir), prompts, greedy(24, stop_token_ids=[full.token_ids[3]]))[0].outputs[0]
+    assert eos.finish_reason == "stop" and eos.token_ids == full.token_ids[: full.token_ids.index(full.token_ids[3]) + 1]
+
+
+def test_unfittable_request_finishes_with_an_error(tiny_llama_dir):
+    engine = engine_for(tiny_llama_dir, max_model_len=32)
+    long, short = tokenize(tiny_llama_dir, [" ".join(["word"] * 40), "Hi"])
+    results = run(engine, [long, short, [10**9]], greedy(4))
+    assert results[0].outputs[0].finish_reason == "error" and "at most 32 tokens" in results[0].error
+    assert results[1].error is None and results[1].completion_tokens == 4
+    assert "outside the vocabulary" in results[2].error
+    # max_tokens past the context: the sequence stops at the context length
+    capped = run(engine, [short], [greedy(100)])[0]
+    assert capped.outputs[0].finish_reason == "length" and capped.prompt_tokens + capped.completion_tokens == 32
+
+
+def test_logprobs_match_a_log_softmax(tiny_llama_dir):
+    prompts = tokenize(tiny_llama_dir, [PROMPTS[2]])
+    out = run(engine_for(tiny_llama_dir), prompts, greedy(4, logprobs=True, top_logprobs=3))[0].outputs[0]
+    assert len(out.logprobs) == 4
+    for step in out.logprobs:
+        assert step.top_logprobs[0][0] == step.token_id  # greedy picks the most likely
+        assert step.logprob == pytest.approx(step.top_logprobs[0][1]) and step.logprob <= 0
+
+
+def test_abort_drops_a_request(tiny_llama_dir):
+    engine = engine_for(tiny_llama_dir)
+    prompts = tokenize(tiny_llama_dir, PROMPTS[:2])
+    engine.add_request(GenerationRequest("a", prompts[0], greedy(50)))
+    engine.add_request(GenerationRequest("b", prompts[1], greedy(5)))
+    engine.step()
+    aborted = engine.abort("a")
+    assert aborted.error == "aborted" and aborted.outputs[0].finish_reason == "error"
+    assert engine.abort("a") is None
+    done = []
+    while engine.has_unfinished():
+        done += engine.step()
+    assert [r.request_id for r in done] == ["b"] and engine.num_running() == 0
+
+
+def test_unsupported_architecture_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel.*not supported"):
+        LLMEngine(EngineConfig(model_path=tmp_path))
