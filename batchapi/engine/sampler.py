@@ -243,7 +243,9 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     target = (u * total.double()).to(cdf.dtype)
     # rounding may lift u * total to total, past the last drawable token; stay just below it
     target = torch.minimum(target, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target[:, None], right=True).squeeze(1)
+    token_ids = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1)
+    # only NaN weights (a broken model) lead past the end; keep the id valid rather than crash the step
+    return token_ids.clamp_(max=weights.shape[1] - 1)
 
 
 def _outputs(logits: torch.Tensor, rows: list[SampleRow], token_ids: list[int]) -> list[SampleOutput]:

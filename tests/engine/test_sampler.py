@@ -240,3 +240,25 @@ def test_logprobs_are_of_the_raw_model_distribution():
 def test_accepts_logits_on_the_batch_device_only_shape_checked():
     with pytest.raises(AssertionError, match="do not match"):
         Sampler()(torch.zeros(2, VOCAB), rows_of(SamplingParams(), 3))
+
+
+@pytest.mark.parametrize(("temperature", "p0"), [(1.0, 0.75), (2.0, 3**0.5 / (1 + 3**0.5))])
+def test_logit_bias_applies_before_temperature(temperature, p0):
+    # logits equal, bias log(3) on token 0: P(0) = 3^(1/T) / (3^(1/T) + 1)
+    logits = torch.zeros(8000, 2)
+    params = SamplingParams(temperature=temperature, logit_bias={0: math.log(3)})
+    out = tokens(Sampler(seed=0), logits, rows_of(params, 8000))
+    assert abs(out.count(0) / len(out) - p0) < 0.02
+
+
+def test_penalties_scale_with_the_row_factor():
+    x = torch.zeros(2, 3)
+    rows = [SampleRow(SamplingParams(frequency_penalty=1.0), [2, 2], 0)] * 2
+    _apply_penalties(x, rows, torch.tensor([1.0, 0.5]))
+    assert torch.equal(x, torch.tensor([[0.0, 0.0, -2.0], [0.0, 0.0, -1.0]]))
+
+
+def test_nan_logits_still_give_a_valid_token_id():
+    logits = torch.full((2, VOCAB), float("nan"))
+    out = tokens(Sampler(seed=0), logits, rows_of(SamplingParams(top_p=0.9), 2))
+    assert all(0 <= t < VOCAB for t in out)
