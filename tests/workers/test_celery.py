@@ -78,3 +78,99 @@ def test_duplicated_task_messages_do_no_work_twice(cluster, two_workers, model):
         assert again["request_counts"] == first["request_counts"] and again["usage"] == first["usage"]
         output, errors = results(http, again)
     assert_each_once(lines, output, errors)
+
+
+def long_lines(model: str, prefix: str, n: int = 200, max_tokens: int = 32) -> list[dict]:
+    """Enough work to be caught in the middle: every request runs to max_tokens."""
+    return lines_for(model, n, prefix=prefix, max_tokens=max_tokens, ignore_eos=True)
+
+
+def some_done(batch: dict) -> bool:
+    return batch["status"] == "in_progress" and batch["request_counts"]["completed"] >= 10
+
+
+def test_cancel_mid_run_keeps_finished_results(cluster, two_workers, model):
+    lines = long_lines(model, "cancel")
+    with cluster.http() as http:
+        batch_id = submit(http, lines)
+        wait_for(http, batch_id, some_done, 120, "some finished requests")
+        cancelled = http.post(f"/v1/batches/{batch_id}/cancel")
+        assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelling", cancelled.text
+        batch = wait_done(http, batch_id, timeout=30)  # in-flight requests are aborted, not run out
+        assert batch["status"] == "cancelled", batch
+        output, errors = results(http, batch)
+    assert_each_once(lines, output, errors)
+    assert 10 <= len(output) < len(lines)
+    assert {e["error"]["code"] for e in errors} == {"batch_cancelled"}
+    assert all(e["response"] is None for e in errors)
+    assert_usage_matches(batch, output)
+    assert batch["request_counts"] == {"total": len(lines), "completed": len(output), "failed": len(errors)}
+
+
+def test_expiry_mid_run_keeps_finished_results(cluster, two_workers, model):
+    from sqlalchemy import update
+
+    from batchapi.jobs.db import session_scope
+    from batchapi.jobs.ids import now
+    from batchapi.jobs.models import Batch
+
+    lines = long_lines(model, "expire")
+    with cluster.http() as http:
+        batch_id = submit(http, lines)
+        wait_for(http, batch_id, some_done, 120, "some finished requests")
+        with session_scope(cluster.jobs.sessions) as session:  # the completion window runs out now
+            session.execute(update(Batch).where(Batch.id == batch_id).values(expires_at=now()))
+        batch = wait_done(http, batch_id, timeout=30)
+        assert batch["status"] == "expired", batch
+        output, errors = results(http, batch)
+    assert_each_once(lines, output, errors)
+    assert 10 <= len(output) < len(lines)
+    assert {e["error"]["code"] for e in errors} == {"batch_expired"}
+    assert_usage_matches(batch, output)
+
+
+def test_redis_restart_mid_batch(cluster, two_workers, model):
+    lines = long_lines(model, "redis", max_tokens=16)
+    with cluster.http() as http:
+        batch_id = submit(http, lines)
+        wait_for(http, batch_id, some_done, 120, "some finished requests")
+        cluster.redis.restart()  # every queued message is gone; the database still knows the work
+        assert get(http, batch_id)["status"] == "in_progress"
+        batch = wait_done(http, batch_id, timeout=180)
+        assert batch["status"] == "completed", batch
+        output, errors = results(http, batch)
+    assert errors == []
+    assert_each_once(lines, output, errors)
+    assert_usage_matches(batch, output)
+    for name in two_workers:
+        assert cluster.workers[name].poll() is None, cluster.worker_log(name)
+    # and the restarted broker carries new work
+    after = lines_for(model, 20, prefix="after-restart")
+    with cluster.http() as http:
+        batch = wait_done(http, submit(http, after), timeout=60)
+        assert batch["status"] == "completed", batch
+        assert_each_once(after, *results(http, batch))
+
+
+def test_kill_9_of_a_worker_mid_batch(cluster, two_workers, model):
+    lines = long_lines(model, "kill")
+    victim, survivor = two_workers
+    victim_pid = str(cluster.workers[victim].pid)
+    with cluster.http() as http:
+        batch_id = submit(http, lines)
+
+        def victim_busy(batch: dict) -> bool:
+            running = [s for s in shards_of(cluster, batch_id) if s.status == "running"]
+            return some_done(batch) and any(s.lease_owner.split(":")[1] == victim_pid for s in running)
+
+        wait_for(http, batch_id, victim_busy, 120, "the victim to hold a shard")
+        cluster.kill_worker(victim)
+        batch = wait_done(http, batch_id, timeout=240)
+        assert batch["status"] == "completed", batch
+        output, errors = results(http, batch)
+    assert errors == []
+    assert_each_once(lines, output, errors)
+    assert_usage_matches(batch, output)
+    shards = shards_of(cluster, batch_id)
+    assert max(s.attempts for s in shards) >= 2, "no shard was run again"
+    assert all(s.lease_owner.split(":")[1] != victim_pid for s in shards if s.status == "succeeded" and s.attempts > 1)
