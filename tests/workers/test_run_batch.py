@@ -1,0 +1,74 @@
+"""run_batch and openai_io: a JSONL batch file through a real engine on a tiny model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from batchapi.engine import EngineConfig, EngineFront
+from batchapi.jobs.request_body import parse_body
+from batchapi.workers import openai_io
+from batchapi.workers.run_batch import run_batch
+
+
+@pytest.fixture(scope="module")
+def front(tiny_llama_dir):
+    front = EngineFront(EngineConfig(model_path=tiny_llama_dir, dtype="float32", kv_cache_bytes=4 << 20,
+                                     max_num_seqs=4, max_model_len=200)).start()
+    yield front
+    front.shutdown()
+
+
+def line(custom_id, url, **body):
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": {"model": "m", **body}})
+
+
+def test_run_batch_writes_one_line_per_input_line(tmp_path, front):
+    chat = "/v1/chat/completions"
+    lines = [
+        line("chat-1", chat, messages=[{"role": "user", "content": "Hello"}], max_tokens=5, temperature=0,
+             ignore_eos=True, logprobs=True, top_logprobs=2),
+        line("cmpl-1", "/v1/completions", prompt="Once upon a time", max_tokens=3, temperature=0, ignore_eos=True,
+             n=2, logprobs=1),
+        "this is not json",
+        line("bad-temp", chat, messages=[{"role": "user", "content": "x"}], temperature=5),
+        line("too-long", "/v1/completions", prompt=" ".join(["word"] * 300), max_tokens=3),
+        "",
+        *[line(f"many-{i}", chat, messages=[{"role": "user", "content": f"count to {i}"}], max_tokens=4,
+               temperature=0, ignore_eos=True) for i in range(12)],
+    ]
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    counts = run_batch(src, dst, front=front, progress=False, max_in_flight=3)
+    assert (counts.total, counts.completed, counts.failed) == (17, 14, 3)
+    out = {r["custom_id"]: r for r in map(json.loads, dst.read_text().splitlines())}
+    assert len(out) == 17 and None in out
+
+    body = out["chat-1"]["response"]["body"]
+    assert out["chat-1"]["response"]["status_code"] == 200 and out["chat-1"]["error"] is None
+    assert body["object"] == "chat.completion" and body["usage"]["completion_tokens"] == 5
+    assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + 5
+    assert "cached_tokens" in body["usage"]["prompt_tokens_details"]
+    content = body["choices"][0]["logprobs"]["content"]
+    assert len(content) == 5 and len(content[0]["top_logprobs"]) == 2
+    assert "".join(c["token"] for c in content) == body["choices"][0]["message"]["content"]
+
+    cmpl = out["cmpl-1"]["response"]["body"]
+    assert cmpl["object"] == "text_completion" and [c["index"] for c in cmpl["choices"]] == [0, 1]
+    assert cmpl["usage"]["completion_tokens"] == 6
+    assert len(cmpl["choices"][0]["logprobs"]["tokens"]) == 3
+
+    assert out["bad-temp"]["response"]["status_code"] == 400
+    assert out["bad-temp"]["response"]["body"]["error"]["param"] == "temperature"
+    assert out["too-long"]["response"]["body"]["error"]["code"] == "context_length_exceeded"
+    assert out[None]["response"]["body"]["error"]["code"] == "invalid_json"
+    assert front.num_in_flight() == 0
+
+
+def test_chat_template_is_applied(front):
+    parsed = parse_body("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "Hi"}]})
+    request = openai_io.to_request(parsed, front.tokenizer, "x")
+    text = front.tokenizer.decode(request.prompt_token_ids)
+    assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert request.params.max_tokens is None and request.params.temperature == 1.0
