@@ -17,7 +17,7 @@ import triton.language as tl
 from batchapi.kernels.launch import check_last_dim_contiguous, check_same_device, for_device, next_pow2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])  # a loop bound below: it must not become constexpr 1
 def _paged_attention_kernel(
     out_ptr,  # [T, Hq, D], or the split partials [T, Hq, S, D] fp32
     max_ptr,  # [T, Hq, S] fp32 (splits only)
@@ -51,7 +51,7 @@ def _paged_attention_kernel(
 
     # -- which sequence: the last b with cu[b] // BLOCK_Q + b <= qblock (each sequence owns
     #    ceil-ish q_len / BLOCK_Q + 1 program slots, the launcher's grid covers them all)
-    lo = 0
+    lo: tl.int32 = 0
     hi = num_seqs
     while lo < hi:
         mid = (lo + hi) // 2

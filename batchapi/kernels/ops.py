@@ -42,7 +42,7 @@ def _triton_ops() -> Ops:
     attention = importlib.import_module("batchapi.kernels.attention")
     kvcache = importlib.import_module("batchapi.kernels.kvcache")
     norm = importlib.import_module("batchapi.kernels.norm")
-    rotary = importlib.import_module("batchapi.kernels.rotary")
+    rotary_embedding = importlib.import_module("batchapi.kernels.rotary_embedding")
     activation = importlib.import_module("batchapi.kernels.activation")
     return Ops(
         name="triton",
@@ -50,7 +50,7 @@ def _triton_ops() -> Ops:
         paged_attention=attention.paged_attention,
         rms_norm=norm.rms_norm,
         fused_add_rms_norm=norm.fused_add_rms_norm,
-        rotary=rotary.rotary,
+        rotary=rotary_embedding.rotary,
         silu_and_mul=activation.silu_and_mul,
     )
 
