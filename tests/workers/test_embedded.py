@@ -1,0 +1,121 @@
+"""The embedded default: API and worker in one process, SQLite, a local storage directory."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from openai import OpenAI
+from sqlalchemy import select, update
+
+from batchapi.jobs.db import session_scope
+from batchapi.jobs.ids import now
+from batchapi.jobs.migrate import upgrade
+from batchapi.jobs.models import Shard
+from batchapi.workers import leases
+from batchapi.workers.embedded import EmbeddedWorker
+from batchapi.workers.sweeper import sweep
+from tests.utils.batch_service import jsonl, live_server, service_settings
+from tests.workers.helpers import assert_each_once, assert_usage_matches, lines_for
+
+EMBEDDED = dict(
+    shard_size=8, sweep_seconds=0.5, worker_poll_seconds=0.5, max_num_seqs=8, max_num_batched_tokens=256,
+    kv_cache_gb=0.05, device="cpu", auth_required=False, lease_seconds=10, heartbeat_seconds=1.0,
+)
+TERMINAL = {"completed", "failed", "expired", "cancelled"}
+
+
+@pytest.fixture(scope="module")
+def embedded(tmp_path_factory, tiny_llama_dir):
+    settings = service_settings(tmp_path_factory.mktemp("embedded"), tiny_llama_dir, **EMBEDDED)
+    upgrade(settings)
+    worker = EmbeddedWorker()
+    with live_server(settings, dispatcher=worker, hook=worker.run) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(embedded) -> OpenAI:
+    return OpenAI(base_url=embedded.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+def run(client: OpenAI, lines: list[dict]):
+    uploaded = client.files.create(file=("batch.jsonl", jsonl(lines)), purpose="batch")
+    return client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+
+
+def wait(client: OpenAI, batch_id: str, until=lambda b: b.status in TERMINAL, timeout: float = 90):
+    deadline = time.monotonic() + timeout
+    while True:
+        batch = client.batches.retrieve(batch_id)
+        if until(batch):
+            return batch
+        assert time.monotonic() < deadline, f"timed out: {batch}"
+        time.sleep(0.2)
+
+
+def contents(client: OpenAI, file_id: str | None) -> list[dict]:
+    if file_id is None:
+        return []
+    return [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
+
+
+def test_upload_to_results_with_the_openai_sdk(client, embedded):
+    model = embedded.app.state.model.id
+    lines = lines_for(model, 40, prefix="sdk", max_tokens=5)
+    lines[7]["body"]["max_tokens"] = 1
+    batch = wait(client, run(client, lines).id)
+    assert batch.status == "completed", batch
+    assert batch.request_counts.total == 40 and batch.request_counts.completed == 40
+    output, errors = contents(client, batch.output_file_id), contents(client, batch.error_file_id)
+    assert errors == [] and batch.error_file_id is None
+    assert_each_once(lines, output, errors)
+    assert_usage_matches(batch.model_dump(), output)
+    by_id = {r["custom_id"]: r for r in output}
+    body = by_id["sdk-7"]["response"]["body"]
+    assert by_id["sdk-7"]["response"]["status_code"] == 200 and by_id["sdk-7"]["error"] is None
+    assert body["object"] == "chat.completion" and body["model"] == model
+    assert body["usage"]["completion_tokens"] == 1 and body["choices"][0]["finish_reason"] == "length"
+    assert client.files.retrieve(batch.output_file_id).purpose == "batch_output"
+    assert batch.model_extra["cost"]["currency"] == "usd"
+
+
+def test_cancel_aborts_in_flight_requests(client, embedded):
+    model = embedded.app.state.model.id
+    lines = lines_for(model, 120, prefix="stop", max_tokens=48, ignore_eos=True)
+    batch = run(client, lines)
+    wait(client, batch.id, lambda b: b.status == "in_progress" and b.request_counts.completed >= 8)
+    client.batches.cancel(batch.id)
+    batch = wait(client, batch.id, timeout=20)
+    assert batch.status == "cancelled", batch
+    output, errors = contents(client, batch.output_file_id), contents(client, batch.error_file_id)
+    assert_each_once(lines, output, errors)
+    assert 8 <= len(output) < 120
+    assert {e["error"]["code"] for e in errors} == {"batch_cancelled"}
+
+
+def test_a_shard_out_of_attempts_fails_and_the_batch_completes(tmp_path, tiny_llama_dir):
+    """No worker here: the test plays a worker that keeps dying, and runs the sweeper itself."""
+    settings = service_settings(tmp_path, tiny_llama_dir, **{**EMBEDDED, "max_shard_attempts": 2})
+    upgrade(settings)
+    with live_server(settings) as server:
+        client = OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+        lines = lines_for(server.app.state.model.id, 10, prefix="doomed")
+        batch = wait(client, run(client, lines).id, lambda b: b.status == "in_progress")
+        jobs = server.jobs
+        with jobs.sessions() as session:
+            shard_ids = list(session.scalars(select(Shard.id).where(Shard.batch_id == batch.id)))
+        for attempt in range(2):  # each attempt: claimed, then the worker dies (the lease runs out)
+            for shard_id in shard_ids:
+                assert leases.claim(jobs, shard_id, f"ghost-{attempt}") is not None
+            with session_scope(jobs.sessions) as session:
+                session.execute(update(Shard).values(lease_expires_at=now() - 1))
+            report = sweep(jobs)
+        assert sorted(report.closed) == sorted(shard_ids) and report.finalized == [batch.id]
+        batch = client.batches.retrieve(batch.id)
+        assert batch.status == "completed", batch
+        assert batch.request_counts.failed == 10 and batch.output_file_id is None
+        errors = contents(client, batch.error_file_id)
+        assert_each_once(lines, [], errors)
+        assert {e["error"]["code"] for e in errors} == {"shard_failed"}
