@@ -28,6 +28,7 @@ from batchapi.jobs.context import Jobs
 from batchapi.jobs.errors import StorageError
 from batchapi.jobs.ids import now
 from batchapi.jobs.models import Batch
+from batchapi.jobs.request_body import BodyError
 from batchapi.jobs.storage import shard_error_key, shard_output_key
 from batchapi.workers import leases
 from batchapi.workers.codec import Codec
@@ -144,8 +145,13 @@ class ShardRunner:
             log.warning("could not read shard %s; giving it back", claimed.id, exc_info=True)
             leases.release(self.jobs, [claimed.id], self.owner)
             return None
-        work = ShardWork(claimed, lines, self.codec.model_id)
-        requests = [self.codec.request(line, work.request_id(line)) for line in work.runnable()]
+        work = ShardWork(claimed, lines)
+        requests = []
+        for line in work.runnable():
+            try:
+                requests.append(self.codec.request(line, work.request_id(line)))
+            except ValueError as exc:  # sampling settings the engine refuses: that request's error
+                line.parsed, line.error = None, BodyError(str(exc))
         work.expect([r.request_id for r in requests])
         with self._lock:
             self._inflight[claimed.id] = work
@@ -178,7 +184,7 @@ class ShardRunner:
 
     def _store(self, work: ShardWork) -> None:
         shard = work.shard
-        rendered = work.render(self.codec.body)
+        rendered = work.render(self.codec)
         out_key, err_key = shard_output_key(shard.batch_id, shard.index), shard_error_key(shard.batch_id, shard.index)
         try:
             if shard.id not in leases.heartbeat(self.jobs, [shard.id], self.owner):

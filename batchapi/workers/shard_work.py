@@ -27,7 +27,6 @@ class Rendered:
 class ShardWork:
     shard: Claimed
     lines: list[InputLine]
-    model: str
     results: dict[str, GenerationResult] = field(default_factory=dict)  # request id -> result
     pending: set[str] = field(default_factory=set)
     reason: str | None = None  # why it was closed early
@@ -70,9 +69,8 @@ class ShardWork:
             self.done.set()
             return aborted
 
-    def render(self, response_body) -> Rendered:
-        """The output and error lines in input order; ``response_body(line, result)`` makes the
-        OpenAI body of a succeeded request."""
+    def render(self, codec) -> Rendered:
+        """The output and error lines in input order; ``codec`` makes the OpenAI bodies."""
         output, errors = [], []
         completed = failed = input_tokens = cached = output_tokens = 0
         for line in self.lines:
@@ -82,9 +80,10 @@ class ShardWork:
             elif result is None:
                 errors.append(result_lines.never_ran(line.custom_id, self.reason or "shard_failed"))
             elif result.error is not None:
-                errors.append(result_lines.rejected(line.custom_id, result.error, code="generation_failed"))
+                error = codec.error(result)
+                errors.append(result_lines.rejected(line.custom_id, error["message"], error["param"], error["code"]))
             else:
-                output.append(result_lines.succeeded(line.custom_id, response_body(line, result)))
+                output.append(result_lines.succeeded(line.custom_id, codec.body(line, result)))
                 completed += 1
                 input_tokens += result.prompt_tokens
                 cached += result.cached_tokens
