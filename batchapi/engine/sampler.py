@@ -85,7 +85,7 @@ class Sampler:
         """x [S, V] processed logits of non-greedy rows over temperature, overwritten -> token ids [S]."""
         # unnormalised probabilities with each row's largest at 1: the draw and every filter are
         # scale-free, and min_p's threshold is then min_p itself
-        x.sub_(x.max(dim=-1, keepdim=True).values).exp_()
+        x.sub_(x.amax(dim=-1, keepdim=True)).exp_()  # amax: several times faster than max on CPU
         _apply_min_p(x, rows)
         _apply_top_k_top_p(x, rows)
         return _inverse_cdf(x, self._uniforms(rows).to(x.device))
@@ -254,15 +254,13 @@ def _outputs(logits: torch.Tensor, rows: list[SampleRow], token_ids: list[int]) 
     if not wanted:
         return outputs
     raw, _ = _subset(logits, wanted)
-    raw = raw.float()  # [L, V] the unmodified model logits
-    # log-softmax at a few tokens only: logit - logsumexp, without writing out [L, V] logprobs
-    norm = torch.logsumexp(raw, dim=-1)
-    chosen = raw.gather(1, _index([token_ids[i] for i in wanted], raw.device)[:, None]).squeeze(1)
-    chosen = (chosen - norm).tolist()
+    logprobs = torch.log_softmax(raw.float(), dim=-1)  # [L, V] of the unmodified model logits
+    chosen = logprobs.gather(1, _index([token_ids[i] for i in wanted], raw.device)[:, None])
+    chosen = chosen.squeeze(1).tolist()
     num_top = max(rows[i].params.top_logprobs for i in wanted)
     if num_top:
-        top_values, top_ids = raw.topk(num_top, dim=-1)
-        top_values, top_ids = (top_values - norm[:, None]).tolist(), top_ids.tolist()
+        top_values, top_ids = logprobs.topk(num_top, dim=-1)
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()
     for k, i in enumerate(wanted):
         outputs[i].logprob = chosen[k]
         n = rows[i].params.top_logprobs
