@@ -9,14 +9,25 @@ from __future__ import annotations
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, ForeignKey, Index, Integer, Numeric, String, Text, UniqueConstraint
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    ForeignKey,
+    Index,
+    Integer,
+    Numeric,
+    String,
+    Text,
+    UniqueConstraint,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 PRICE = Numeric(20, 10)
 
 
 class Base(DeclarativeBase):
-    type_annotation_map = {int: BigInteger, dict[str, Any]: JSON, list[int]: JSON}
+    type_annotation_map = {int: BigInteger, bool: Boolean, dict[str, Any]: JSON, list[int]: JSON}
 
 
 class Project(Base):
@@ -128,8 +139,12 @@ class Shard(Base):
     start_byte: Mapped[int]
     end_byte: Mapped[int]
     request_count: Mapped[int]
-    prompt_token_counts: Mapped[list[int]]  # one per request, in line order
-    estimated_output_tokens: Mapped[int] = mapped_column(default=0)
+    # prompt tokens: an upper bound from validation, exact once ``tokens_counted`` (a background
+    # pass after the batch started fills ``prompt_token_counts``, one per request in line order)
+    prompt_tokens: Mapped[int] = mapped_column(default=0)
+    estimated_output_tokens: Mapped[int] = mapped_column(default=0)  # max_tokens bound
+    tokens_counted: Mapped[bool] = mapped_column(default=False)
+    prompt_token_counts: Mapped[list[int] | None]
 
     status: Mapped[str] = mapped_column(String(16), default="queued")  # queued|running|succeeded|failed
     attempts: Mapped[int] = mapped_column(Integer, default=0)

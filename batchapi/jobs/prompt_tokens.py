@@ -62,16 +62,26 @@ class PromptCounter:
 
     def count_chats(self, conversations: Sequence[Messages]) -> list[int]:
         texts = [self.render_chat(messages) for messages in conversations]
-        return self._lengths(texts, add_special_tokens=False)
+        return self.count_texts(texts, add_special_tokens=False)
 
     def count_prompts(self, prompts: Sequence[str]) -> list[int]:
-        return self._lengths(list(prompts), add_special_tokens=True)
+        return self.count_texts(list(prompts), add_special_tokens=True)
 
-    def _lengths(self, texts: list[str], add_special_tokens: bool) -> list[int]:
+    def count_texts(self, texts: list[str], add_special_tokens: bool) -> list[int]:
         if not texts:
             return []
         encodings = self.tokenizer.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
         return [len(e.ids) for e in encodings]
+
+    def upper_bound(self, text: str, add_special_tokens: bool) -> int:
+        """At least as many tokens as ``text`` encodes to, without tokenizing: every token of a
+        byte-level or byte-fallback vocabulary spans at least one byte, plus one for a
+        SentencePiece-style prefix space and the tokens the post-processor adds."""
+        return len(text.encode("utf-8")) + 1 + (self._added_tokens if add_special_tokens else 0)
+
+    @property
+    def _added_tokens(self) -> int:
+        return self.tokenizer.num_special_tokens_to_add(False)
 
     def _render(self, messages: Messages) -> str:
         return self._template.render(
@@ -94,6 +104,12 @@ class PromptCounter:
             pieces.append(before)
         pieces.append(text)
         return pieces
+
+
+@lru_cache(maxsize=4)
+def counter_for(model_dir: str | Path) -> PromptCounter:
+    """One counter per model directory and process (loading a tokenizer takes a while)."""
+    return PromptCounter(model_dir)
 
 
 def _read_json(path: Path) -> dict:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from batchapi.jobs.prompt_tokens import PromptCounter
-from batchapi.jobs.request_body import CHAT, BodyError, ParsedBody, parse_body
+from batchapi.jobs.request_body import BodyError, ParsedBody, parse_body
 
 MAX_REPORTED_ERRORS = 100
 TOKENIZE_BATCH = 1024
@@ -36,7 +36,8 @@ class ShardPlan:
     last_line: int
     start_byte: int
     end_byte: int
-    prompt_token_counts: list[int] = field(default_factory=list)
+    request_count: int = 0
+    prompt_tokens: int = 0  # an upper bound (see ``Scanner.count_tokens``)
     estimated_output_tokens: int = 0
 
 
@@ -45,7 +46,7 @@ class ScanResult:
     errors: list[LineError]
     model: str | None = None
     request_count: int = 0
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # upper bound
     max_output_tokens: int = 0
     shards: list[ShardPlan] = field(default_factory=list)
 
@@ -65,7 +66,8 @@ class _Request:
     start: int
     end: int
     parsed: ParsedBody
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # exact when it was counted, else an upper bound
+    exact: bool = False
 
 
 def iter_lines(chunks: Iterable[bytes]) -> Iterator[tuple[int, int, int, bytes]]:
@@ -201,38 +203,35 @@ class Scanner:
         return _Request(line, 0, 0, parsed)
 
     def count_tokens(self) -> None:
-        """Count prompt tokens of the pending requests in one batch, then check them."""
+        """Check the pending requests against the context, tokenizing only where needed.
+
+        A prompt has at most as many tokens as UTF-8 bytes (plus what the tokenizer adds), so
+        most prompts are proven to fit without tokenizing; the rest are counted exactly, in
+        one batch. Exact counts of every prompt are recorded later (``prompt_counting``), off
+        the path that holds the batch in ``validating``.
+        """
         if not self.pending:
             return
-        counts = self._counts(self.pending)
         context = self.counter.context_length
-        for request, count in zip(self.pending, counts, strict=True):
-            request.prompt_tokens = count
-            wanted = request.parsed.max_tokens
-            if count >= context:
-                self.error(
-                    "context_length_exceeded",
-                    f"the prompt is {count} tokens; the model's context is {context} tokens",
-                    request.line, "body.messages" if request.parsed.messages is not None else "body.prompt",
-                )
-            elif wanted is not None and count + wanted > context:
-                self.error(
-                    "context_length_exceeded",
-                    f"the prompt ({count} tokens) and max_tokens ({wanted}) exceed the model's "
-                    f"context of {context} tokens",
-                    request.line, "body.max_tokens",
-                )
-            else:
+        for request in self.pending:
+            request.prompt_tokens, request.exact = prompt_bound(self.counter, request.parsed)
+        unsure = [r for r in self.pending if not r.exact and not _fits(r, context)]
+        for request, count in zip(unsure, exact_counts(self.counter, [r.parsed for r in unsure]), strict=True):
+            request.prompt_tokens, request.exact = count, True
+        for request in self.pending:
+            if _fits(request, context):
                 self.done.append(request)
+                continue
+            count, wanted = request.prompt_tokens, request.parsed.max_tokens
+            if count >= context:
+                message = f"the prompt is {count} tokens; the model's context is {context} tokens"
+                param = "body.messages" if request.parsed.messages is not None else "body.prompt"
+            else:
+                message = (f"the prompt ({count} tokens) and max_tokens ({wanted}) exceed the model's "
+                           f"context of {context} tokens")
+                param = "body.max_tokens"
+            self.error("context_length_exceeded", message, request.line, param)
         self.pending = []
-
-    def _counts(self, requests: list[_Request]) -> list[int]:
-        if self.limits.endpoint == CHAT:
-            return self.counter.count_chats([r.parsed.messages for r in requests])
-        counts: list[int | None] = [len(r.parsed.prompt) if isinstance(r.parsed.prompt, list) else None for r in requests]
-        texts = [r.parsed.prompt for r, c in zip(requests, counts, strict=True) if c is None]
-        counted = iter(self.counter.count_prompts(texts))
-        return [c if c is not None else next(counted) for c in counts]
 
     def result(self) -> ScanResult:
         if self.errors:
@@ -242,12 +241,55 @@ class Scanner:
         size = self.limits.shard_size
         for index, begin in enumerate(range(0, len(self.done), size)):
             chunk = self.done[begin : begin + size]
-            shard = ShardPlan(index, chunk[0].line, chunk[-1].line, chunk[0].start, chunk[-1].end)
+            shard = ShardPlan(index, chunk[0].line, chunk[-1].line, chunk[0].start, chunk[-1].end, len(chunk))
             for request in chunk:
-                bound = request.parsed.max_tokens or context - request.prompt_tokens
-                shard.prompt_token_counts.append(request.prompt_tokens)
-                shard.estimated_output_tokens += bound * request.parsed.n
-            result.prompt_tokens += sum(shard.prompt_token_counts)
+                shard.prompt_tokens += request.prompt_tokens
+                shard.estimated_output_tokens += output_bound(request.parsed, request.prompt_tokens if request.exact else 1, context)
+            result.prompt_tokens += shard.prompt_tokens
             result.max_output_tokens += shard.estimated_output_tokens
             result.shards.append(shard)
         return result
+
+
+def _fits(request: _Request, context: int) -> bool:
+    wanted = request.parsed.max_tokens or 0
+    return request.prompt_tokens < context and request.prompt_tokens + wanted <= context
+
+
+def output_bound(parsed: ParsedBody, prompt_tokens: int, context: int) -> int:
+    """The most tokens a request may generate: max_tokens, or the rest of the context."""
+    return (parsed.max_tokens or max(context - prompt_tokens, 0)) * parsed.n
+
+
+def prompt_text(counter: PromptCounter, parsed: ParsedBody) -> tuple[str, bool] | None:
+    """The text a request's prompt is tokenized from and whether special tokens are added;
+    None for a prompt given as token ids."""
+    if parsed.messages is not None:
+        return counter.render_chat(parsed.messages), False
+    if isinstance(parsed.prompt, list):
+        return None
+    return parsed.prompt, True
+
+
+def prompt_bound(counter: PromptCounter, parsed: ParsedBody) -> tuple[int, bool]:
+    """``(tokens, exact)``: exact for token-id prompts, else an upper bound from the bytes."""
+    text = prompt_text(counter, parsed)
+    if text is None:
+        return len(parsed.prompt), True
+    return counter.upper_bound(*text), False
+
+
+def exact_counts(counter: PromptCounter, requests: list[ParsedBody]) -> list[int]:
+    """Exact prompt token counts, tokenized in batches."""
+    texts = [prompt_text(counter, p) for p in requests]
+    chat = [t for t, add in (x for x in texts if x is not None) if not add]
+    plain = [t for t, add in (x for x in texts if x is not None) if add]
+    chat_counts = iter(counter.count_texts(chat, add_special_tokens=False))
+    plain_counts = iter(counter.count_texts(plain, add_special_tokens=True))
+    out = []
+    for parsed, text in zip(requests, texts, strict=True):
+        if text is None:
+            out.append(len(parsed.prompt))
+        else:
+            out.append(next(plain_counts if text[1] else chat_counts))
+    return out

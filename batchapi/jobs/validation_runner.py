@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from functools import lru_cache
 
 from sqlalchemy import delete, or_, select, update
 
@@ -22,16 +21,12 @@ from batchapi.jobs.db import session_scope
 from batchapi.jobs.errors import NotFound
 from batchapi.jobs.ids import now, shard_id
 from batchapi.jobs.models import Batch, File, Shard
-from batchapi.jobs.prompt_tokens import PromptCounter
+from batchapi.jobs.prompt_counting import batches_to_count, count_batch
+from batchapi.jobs.prompt_tokens import counter_for
 from batchapi.jobs.served_model import served_model
-from batchapi.jobs.validation import Limits, LineError, ScanResult, Scanner
+from batchapi.jobs.validation import Limits, LineError, Scanner, ScanResult
 
 log = logging.getLogger(__name__)
-
-
-@lru_cache(maxsize=4)
-def prompt_counter(model_dir: str) -> PromptCounter:
-    return PromptCounter(model_dir)
 
 
 def claim(jobs: Jobs, batch_id: str, *, stale_only: bool) -> bool:
@@ -70,7 +65,7 @@ def validate_batch(jobs: Jobs, batch_id: str) -> str:
         endpoint=endpoint, served_model=served.id, model_aliases=served.aliases,
         max_lines=jobs.settings.max_file_lines, shard_size=jobs.settings.shard_size,
     )
-    scanner = Scanner(limits, prompt_counter(str(served.path)))
+    scanner = Scanner(limits, counter_for(served.path))
     result = scanner.scan(jobs.storage.iter_chunks(file.storage_key), lambda _: _renew(jobs, batch_id))
     if result.errors:
         return _fail(jobs, batch_id, result.errors)
@@ -112,7 +107,7 @@ def _start(jobs: Jobs, batch_id: str, result: ScanResult) -> str:
                 Shard(
                     id=sid, batch_id=batch_id, index=plan.index, first_line=plan.first_line,
                     last_line=plan.last_line, start_byte=plan.start_byte, end_byte=plan.end_byte,
-                    request_count=len(plan.prompt_token_counts), prompt_token_counts=plan.prompt_token_counts,
+                    request_count=plan.request_count, prompt_tokens=plan.prompt_tokens,
                     estimated_output_tokens=plan.estimated_output_tokens, status="queued", created_at=t,
                 )
                 for sid, plan in zip(shard_ids, result.shards, strict=True)
@@ -153,22 +148,27 @@ def resume_stale(jobs: Jobs) -> list[str]:
     return resumed
 
 
-def run_claimed(jobs: Jobs, batch_id: str) -> None:
+def run_claimed(jobs: Jobs, batch_id: str) -> str:
     """Validate, and never let one batch's surprise kill the validator thread."""
     try:
-        validate_batch(jobs, batch_id)
+        return validate_batch(jobs, batch_id)
     except Exception:  # an unexpected bug: the batch fails with a message rather than hanging
         log.exception("validation of batch %s crashed", batch_id)
-        _fail(jobs, batch_id, [LineError("validation_error", "the file could not be validated (internal error)")])
+        return _fail(jobs, batch_id, [LineError("validation_error", "the file could not be validated (internal error)")])
 
 
 class ValidationRunner:
-    """Validates batches on a background thread of the API process and sweeps stale ones."""
+    """Validates batches on a background thread of the API process, counts the prompt tokens of
+    started ones on another (so counting a big batch never holds up the next validation), and
+    sweeps for work a dead process left behind."""
 
     def __init__(self, jobs: Jobs, sweep_seconds: float):
         self.jobs = jobs
         self.sweep_seconds = sweep_seconds
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchapi-validate")
+        self._counting = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchapi-count")
+        self._counting_now: set[str] = set()
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._sweeper = threading.Thread(target=self._sweep_loop, name="batchapi-validate-sweep", daemon=True)
 
@@ -177,12 +177,34 @@ class ValidationRunner:
 
     def submit(self, batch_id: str) -> None:
         """Validate ``batch_id``, whose lease was taken when it was created."""
-        self._pool.submit(run_claimed, self.jobs, batch_id)
+        self._pool.submit(self._validate, batch_id)
+
+    def _validate(self, batch_id: str) -> None:
+        if run_claimed(self.jobs, batch_id) == states.IN_PROGRESS:
+            self._count(batch_id)
+
+    def _count(self, batch_id: str) -> None:
+        with self._lock:
+            if batch_id in self._counting_now:
+                return
+            self._counting_now.add(batch_id)
+        self._counting.submit(self._count_now, batch_id)
+
+    def _count_now(self, batch_id: str) -> None:
+        try:
+            count_batch(self.jobs, batch_id)
+        except Exception:  # the sweep tries again; counts are an estimate, never a gate
+            log.exception("counting the prompt tokens of batch %s failed", batch_id)
+        finally:
+            with self._lock:
+                self._counting_now.discard(batch_id)
 
     def _sweep_loop(self) -> None:
         while not self._stop.is_set():
             try:
                 self._pool.submit(resume_stale, self.jobs).result()
+                for batch_id in batches_to_count(self.jobs):
+                    self._count(batch_id)
             except Exception:  # the database may be briefly away; the next sweep retries
                 log.exception("validation sweep failed")
             self._stop.wait(self.sweep_seconds)
@@ -190,3 +212,4 @@ class ValidationRunner:
     def shutdown(self) -> None:
         self._stop.set()
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._counting.shutdown(wait=True, cancel_futures=True)

@@ -53,12 +53,18 @@ def test_shards_are_recorded(client, model_id, pg_server):
     f = upload(client, [request_line(f"r{i}", model_id) for i in range(10)])
     batch = validated(client, client.batches.create(
         input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h").id)
-    with pg_server.jobs.sessions() as session:
-        shards = session.query(Shard).filter_by(batch_id=batch.id).order_by(Shard.index).all()
+
+    def counted_shards():
+        with pg_server.jobs.sessions() as session:
+            shards = session.query(Shard).filter_by(batch_id=batch.id).order_by(Shard.index).all()
+        return all(s.tokens_counted for s in shards) and shards
+
+    shards = wait_until(counted_shards)  # exact counts arrive shortly after validation
     assert [(s.first_line, s.last_line, s.request_count, s.status) for s in shards] == [
         (1, 4, 4, "queued"), (5, 8, 4, "queued"), (9, 10, 2, "queued")]
     assert shards[0].start_byte == 0 and shards[-1].end_byte == f.bytes
-    assert sum(sum(s.prompt_token_counts) for s in shards) > 0
+    assert [len(s.prompt_token_counts) for s in shards] == [4, 4, 2]
+
 
 
 def test_list_batches_with_paging(client, model_id):

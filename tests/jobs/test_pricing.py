@@ -3,7 +3,15 @@ from __future__ import annotations
 from decimal import Decimal
 
 from batchapi.config import load_settings
-from batchapi.jobs.pricing import DEFAULT_PRICE, PRICES, Price, discounted, format_amount, list_amount, price_for
+from batchapi.jobs.pricing import (
+    DEFAULT_PRICE,
+    PRICES,
+    Price,
+    discounted,
+    format_amount,
+    list_amount,
+    price_for,
+)
 
 
 def test_list_amount_is_exact():

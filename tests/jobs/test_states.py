@@ -52,7 +52,7 @@ def test_racing_cancel_and_start_only_one_wins(any_jobs, rounds):
     for _ in range(rounds):
         bid = make_batch(any_jobs)
 
-        def attempt(target: str) -> bool:
+        def attempt(target: str, bid: str = bid) -> bool:
             with session_scope(any_jobs.sessions) as session:
                 return states.transition(session, bid, target, sources={states.VALIDATING})
 

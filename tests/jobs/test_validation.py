@@ -7,7 +7,8 @@ import json
 import pytest
 
 from batchapi.jobs.prompt_tokens import PromptCounter
-from batchapi.jobs.validation import Limits, Scanner, iter_lines
+from batchapi.jobs.request_body import parse_body
+from batchapi.jobs.validation import Limits, Scanner, exact_counts, iter_lines
 from tests.utils.batch_service import CHAT, jsonl, request_line
 
 M = "tiny-llama"
@@ -76,54 +77,62 @@ def test_too_many_lines(counter):
     assert codes(result) == [("too_many_lines", 4)]
 
 
-def test_valid_file_is_sharded_by_byte_ranges(counter, tiny_llama_dir):
+def hf_chat_count(tok, messages) -> int:
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return len(ids if isinstance(ids, list) else ids["input_ids"])
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_llama_dir)
+
+
+def test_valid_file_is_sharded_by_byte_ranges(counter, hf_tokenizer):
     lines = [ok(1), ok(2, content="longer " * 20, max_tokens=10), "", ok(4, n=2, max_tokens=5), ok(5)]
     data = jsonl(lines)
     result = scan(counter, data, shard_size=2)
     assert result.errors == []
     assert result.request_count == 4
-    assert [(s.first_line, s.last_line) for s in result.shards] == [(1, 2), (4, 5)]
+    assert [(s.first_line, s.last_line, s.request_count) for s in result.shards] == [(1, 2, 2), (4, 5, 2)]
     for shard, expected in zip(result.shards, [[1, 2], [4, 5]], strict=True):
         chunk = data[shard.start_byte : shard.end_byte]
         ids = [json.loads(x)["custom_id"] for x in chunk.splitlines() if x.strip()]
         assert ids == [f"r{i}" for i in expected]
-
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
-    expected_counts = []
-    for i in (1, 2, 4, 5):
-        messages = lines[i - 1]["body"]["messages"]
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        expected_counts.append(len(ids["input_ids"] if not isinstance(ids, list) else ids))
-    assert [c for s in result.shards for c in s.prompt_token_counts] == expected_counts
-    assert result.prompt_tokens == sum(expected_counts)
-    context = counter.context_length
-    # max_tokens bound: 10, 2 x 5, and the rest of the context where max_tokens is unset
-    bounds = [context - expected_counts[0], 10, 10, context - expected_counts[3]]
-    assert result.max_output_tokens == sum(bounds)
+    exact = [hf_chat_count(hf_tokenizer, lines[i - 1]["body"]["messages"]) for i in (1, 2, 4, 5)]
+    # validation records an upper bound; the exact counts come from the counting pass
+    assert result.prompt_tokens >= sum(exact)
+    assert result.shards[0].estimated_output_tokens == (counter.context_length - 1) + 10
+    assert result.shards[1].estimated_output_tokens == 2 * 5 + (counter.context_length - 1)
 
 
-def test_completions_prompts_are_counted(counter, tiny_llama_dir):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
-    url = "/v1/completions"
-    lines = [
-        {"custom_id": "a", "method": "POST", "url": url, "body": {"model": M, "prompt": "Once upon a time"}},
-        {"custom_id": "b", "method": "POST", "url": url, "body": {"model": M, "prompt": [1, 2, 3, 4, 5]}},
-        {"custom_id": "c", "method": "POST", "url": url, "body": {"model": M, "prompt": "héllo wörld"}},
-    ]
-    result = scan(counter, jsonl(lines), endpoint=url, shard_size=10)
-    assert result.errors == []
-    counts = result.shards[0].prompt_token_counts
-    assert counts == [len(tok("Once upon a time")["input_ids"]), 5, len(tok("héllo wörld")["input_ids"])]
+def test_exact_counts_match_transformers(counter, hf_tokenizer):
+    chats = [ok(1), ok(2, content="longer " * 20), ok(3, messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "héllo 🤖 <|im_end|>"}])]
+    parsed = [parse_body(CHAT, line["body"]) for line in chats]
+    assert exact_counts(counter, parsed) == [hf_chat_count(hf_tokenizer, line["body"]["messages"]) for line in chats]
+    prompts = ["Once upon a time", [1, 2, 3, 4, 5], "héllo wörld"]
+    parsed = [parse_body("/v1/completions", {"model": M, "prompt": p}) for p in prompts]
+    assert exact_counts(counter, parsed) == [
+        len(hf_tokenizer("Once upon a time")["input_ids"]), 5, len(hf_tokenizer("héllo wörld")["input_ids"])]
 
 
-def test_multi_message_templates_match_transformers(counter, tiny_llama_dir):
-    from transformers import AutoTokenizer
+@pytest.mark.parametrize("text", ["", "a", "hello world " * 50, "🤖" * 40, "日本語のテキスト" * 30, "<|im_start|>" * 20,
+                                  "\n\t  \r " * 30, "x" * 1000])
+def test_byte_bound_is_never_below_the_count(counter, text):
+    for add in (False, True):
+        assert counter.upper_bound(text, add) >= counter.count_texts([text], add_special_tokens=add)[0]
 
-    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+
+def test_prompt_with_many_bytes_but_few_tokens_fits(counter):
+    # 600 bytes is over the 512-token context, so this one is tokenized exactly: ~100 tokens
+    result = scan(counter, jsonl([ok(1, content="hello " * 100)]))
+    assert result.errors == [] and result.request_count == 1
+
+
+def test_multi_message_templates_match_transformers(counter, hf_tokenizer):
+    tok = hf_tokenizer
     conversations = [
         [{"role": "system", "content": "  Be brief.\n"}, {"role": "user", "content": "Hi <|im_end|>"}],
         [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}],

@@ -16,6 +16,9 @@ from batchapi.jobs.db import session_scope
 from batchapi.jobs.files import TooLarge, delete_file, upload_file
 from batchapi.jobs.keys import get_or_create_project
 from batchapi.jobs.models import Batch, File, Shard
+from batchapi.jobs.prompt_counting import count_batch
+from batchapi.jobs.prompt_tokens import counter_for
+from batchapi.jobs.served_model import served_model
 from batchapi.jobs.validation_runner import claim, resume_stale, validate_batch
 from tests.utils.batch_service import jsonl, request_line
 
@@ -64,6 +67,19 @@ def test_valid_batch_gets_shards_then_dispatch(pg_jobs, project):
     assert estimated_cost(batch).amount > 0
     assert validate_batch(pg_jobs, bid) == states.IN_PROGRESS  # a second run changes nothing
     assert len(pg_jobs.dispatcher.ready) == 1
+
+    bound = batch.estimated_input_tokens
+    assert count_batch(pg_jobs, bid) == 3
+    assert count_batch(pg_jobs, bid) == 0  # counted once
+    counter = counter_for(served_model(pg_jobs.settings).path)
+    one = counter.count_chats([request_line("r0", model(pg_jobs))["body"]["messages"]])[0]
+    with pg_jobs.sessions() as session:
+        shards = session.scalars(select(Shard).where(Shard.batch_id == bid).order_by(Shard.index)).all()
+    assert [s.prompt_token_counts for s in shards] == [[one] * 4, [one] * 4, [one]]
+    assert all(s.tokens_counted and s.prompt_tokens == one * s.request_count for s in shards)
+    batch = get_batch(pg_jobs, project, bid)
+    assert batch.estimated_input_tokens == 9 * one < bound
+    assert batch.estimated_output_tokens == 63
 
 
 def test_interrupted_validation_is_resumed_once_its_lease_expires(pg_jobs, project):

@@ -1,0 +1,80 @@
+"""Exact prompt token counts of a started batch, shard by shard, off the validation path.
+
+Validation proves each prompt fits the context (tokenizing only prompts near the limit) and
+starts the batch in seconds; this pass then tokenizes every prompt and records the counts on
+the shard rows (``prompt_token_counts``) and the exact estimate on the batch. Each shard's
+write is conditional on ``tokens_counted`` being false, so two counters never clash, and a
+pass that dies is finished by the next sweep.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from sqlalchemy import func, select, update
+
+from batchapi.jobs import states
+from batchapi.jobs.context import Jobs
+from batchapi.jobs.db import session_scope
+from batchapi.jobs.models import Batch, File, Shard
+from batchapi.jobs.prompt_tokens import PromptCounter, counter_for
+from batchapi.jobs.request_body import parse_body
+from batchapi.jobs.served_model import served_model
+from batchapi.jobs.validation import exact_counts, iter_lines, output_bound
+
+log = logging.getLogger(__name__)
+
+
+def batches_to_count(jobs: Jobs) -> list[str]:
+    with jobs.sessions() as session:
+        query = (
+            select(Shard.batch_id).join(Batch, Batch.id == Shard.batch_id)
+            .where(Shard.tokens_counted.is_(False), Batch.status.in_(sorted(states.ACTIVE)))
+            .distinct()
+        )
+        return list(session.scalars(query))
+
+
+def count_batch(jobs: Jobs, batch_id: str, counter: PromptCounter | None = None) -> int:
+    """Count the prompts of every uncounted shard of ``batch_id``; returns shards counted."""
+    with jobs.sessions() as session:
+        batch = session.get(Batch, batch_id)
+        if batch is None or batch.status not in states.ACTIVE:
+            return 0
+        file = session.get(File, batch.input_file_id)
+        shards = list(session.scalars(
+            select(Shard).where(Shard.batch_id == batch_id, Shard.tokens_counted.is_(False)).order_by(Shard.index)
+        ))
+    counter = counter or counter_for(served_model(jobs.settings).path)
+    done = 0
+    for shard in shards:
+        counts, outputs = _count_shard(jobs, counter, batch.endpoint, file.storage_key, shard)
+        with session_scope(jobs.sessions) as session:
+            done += session.execute(
+                update(Shard).where(Shard.id == shard.id, Shard.tokens_counted.is_(False)).values(
+                    prompt_token_counts=counts, prompt_tokens=sum(counts), estimated_output_tokens=outputs,
+                    tokens_counted=True,
+                )
+            ).rowcount
+    _refresh_estimate(jobs, batch_id)
+    return done
+
+
+def _count_shard(jobs: Jobs, counter: PromptCounter, endpoint: str, key: str, shard: Shard) -> tuple[list[int], int]:
+    chunks = jobs.storage.iter_chunks(key, shard.start_byte, shard.end_byte)
+    parsed = [parse_body(endpoint, json.loads(line)["body"]) for _, _, _, line in iter_lines(chunks) if line.strip()]
+    assert len(parsed) == shard.request_count, f"shard {shard.id}: {len(parsed)} lines, {shard.request_count} expected"
+    counts = exact_counts(counter, parsed)
+    context = counter.context_length
+    return counts, sum(output_bound(p, c, context) for p, c in zip(parsed, counts, strict=True))
+
+
+def _refresh_estimate(jobs: Jobs, batch_id: str) -> None:
+    with session_scope(jobs.sessions) as session:
+        prompt, output = session.execute(
+            select(func.sum(Shard.prompt_tokens), func.sum(Shard.estimated_output_tokens)).where(
+                Shard.batch_id == batch_id)
+        ).one()
+        session.execute(update(Batch).where(Batch.id == batch_id).values(
+            estimated_input_tokens=prompt or 0, estimated_output_tokens=output or 0))

@@ -1,0 +1,77 @@
+"""How fast batch validation streams through a big input file.
+
+    .venv/bin/python bench/validation_speed.py [--mb 200] [--model smollm2-135m-instruct]
+
+Builds a JSONL file of the given size (at most 50,000 requests, the default line limit), runs
+the validator's scan over it (UTF-8, JSON, every rule, prompt token counts, sharding) and,
+as the peer in the same run, a bare ``json.loads`` of every line: the floor any validator
+that parses the file must pay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+from batchapi.config import load_settings
+from batchapi.jobs.prompt_tokens import PromptCounter
+from batchapi.jobs.validation import Limits, Scanner, iter_lines
+from batchapi.model_store import model_id, resolve_model
+
+WORDS = ("the quick brown fox jumps over a lazy dog while engineers measure throughput of batch "
+         "inference systems with paged attention and careful validation of every request line").split()
+
+
+def build(path: Path, megabytes: int, model: str, lines: int = 50_000) -> None:
+    rng = random.Random(0)
+    per_line = megabytes * 1_000_000 // lines
+    with open(path, "w") as out:
+        for i in range(lines):
+            words = " ".join(rng.choice(WORDS) for _ in range(per_line // 6))
+            body = {"model": model, "max_tokens": 64, "messages": [
+                {"role": "system", "content": "Classify the text."}, {"role": "user", "content": words}]}
+            out.write(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+                                  "body": body}) + "\n")
+
+
+def chunks(path: Path):
+    with open(path, "rb") as f:
+        while data := f.read(1 << 20):
+            yield data
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mb", type=int, default=200)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--file", default="/tmp/batchapi-validation-bench.jsonl")
+    args = parser.parse_args()
+    settings = load_settings(model=args.model)
+    mid = model_id(args.model)
+    path = Path(args.file)
+    if not path.exists() or path.stat().st_size < args.mb * 900_000:
+        build(path, args.mb, mid)
+    size = path.stat().st_size
+
+    start = time.perf_counter()
+    for _, _, _, line in iter_lines(chunks(path)):
+        json.loads(line)
+    floor = time.perf_counter() - start
+
+    counter = PromptCounter(resolve_model(args.model, settings.model_cache))
+    limits = Limits("/v1/chat/completions", mid, frozenset({mid}), settings.max_file_lines, settings.shard_size)
+    start = time.perf_counter()
+    result = Scanner(limits, counter).scan(chunks(path))
+    took = time.perf_counter() - start
+    assert not result.errors, result.errors[:3]
+
+    print(f"file: {size / 1e6:.0f} MB, {result.request_count} requests, {result.prompt_tokens / 1e6:.1f}M prompt tokens")
+    print(f"validate: {took:.2f} s ({size / 1e6 / took:.0f} MB/s, {result.prompt_tokens / took / 1e6:.1f}M tokens/s)")
+    print(f"json.loads floor: {floor:.2f} s; validate / floor = {took / floor:.1f}x")
+
+
+if __name__ == "__main__":
+    main()
