@@ -1,0 +1,183 @@
+"""What the service costs on top of the engine: the same requests both ways, in one run.
+
+1. The whole service: a private redis-server, `batchapi serve` (API) and `batchapi worker`
+   (Celery) as subprocesses on one SQLite database and a local storage directory (or
+   --database-url / --storage-url); upload, create, validation, sharding, the worker,
+   the result objects, finalize. Timed from the upload to `completed`.
+2. Straight through the engine: one EngineFront in this process with the same engine
+   settings, every request tokenized and submitted, timed until the last result.
+Both are warmed up first. Prints output tokens/s of each and the ratio (service / engine).
+
+    .venv/bin/python bench/service_overhead.py                       # 1,000 requests, default model
+    .venv/bin/python bench/service_overhead.py --requests 200 --model /path/to/hf-dir
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+BIN = Path(sys.executable).parent / "batchapi"
+TOPICS = ["the ocean", "a violin", "tax forms", "volcanoes", "a chess opening", "bread", "satellites", "moss"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def request_lines(model: str, n: int, max_tokens: int) -> list[dict]:
+    return [
+        {"custom_id": f"bench-{i}", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": model, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                  "messages": [{"role": "user", "content": f"Request {i}: write a sentence about {TOPICS[i % 8]}."}]}}
+        for i in range(n)
+    ]
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+class Service:
+    def __init__(self, workdir: Path, env: dict[str, str]):
+        self.workdir, self.env, self.procs = workdir, env, []
+        self.base = f"http://127.0.0.1:{env['BATCHAPI_PORT']}"
+
+    def spawn(self, name: str, *args: str) -> subprocess.Popen:
+        log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 - the child keeps it
+        proc = subprocess.Popen(args, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def log(self, name: str) -> str:
+        return (self.workdir / f"{name}.log").read_text(errors="replace")
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+
+    def run_batch(self, http: httpx.Client, lines: list[dict]) -> tuple[float, dict]:
+        data = ("\n".join(json.dumps(line) for line in lines) + "\n").encode()
+        start = time.perf_counter()
+        file_id = http.post("/v1/files", files={"file": ("bench.jsonl", data)}, data={"purpose": "batch"}).json()["id"]
+        batch = http.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/chat/completions",
+                                               "completion_window": "24h"}).json()
+        while batch["status"] not in ("completed", "failed", "expired", "cancelled"):
+            time.sleep(0.1)
+            batch = http.get(f"/v1/batches/{batch['id']}").json()
+        elapsed = time.perf_counter() - start
+        assert batch["status"] == "completed", batch
+        assert batch["request_counts"]["completed"] == len(lines), batch
+        return elapsed, batch
+
+
+def through_service(args, model_id: str, lines: list[dict], warmup: list[dict]) -> tuple[float, int]:
+    workdir = Path(tempfile.mkdtemp(prefix="batchapi-bench-"))
+    redis_port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHAPI_")}
+    env.update({
+        "BATCHAPI_DATA_DIR": str(workdir / "data"), "BATCHAPI_PORT": str(free_port()),
+        "BATCHAPI_BROKER_URL": f"redis://127.0.0.1:{redis_port}/0", "BATCHAPI_MODEL": args.model,
+        "BATCHAPI_AUTH_REQUIRED": "false", "BATCHAPI_DATABASE_URL": args.database_url,
+        "BATCHAPI_STORAGE_URL": args.storage_url,
+    })
+    service = Service(workdir, env)
+    try:
+        service.spawn("redis", "redis-server", "--bind", "127.0.0.1", "--port", str(redis_port), "--save", "",
+                      "--appendonly", "no", "--dir", str(workdir))
+        subprocess.run([str(BIN), "db", "upgrade"], env=env, check=True, capture_output=True)
+        service.spawn("api", str(BIN), "serve")
+        service.spawn("worker", str(BIN), "worker", "-n", "bench@%h")
+        wait_until(lambda: b" ready." in (workdir / "worker.log").read_bytes(), 600, "the worker")
+        with httpx.Client(base_url=service.base, timeout=60) as http:
+            wait_until(lambda: _healthy(http), 120, "the API")
+            service.run_batch(http, warmup)
+            elapsed, batch = service.run_batch(http, lines)
+        return elapsed, batch["usage"]["output_tokens"]
+    finally:
+        service.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _healthy(http: httpx.Client) -> bool:
+    try:
+        return http.get("/health").status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def through_engine(args, lines: list[dict], warmup: list[dict]) -> tuple[float, int]:
+    from batchapi.cli import engine_config_from
+    from batchapi.config import load_settings
+    from batchapi.engine import EngineFront
+    from batchapi.jobs.request_body import parse_body
+    from batchapi.workers import openai_io
+
+    settings = load_settings(model=args.model)
+    with EngineFront(engine_config_from(settings)) as front:
+        def run(batch: list[dict]) -> tuple[float, int]:
+            start = time.perf_counter()
+            futures = [
+                front.submit(openai_io.to_request(parse_body(line["url"], line["body"]), front.tokenizer,
+                                                  f"{line['custom_id']}-{start}"))
+                for line in batch
+            ]
+            tokens = sum(f.result().completion_tokens for f in futures)
+            return time.perf_counter() - start, tokens
+
+        run(warmup)
+        return run(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="model name or HF directory")
+    parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--database-url", default="", help="default: SQLite in a temp dir")
+    parser.add_argument("--storage-url", default="", help="default: a local directory in the temp dir")
+    args = parser.parse_args()
+
+    from batchapi.model_store import model_id
+
+    served = model_id(args.model)
+    lines = request_lines(served, args.requests, args.max_tokens)
+    warmup = request_lines(served, 16, 4)
+    for line in warmup:
+        line["custom_id"] = "warm-" + line["custom_id"]
+
+    service_s, service_tokens = through_service(args, served, lines, warmup)
+    engine_s, engine_tokens = through_engine(args, lines, warmup)
+    service_rate, engine_rate = service_tokens / service_s, engine_tokens / engine_s
+    print(f"{args.requests} requests x {args.max_tokens} tokens, model {served}")
+    print(f"engine : {engine_tokens} output tokens in {engine_s:.2f}s = {engine_rate:.1f} tok/s")
+    print(f"service: {service_tokens} output tokens in {service_s:.2f}s = {service_rate:.1f} tok/s "
+          "(upload to completed, Celery worker)")
+    print(f"ratio service/engine: {service_rate / engine_rate:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
