@@ -175,6 +175,20 @@ def _check(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens):
     check_same_device(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens)
 
 
+def launch_tiling(group: int, head_dim: int, max_seqlen_q: int) -> dict:
+    """Rows per program (BLOCK_M = BLOCK_Q positions x GROUP heads), KV tile and warps.
+
+    Picked by ptxas register counts for sm_90 (no spills; at most 128 registers for decode, so two
+    programs share an SM), not yet by timings on a GPU.
+    """
+    decode = max_seqlen_q <= 4
+    block_m = max(16 if decode else 64, next_pow2(group))
+    return dict(
+        BLOCK_M=block_m, BLOCK_Q=block_m // group, TILE=32 if decode else 64,
+        num_warps=4 if decode and head_dim <= 64 else 8, num_stages=2,
+    )
+
+
 def _choose_splits(num_seqs: int, num_kv_heads: int, max_seqlen_q: int, max_context_len: int, tile: int) -> int:
     # split only pure-decode steps whose (sequence, kv head) programs cannot fill the GPU
     if max_seqlen_q != 1 or num_seqs * num_kv_heads >= 256 or max_context_len < 8 * tile:
@@ -229,13 +243,11 @@ def paged_attention(
         return out
     if max_seqlen_q is None or (num_splits is None and max_seqlen_q == 1 and max_context_len is None):
         max_seqlen_q, max_context_len = _step_maxima(cu_seqlens_q, context_lens)
-    block_m = max(16, next_pow2(group)) if max_seqlen_q <= 4 else max(64, next_pow2(group))
-    block_q = block_m // group
-    tile = 32 if max_seqlen_q <= 4 else 64
+    tiling = launch_tiling(group, head_dim, max_seqlen_q)
     if num_splits is None:
-        num_splits = _choose_splits(num_seqs, num_kv_heads, max_seqlen_q, max_context_len or 0, tile)
+        num_splits = _choose_splits(num_seqs, num_kv_heads, max_seqlen_q, max_context_len or 0, tiling["TILE"])
     assert num_splits == next_pow2(num_splits), f"num_splits must be a power of 2, got {num_splits}"
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
+    grid = (num_tokens // tiling["BLOCK_Q"] + num_seqs, num_kv_heads, num_splits)
     if num_splits == 1:
         target, maxes, sums = out, out, out
     else:
@@ -250,9 +262,8 @@ def paged_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
-        HEAD_DIM=head_dim, GROUP=group, BLOCK_SIZE=k_cache.shape[1], BLOCK_Q=block_q, BLOCK_M=block_m,
-        TILE=tile, NUM_SPLITS=num_splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4 if block_m <= 16 else 8, num_stages=2,
+        HEAD_DIM=head_dim, GROUP=group, BLOCK_SIZE=k_cache.shape[1], NUM_SPLITS=num_splits,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **tiling,
     )
     if num_splits > 1:
         for_device(_merge_splits_kernel, q)[(num_tokens, num_heads)](

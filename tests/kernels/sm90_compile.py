@@ -1,0 +1,90 @@
+"""Compile every Triton kernel, in the configurations the launchers pick, for an H100/H200 (sm_90).
+
+Needs no GPU: Triton's bundled ptxas builds the cubin. Catches what the interpreter cannot: type
+errors of compiled Triton, tl.dot shape limits, register spills (reported). Run in a process where
+TRITON_INTERPRET is unset: `python -m tests.kernels.sm90_compile`.
+"""
+
+import importlib
+import os
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+TARGET = GPUTarget("cuda", 90, 32)
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")
+
+
+def compile_for_sm90(kernel, types: dict[str, str], constexprs: dict, **options) -> str:
+    """Compile; return ptxas' register/spill line ('' where ptxas is not at hand)."""
+    assert isinstance(kernel, JITFunction), "run with TRITON_INTERPRET unset"
+    signature = {n: "constexpr" if n in constexprs else types.get(n, types["*"]) for n in kernel.arg_names}
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=TARGET, options=options)
+    if not os.path.exists(PTXAS):
+        return ""
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "k.ptx")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        run = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90a", ptx, "-o", os.path.join(tmp, "k.cubin")],
+                             capture_output=True, text=True)
+    return " ".join(line.split(": ")[-1].strip() for line in run.stderr.splitlines() if "spill" in line or "regist" in line)
+
+
+def _attention_cases():
+    attention = importlib.import_module("batchapi.kernels.attention")
+    for dtype in ("bf16", "fp16"):
+        for group, head_dim in ((4, 128), (4, 64), (3, 64), (5, 128)):
+            for max_q, splits in ((1, 1), (1, 16), (512, 1)):
+                if dtype == "fp16" and (group, head_dim) != (4, 128):
+                    continue
+                tiling = attention.launch_tiling(group, head_dim, max_q)
+                ptr = f"*{dtype}"
+                types = {"out_ptr": "*fp32" if splits > 1 else ptr, "q_ptr": ptr, "k_cache_ptr": ptr, "v_cache_ptr": ptr,
+                         "max_ptr": "*fp32", "sum_ptr": "*fp32", "block_tables_ptr": "*i32", "cu_seqlens_q_ptr": "*i32",
+                         "context_lens_ptr": "*i32", "scale": "fp32", "*": "i32"}
+                options = {k: tiling.pop(k) for k in ("num_warps", "num_stages")}
+                constexprs = dict(HEAD_DIM=head_dim, GROUP=group, BLOCK_SIZE=16, NUM_SPLITS=splits,
+                                  DOT_PRECISION="tf32", **tiling)
+                yield f"paged_attention {dtype} G={group} D={head_dim} max_q={max_q} splits={splits}", \
+                    attention._paged_attention_kernel, types, constexprs, options
+    yield "merge_splits", attention._merge_splits_kernel, {"out_ptr": "*bf16", "part_ptr": "*fp32", "max_ptr": "*fp32",
+                                                          "sum_ptr": "*fp32", "*": "i32"}, dict(HEAD_DIM=128, NUM_SPLITS=16), {}
+
+
+def _elementwise_cases():
+    kvcache = importlib.import_module("batchapi.kernels.kvcache")
+    norm = importlib.import_module("batchapi.kernels.norm")
+    rotary = importlib.import_module("batchapi.kernels.rotary_embedding")
+    activation = importlib.import_module("batchapi.kernels.activation")
+    bf = "*bf16"
+    yield "store_kvcache", kvcache._store_kvcache_kernel, {"slot_mapping_ptr": "*i64", "*": "i32", **dict.fromkeys(
+        ["key_ptr", "value_ptr", "k_cache_ptr", "v_cache_ptr"], bf)}, dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16,
+                                                                           HEADS_P2=8), {}
+    for residual in (False, True):
+        yield f"rms_norm residual={residual}", norm._rms_norm_kernel, {"eps": "fp32", "*": "i32", **dict.fromkeys(
+            ["out_ptr", "sum_ptr", "x_ptr", "residual_ptr", "weight_ptr"], bf)}, dict(HAS_RESIDUAL=residual,
+                                                                                      BLOCK_H=4096), {"num_warps": 8}
+    yield "rotary", rotary._rotary_kernel, {"positions_ptr": "*i64", "cos_sin_ptr": "*bf16", "*": "i32", **dict.fromkeys(
+        ["q_out_ptr", "k_out_ptr", "q_ptr", "k_ptr"], bf)}, dict(HALF=64, QH_P2=32, KH_P2=8), {}
+    yield "silu_and_mul", activation._silu_and_mul_kernel, {"out_ptr": bf, "x_ptr": bf, "*": "i32"}, dict(BLOCK=1024), {}
+
+
+def main() -> int:
+    failures = 0
+    for name, kernel, types, constexprs, options in [*_attention_cases(), *_elementwise_cases()]:
+        try:
+            print(f"{name}: ok {compile_for_sm90(kernel, types, constexprs, **options)}", flush=True)
+        except Exception as exc:  # report every failing configuration, not just the first
+            failures += 1
+            print(f"{name}: FAILED {type(exc).__name__}: {exc}", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
