@@ -125,6 +125,31 @@ def check_kernels(report: Report, device: str, dtypes, big: bool) -> None:
                    "max rel errs " + " ".join(f"{e:.1e}" for e in errs), "ok" if max(errs) <= limit else "FAIL")
 
 
+def attention_bandwidth(report: Report, device: str, sizes=((256, 1024), (4, 16384))) -> None:
+    """Decode attention at the 8B shape: KV bytes read per second, Triton vs the twin (SDPA)."""
+    import torch
+
+    from batchapi.kernels import attention, attention_ref
+    from tests.kernels.paged import make_case
+
+    for batch, ctx in sizes:
+        case = make_case([1] * batch, [ctx] * batch, 32, 8, 128, dtype=torch.bfloat16, seed=3, device=device)
+        kv_bytes = 2 * batch * ctx * 8 * 128 * 2
+        rates = []
+        for fn in (attention.paged_attention, attention_ref.paged_attention):
+            fn(*case.args(), case.scale)
+            _sync(device)
+            start, reps = time.perf_counter(), 20
+            for _ in range(reps):
+                fn(*case.args(), case.scale)
+            _sync(device)
+            rates.append(kv_bytes * reps / (time.perf_counter() - start) / 1e12)
+        report.add(f"decode attention 8B shape, batch {batch} ctx {ctx}",
+                   f"Triton {rates[0]:.2f} TB/s of KV, twin {rates[1]:.2f} TB/s (HBM 4.8)", "info")
+        del case
+        _free_memory()
+
+
 def _attention_err(case, attention, splits) -> float:
     from batchapi.kernels import attention_ref
 
@@ -259,9 +284,13 @@ def engine_generate(front, prompts: list[list[int]], new_tokens: int) -> tuple[l
 
 def parity(report: Report, label: str, ours: list[list[int]], reference: list[list[int]], need: float) -> None:
     same = sum(a == b for a, b in zip(ours, reference, strict=True))
-    prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(ours, reference)]
+    prefix = [_common_prefix(a, b) for a, b in zip(ours, reference, strict=True)]
     verdict = "ok" if same >= need * len(ours) else "FAIL"
     report.add(label, f"{same}/{len(ours)} identical, shortest common prefix {min(prefix)}/{len(ours[0])}", verdict)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def roofline_tokens_per_s(shape: dict, batch: int, prompt_len: int, new_tokens: int, itemsize: int = 2) -> float:
@@ -316,6 +345,7 @@ def run_gpu(report: Report, work: Path) -> None:
     import torch
 
     check_kernels(report, "cuda", [torch.bfloat16, torch.float16], big=True)
+    attention_bandwidth(report, "cuda")
     one_b = work / "llama-3.2-1b"
     model = build_model("llama-3.2-1b", one_b, "cuda", torch.bfloat16, std=0.05)
     prompts = random_prompts(8, (16, 96), SHAPES["llama-3.2-1b"]["vocab_size"], 0)
