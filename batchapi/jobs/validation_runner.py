@@ -60,7 +60,10 @@ def validate_batch(jobs: Jobs, batch_id: str) -> str:
     if size == 0:
         return _fail(jobs, batch_id, [LineError("empty_file", "the file is empty")])
 
-    served = served_model(jobs.settings)
+    try:
+        served = served_model(jobs.settings)
+    except LookupError as exc:  # the operator has not pulled the model: say so on the batch
+        return _fail(jobs, batch_id, [LineError("model_not_available", f"the served model is not available: {exc}")])
     limits = Limits(
         endpoint=endpoint, served_model=served.id, model_aliases=served.aliases,
         max_lines=jobs.settings.max_file_lines, shard_size=jobs.settings.shard_size,
