@@ -12,11 +12,16 @@ random draw and a log for every vocabulary entry, about ten times slower on CPU.
 
 Filters are thresholds on probability (keep p >= t), so tied tokens at a top_k/top_p boundary are
 all kept and the kept set does not depend on how a sort orders ties.
+
+Speed on CPU: rows are regrouped (greedy, then by which filters they use) so every subset is a
+contiguous block of one scratch tensor, worked on in place; the [B, V] scratch tensors persist
+across calls, since a fresh 50 MB tensor costs page faults worth several passes over it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import struct
 from dataclasses import dataclass, field
 
@@ -49,10 +54,11 @@ class Sampler:
             self._generator.seed()
         else:
             self._generator.manual_seed(seed)
+        self._buffers: dict[str, torch.Tensor] = {}
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[SampleOutput]:
-        """logits [B, V], any float dtype, on any device; one row per logits row."""
+        """logits [B, V], any float dtype, on any device; one row per logits row. Not thread-safe."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (
             f"logits {tuple(logits.shape)} do not match {len(rows)} rows"
         )
@@ -63,32 +69,68 @@ class Sampler:
         return _outputs(logits, rows, token_ids.tolist())
 
     def _choose(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        vocab = logits.shape[1]
+        order = sorted(range(len(rows)), key=lambda i: _group(rows[i].params, vocab))
+        rows = [rows[i] for i in order]
         # temperature first, as the scratch copy (the raw logits stay for logprobs); bias and
         # penalties are then added divided by it: (x + b) / T == x / T + b / T
         scale = _column([1.0 if r.params.greedy else 1.0 / r.params.temperature for r in rows], logits)
-        x = (logits * scale[:, None]).float()  # [B, V]
+        x = self._scaled_copy(logits, order, scale)  # [B, V] in `order`
         _apply_logit_bias(x, rows, scale)
         _apply_penalties(x, rows, scale)
-        greedy = [i for i, r in enumerate(rows) if r.params.greedy]
-        if len(greedy) == len(rows):
-            return x.argmax(dim=-1)
-        token_ids = torch.empty(len(rows), dtype=torch.long, device=x.device)
-        if greedy:
-            idx = _index(greedy, x.device)
-            token_ids[idx] = x[idx].argmax(dim=-1)
-        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
-        sub, idx = _subset(x, sampled)  # [S, V], a copy only when some rows are greedy
-        token_ids[idx] = self._sample(sub, [rows[i] for i in sampled])
+        num_greedy = sum(r.params.greedy for r in rows)
+        chosen = torch.empty(len(rows), dtype=torch.long, device=x.device)
+        if num_greedy:
+            chosen[:num_greedy] = x[:num_greedy].argmax(dim=-1)
+        if num_greedy < len(rows):
+            chosen[num_greedy:] = self._sample(x[num_greedy:], rows[num_greedy:])
+        token_ids = torch.empty_like(chosen)
+        token_ids[_index(order, x.device)] = chosen
         return token_ids
+
+    def _scaled_copy(self, logits: torch.Tensor, order: list[int], scale: torch.Tensor) -> torch.Tensor:
+        """logits rows in ``order`` times ``scale`` [B], as fp32 in the persistent scratch [B, V]."""
+        x = self._buffer("scratch", logits.shape, torch.float32, logits.device)
+        # (index_select with out= is erratic on CPU, up to 50x slower than this copy)
+        source = logits if order == list(range(len(order))) else logits[_index(order, logits.device)]
+        return torch.mul(source, scale[:, None], out=x)
 
     def _sample(self, x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """x [S, V] processed logits of non-greedy rows over temperature, overwritten -> token ids [S]."""
         # unnormalised probabilities with each row's largest at 1: the draw and every filter are
         # scale-free, and min_p's threshold is then min_p itself
         x.sub_(x.amax(dim=-1, keepdim=True)).exp_()  # amax: several times faster than max on CPU
-        _apply_min_p(x, rows)
-        _apply_top_k_top_p(x, rows)
+        block = _block(rows, lambda p: p.min_p > 0)
+        if block.stop > block.start:
+            min_p = _column([r.params.min_p for r in rows[block]], x)
+            self._zero_below(x[block], min_p)
+        block = _block(rows, lambda p: _uses_top_k_top_p(p, x.shape[1]))
+        if block.stop > block.start:
+            self._apply_top_k_top_p(x[block], rows[block])
         return _inverse_cdf(x, self._uniforms(rows).to(x.device))
+
+    def _apply_top_k_top_p(self, weights: torch.Tensor, rows: list[SampleRow]) -> None:
+        """Keep each row's top_k most likely tokens, then the smallest head of those holding top_p of their mass."""
+        vocab = weights.shape[1]
+        top_k = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]
+        top_k = torch.tensor(top_k, dtype=torch.long, device=weights.device)
+        top_p = _column([r.params.top_p for r in rows], weights)
+        self._zero_below(weights, _keep_thresholds(weights, top_k, top_p))
+
+    def _zero_below(self, weights: torch.Tensor, threshold: torch.Tensor) -> None:
+        """weights [F, V] in place: zero every entry under its row's threshold [F]."""
+        below = self._buffer("mask", weights.shape, torch.bool, weights.device)
+        torch.lt(weights, threshold[:, None], out=below)
+        weights.masked_fill_(below, 0.0)
+
+    def _buffer(self, name: str, shape: torch.Size | tuple[int, ...], dtype, device) -> torch.Tensor:
+        """A view of a tensor kept across calls, grown when a call needs more."""
+        numel = math.prod(shape)
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.numel() < numel or buffer.dtype != dtype or buffer.device != device:
+            buffer = torch.empty(numel, dtype=dtype, device=device)
+            self._buffers[name] = buffer
+        return buffer[:numel].view(shape)
 
     def _uniforms(self, rows: list[SampleRow]) -> torch.Tensor:
         """One number in [0, 1) per row [S] float64: seeded rows from their hash, others from the generator."""
@@ -113,12 +155,25 @@ def _index(positions: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(positions, dtype=torch.long, device=device)
 
 
-def _subset(x: torch.Tensor, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor | slice]:
-    """Rows ``positions`` of x, and how to index them: x itself (no copy) when that is every row."""
-    if len(positions) == x.shape[0]:
-        return x, slice(None)
-    idx = _index(positions, x.device)
-    return x[idx], idx
+def _uses_top_k_top_p(params: SamplingParams, vocab: int) -> bool:
+    return 0 < params.top_k < vocab or params.top_p < 1.0
+
+
+def _group(params: SamplingParams, vocab: int) -> int:
+    """Sort key that makes greedy rows, min_p rows and top_k/top_p rows each one contiguous block."""
+    if params.greedy:
+        return 0
+    min_p, top = params.min_p > 0, _uses_top_k_top_p(params, vocab)
+    return 1 + [(False, False), (True, False), (True, True), (False, True)].index((min_p, top))
+
+
+def _block(rows: list[SampleRow], wanted) -> slice:
+    """The slice of ``rows`` whose params satisfy ``wanted``; rows are grouped so it is one block."""
+    hits = [i for i, r in enumerate(rows) if wanted(r.params)]
+    if not hits:
+        return slice(0, 0)
+    assert hits[-1] - hits[0] + 1 == len(hits), "rows must be grouped by filter (see _group)"
+    return slice(hits[0], hits[-1] + 1)
 
 
 def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
@@ -159,37 +214,6 @@ def _apply_penalties(x: torch.Tensor, rows: list[SampleRow], scale: torch.Tensor
     presence = _column([r.params.presence_penalty for r in rows], x)[row_ids]
     penalty = frequency * counts + presence
     x[row_ids, token_ids] -= penalty if scale is None else penalty * scale[row_ids]
-
-
-def _apply_min_p(weights: torch.Tensor, rows: list[SampleRow]) -> None:
-    """Drop tokens less likely than min_p times the most likely one (whose weight is 1)."""
-    filtered = [i for i, r in enumerate(rows) if r.params.min_p > 0]
-    if not filtered:
-        return
-    sub, idx = _subset(weights, filtered)
-    min_p = _column([rows[i].params.min_p for i in filtered], weights)
-    sub.masked_fill_(sub < min_p[:, None], 0.0)
-    if sub is not weights:
-        weights[idx] = sub
-
-
-def _apply_top_k_top_p(weights: torch.Tensor, rows: list[SampleRow]) -> None:
-    """Keep each row's top_k most likely tokens, then the smallest head of those holding top_p of their mass."""
-    vocab = weights.shape[1]
-    filtered = [i for i, r in enumerate(rows) if 0 < r.params.top_k < vocab or r.params.top_p < 1.0]
-    if not filtered:
-        return
-    sub, idx = _subset(weights, filtered)
-    top_k = torch.tensor(
-        [rows[i].params.top_k if 0 < rows[i].params.top_k < vocab else vocab for i in filtered],
-        dtype=torch.long,
-        device=weights.device,
-    )
-    top_p = _column([rows[i].params.top_p for i in filtered], weights)
-    threshold = _keep_thresholds(sub, top_k, top_p)
-    sub.masked_fill_(sub < threshold[:, None], 0.0)
-    if sub is not weights:
-        weights[idx] = sub
 
 
 def _keep_thresholds(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -253,7 +277,7 @@ def _outputs(logits: torch.Tensor, rows: list[SampleRow], token_ids: list[int]) 
     wanted = [i for i, r in enumerate(rows) if r.params.logprobs]
     if not wanted:
         return outputs
-    raw, _ = _subset(logits, wanted)
+    raw = logits if len(wanted) == len(rows) else logits[_index(wanted, logits.device)]
     logprobs = torch.log_softmax(raw.float(), dim=-1)  # [L, V] of the unmodified model logits
     chosen = logprobs.gather(1, _index([token_ids[i] for i in wanted], raw.device)[:, None])
     chosen = chosen.squeeze(1).tolist()

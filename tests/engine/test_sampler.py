@@ -262,3 +262,19 @@ def test_nan_logits_still_give_a_valid_token_id():
     logits = torch.full((2, VOCAB), float("nan"))
     out = tokens(Sampler(seed=0), logits, rows_of(SamplingParams(top_p=0.9), 2))
     assert all(0 <= t < VOCAB for t in out)
+
+
+def test_rows_regrouped_internally_come_back_in_their_places():
+    kinds = [
+        {"temperature": 0},
+        {"top_p": 0.9},
+        {},
+        {"min_p": 0.1},
+        {"top_k": 5, "min_p": 0.1},
+        {"temperature": 0, "presence_penalty": 1.0},
+        {"top_k": 3},
+        {"seed": 1, "top_p": 0.5},
+    ]
+    rows = [SampleRow(SamplingParams(logit_bias={100 + i: 100.0}, **kw), [1], 0) for i, kw in enumerate(kinds * 3)]
+    logits = torch.randn(len(rows), VOCAB, generator=torch.Generator().manual_seed(9))
+    assert tokens(Sampler(seed=0), logits, rows) == [100 + i for i in range(len(rows))]
