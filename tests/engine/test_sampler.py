@@ -275,6 +275,14 @@ def test_rows_regrouped_internally_come_back_in_their_places():
         {"top_k": 3},
         {"seed": 1, "top_p": 0.5},
     ]
-    rows = [SampleRow(SamplingParams(logit_bias={100 + i: 100.0}, **kw), [1], 0) for i, kw in enumerate(kinds * 3)]
+    rows = [
+        SampleRow(SamplingParams(logit_bias={100 + i: 100.0}, **kw), [1], 0) for i, kw in enumerate(kinds * 3)
+    ]
     logits = torch.randn(len(rows), VOCAB, generator=torch.Generator().manual_seed(9))
     assert tokens(Sampler(seed=0), logits, rows) == [100 + i for i in range(len(rows))]
+
+
+def test_logit_bias_past_the_vocabulary_is_ignored_not_raised():
+    logits = torch.tensor([[0.0, 1.0, 0.5]])
+    params = SamplingParams(temperature=0, logit_bias={7: 100.0, 2: 1.0})
+    assert tokens(Sampler(seed=0), logits, [SampleRow(params, [], 0)]) == [2]
