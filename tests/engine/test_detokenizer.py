@@ -1,7 +1,9 @@
+import json
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
+from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from batchapi.engine.detokenizer import (
     REPLACEMENT_CHAR,
@@ -94,6 +96,47 @@ def test_long_outputs_stay_exact_past_the_trim(tokenizer):
     detok = IncrementalDetokenizer(tokenizer)
     feed(detok, ids)
     assert detok.text == tokenizer.decode(ids)
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_tokenizer():
+    """A tiny Llama-2-style tokenizer: ▁ for spaces, a stripped leading space, UTF-8 byte fallback."""
+    normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False
+    )
+    base = Tokenizer(models.BPE())
+    base.normalizer = normalizer
+    base.train_from_iterator(
+        ["Hello world, the quick brown fox jumps over the lazy dog.", "我喜欢编程 and code"], trainer
+    )
+    trained = json.loads(base.to_str())["model"]
+    vocab = dict(trained["vocab"])
+    for byte in range(256):  # byte fallback needs the <0xNN> tokens in the model's own vocabulary
+        vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in trained["merges"]]
+    tok = Tokenizer(
+        models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>", fuse_unk=True)
+    )
+    tok.normalizer = normalizer
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def test_sentencepiece_style_byte_fallback_and_leading_space(sentencepiece_tokenizer):
+    tokenizer = sentencepiece_tokenizer
+    ids = encode(tokenizer, "Hello world 🎉 我喜欢 naïve")
+    assert "<0xF0>" in tokenizer.convert_ids_to_tokens(ids), "the emoji must fall back to bytes"
+    detok = IncrementalDetokenizer(tokenizer)
+    deltas = feed(detok, ids)
+    assert detok.text == tokenizer.decode(ids) == "Hello world 🎉 我喜欢 naïve"
+    assert not any(REPLACEMENT_CHAR in d for d in deltas)
+    # after a prompt the first token's ▁ is a real space, as vLLM returns it
+    after_prompt = IncrementalDetokenizer(tokenizer, encode(tokenizer, "the prompt"))
+    feed(after_prompt, ids)
+    assert after_prompt.text == " Hello world 🎉 我喜欢 naïve"
 
 
 def run_with_stops(tokenizer, text: str, stop: list[str]) -> tuple[StopChecker, int]:
