@@ -1,0 +1,185 @@
+"""Engine throughput on SmolLM2-135M-Instruct: this engine vs Hugging Face generate, same run.
+
+    .venv/bin/python bench/engine_throughput.py [--prompts 96] [--max-tokens 96] [--threads N]
+
+Prints output tokens/s for (1) this engine with continuous batching, (2) HF `generate` with
+static batches (best of --hf-batch-sizes), (3) this engine forced to static batches of HF's
+best size; the ratios; and the fraction of the roofline: tokens/s if a step did nothing but
+the model's matmuls, measured here in the same dtype at the step's shape. Then a workload with
+output lengths 16..512 (continuous vs static) and one with a shared 1,000-token prefix
+(prefix caching on vs off). Printed, never asserted: timings are noisy on a shared CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from batchapi.engine import EngineConfig, GenerationRequest, LLMEngine, SamplingParams
+from batchapi.model_store import resolve_model
+
+TASKS = [
+    "Write a haiku about {}.",
+    "Explain {} to a ten-year-old in two sentences.",
+    "List five facts about {}.",
+    "Write a short story (about 100 words) about {}.",
+    "Give me a one-word synonym for the adjective describing {}.",
+    "Translate 'I like {}' into French.",
+    "Write a limerick about {}.",
+    "What are the pros and cons of {}? Answer with bullet points.",
+    "Summarize the history of {} in three sentences.",
+    "Is {} a noun? Answer yes or no.",
+    "Describe {} in exactly one sentence.",
+    "Write a product description for {}.",
+]
+TOPICS = ["the ocean", "volcanoes", "a cat", "machine learning", "coffee", "the moon", "bicycles", "rain",
+          "chess", "bread", "electric cars", "a lighthouse", "jazz", "mountains", "honeybees", "libraries"]
+
+
+def chat_prompts(tokenizer, count: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        text = rng.choice(TASKS).format(rng.choice(TOPICS))
+        chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             tokenize=False)
+        out.append(tokenizer.encode(chat, add_special_tokens=False))
+    return out
+
+
+# ---- this engine ----
+
+def run_engine(engine: LLMEngine, prompts, params, static_batch: int | None = None) -> tuple[int, float]:
+    """(output tokens, seconds); static_batch: admit the next batch only when the last one is done."""
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    chunk = static_batch or len(prompts)
+    tokens, start = 0, time.perf_counter()
+    for lo in range(0, len(prompts), chunk):
+        for i in range(lo, min(lo + chunk, len(prompts))):
+            engine.add_request(GenerationRequest(f"r{i}", prompts[i], params[i]))
+        while engine.has_unfinished():
+            for result in engine.step():
+                tokens += result.completion_tokens
+    return tokens, time.perf_counter() - start
+
+
+# ---- Hugging Face ----
+
+def run_hf(model, tokenizer, prompts, max_tokens: int, batch: int, eos: set[int]) -> tuple[int, float]:
+    tokens, start = 0, time.perf_counter()
+    tokenizer.padding_side = "left"
+    for lo in range(0, len(prompts), batch):
+        group = prompts[lo : lo + batch]
+        width = max(len(p) for p in group)
+        pad = tokenizer.pad_token_id or 0
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in group])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False,
+                             eos_token_id=sorted(eos), pad_token_id=pad)
+        for row in out[:, width:].tolist():
+            n = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+            tokens += n
+    return tokens, time.perf_counter() - start
+
+
+# ---- roofline ----
+
+def matmul_roofline(engine: LLMEngine, tokens_per_step: int, repeats: int = 5) -> float:
+    """Tokens/s if a step of ``tokens_per_step`` tokens ran only the model's matmuls."""
+    model = engine.runner.model
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    x = torch.randn(tokens_per_step, model.cfg.hidden_size, dtype=engine.runner.dtype)
+    inputs = [torch.randn(tokens_per_step, w.shape[1], dtype=w.dtype) for w in weights]
+    with torch.inference_mode():
+        for a, w in zip(inputs, weights, strict=True):
+            torch.nn.functional.linear(a, w)
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for a, w in zip(inputs, weights, strict=True):
+                torch.nn.functional.linear(a, w)
+            best = min(best, time.perf_counter() - start)
+    del x
+    flops = sum(2 * w.numel() for w in weights) * tokens_per_step
+    print(f"  matmul FLOP/s at {tokens_per_step} tokens a step: {flops / best / 1e9:.0f} GFLOP/s "
+          f"({sum(w.numel() for w in weights) / 1e6:.1f}M matmul parameters)")
+    return tokens_per_step / best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", type=int, default=96)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--hf-batch-sizes", default="1,16,32,64,128")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--skip", default="", help="comma list of: hf,static,mixed,prefix")
+    args = ap.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model_dir = resolve_model("smollm2-135m-instruct", Path("~/.cache/batchapi").expanduser())
+    config = EngineConfig(model_path=model_dir, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=4096, kv_cache_bytes=2 << 30)
+    engine = LLMEngine(config)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = chat_prompts(tokenizer, args.prompts)
+    greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    print(f"SmolLM2-135M-Instruct, {args.dtype}, {torch.get_num_threads()} threads, {len(prompts)} chat prompts "
+          f"({sum(map(len, prompts)) / len(prompts):.0f} tokens avg), max_tokens {args.max_tokens}, greedy")
+
+    run_engine(engine, prompts[:4], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    steps0 = engine.scheduler.num_preemptions
+    tokens, secs = run_engine(engine, prompts, greedy)
+    cont = tokens / secs
+    print(f"engine, continuous batching: {tokens} tokens in {secs:.1f}s = {cont:.1f} tok/s "
+          f"(preemptions {engine.scheduler.num_preemptions - steps0})")
+    roof = matmul_roofline(engine, min(len(prompts), args.max_num_seqs))
+    print(f"roofline: {roof:.0f} tok/s; engine reaches {cont / roof:.0%} of it")
+
+    best_hf, best_batch = 0.0, min(len(prompts), 64)
+    if "hf" not in skip:
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval()
+        eos = set(engine.eos_token_ids)
+        for batch in [int(b) for b in args.hf_batch_sizes.split(",")]:
+            subset = prompts[: max(batch, 8)] if batch < 16 else prompts  # batch 1 is slow: a sample
+            tokens, secs = run_hf(hf, tokenizer, subset, args.max_tokens, batch, eos)
+            print(f"HF generate, static batch {batch:>3}: {tokens / secs:7.1f} tok/s ({len(subset)} prompts)")
+            if tokens / secs > best_hf:
+                best_hf, best_batch = tokens / secs, batch
+        del hf
+        print(f"engine / best HF static (batch {best_batch}): {cont / best_hf:.2f}x")
+    if "static" not in skip:
+        tokens, secs = run_engine(engine, prompts, greedy, static_batch=best_batch)
+        print(f"engine forced to static batches of {best_batch}: {tokens / secs:.1f} tok/s; "
+              f"continuous / static {cont / (tokens / secs):.2f}x")
+    if "mixed" not in skip:
+        rng = random.Random(1)
+        mixed = [SamplingParams(max_tokens=rng.choice([16, 32, 64, 128, 256, 512]), temperature=0.0,
+                                ignore_eos=True) for _ in prompts]
+        c_tokens, c_secs = run_engine(engine, prompts, mixed)
+        s_tokens, s_secs = run_engine(engine, prompts, mixed, static_batch=best_batch)
+        print(f"mixed output lengths 16..512: continuous {c_tokens / c_secs:.1f} tok/s, static batches of "
+              f"{best_batch} {s_tokens / s_secs:.1f} tok/s: {(c_tokens / c_secs) / (s_tokens / s_secs):.2f}x")
+    if "prefix" not in skip:
+        shared = tokenizer.encode(" ".join(f"Fact {i}: the {TOPICS[i % len(TOPICS)]} is item {i}." for i in range(120)))
+        shared = shared[:1000]
+        questions = [shared + tokenizer.encode(f"\nQuestion {i}: which item is {TOPICS[i % len(TOPICS)]}?")
+                     for i in range(32)]
+        short = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+        for caching in (False, True):
+            engine.block_manager.enable_prefix_caching = caching
+            engine.block_manager.hash_to_block.clear()
+            tokens, secs = run_engine(engine, questions, short)
+            print(f"shared 1,000-token prefix, 32 requests, prefix caching {'on ' if caching else 'off'}: "
+                  f"{secs:.1f}s ({tokens / secs:.1f} output tok/s)")
+
+
+if __name__ == "__main__":
+    main()
