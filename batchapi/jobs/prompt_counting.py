@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 
 from sqlalchemy import func, select, update
 
@@ -36,8 +37,11 @@ def batches_to_count(jobs: Jobs) -> list[str]:
         return list(session.scalars(query))
 
 
-def count_batch(jobs: Jobs, batch_id: str, counter: PromptCounter | None = None) -> int:
-    """Count the prompts of every uncounted shard of ``batch_id``; returns shards counted."""
+def count_batch(
+    jobs: Jobs, batch_id: str, counter: PromptCounter | None = None, stop: Callable[[], bool] = lambda: False
+) -> int:
+    """Count the prompts of every uncounted shard of ``batch_id``; returns shards counted.
+    ``stop()`` is asked between shards, so a shutting-down process leaves the rest to a sweep."""
     with jobs.sessions() as session:
         batch = session.get(Batch, batch_id)
         if batch is None or batch.status not in states.ACTIVE:
@@ -49,6 +53,8 @@ def count_batch(jobs: Jobs, batch_id: str, counter: PromptCounter | None = None)
     counter = counter or counter_for(served_model(jobs.settings).path)
     done = 0
     for shard in shards:
+        if stop() or not _still_wanted(jobs, batch_id):
+            break
         counts, outputs = _count_shard(jobs, counter, batch.endpoint, file.storage_key, shard)
         with session_scope(jobs.sessions) as session:
             done += session.execute(
@@ -59,6 +65,12 @@ def count_batch(jobs: Jobs, batch_id: str, counter: PromptCounter | None = None)
             ).rowcount
     _refresh_estimate(jobs, batch_id)
     return done
+
+
+def _still_wanted(jobs: Jobs, batch_id: str) -> bool:
+    with jobs.sessions() as session:
+        status = session.scalar(select(Batch.status).where(Batch.id == batch_id))
+    return status in (states.VALIDATING, states.IN_PROGRESS)
 
 
 def _count_shard(jobs: Jobs, counter: PromptCounter, endpoint: str, key: str, shard: Shard) -> tuple[list[int], int]:

@@ -195,7 +195,7 @@ class ValidationRunner:
 
     def _count_now(self, batch_id: str) -> None:
         try:
-            count_batch(self.jobs, batch_id)
+            count_batch(self.jobs, batch_id, stop=self._stop.is_set)
         except Exception:  # the sweep tries again; counts are an estimate, never a gate
             log.exception("counting the prompt tokens of batch %s failed", batch_id)
         finally:

@@ -172,3 +172,18 @@ def test_models_lists_the_served_model(client, model_id):
     assert client.models.retrieve(model_id).id == model_id
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4o")
+
+
+def test_large_file_streams_through_s3_multipart_and_validates(client, model_id, pg_server):
+    import hashlib
+
+    filler = "w " * 120  # ~370 bytes a line, 50,000 lines: ~18 MB, above the multipart threshold
+    data = jsonl([request_line(f"r{i}", model_id, content=filler, max_tokens=4) for i in range(50_000)])
+    assert len(data) > 16 * 1024 * 1024
+    f = client.files.create(file=("big.jsonl", io.BytesIO(data)), purpose="batch")
+    assert f.bytes == len(data)
+    assert hashlib.sha256(client.files.content(f.id).content).digest() == hashlib.sha256(data).digest()
+    batch = validated(client, client.batches.create(
+        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h").id)
+    assert (batch.status, batch.request_counts.total) == ("in_progress", 50_000), batch.errors
+    client.batches.cancel(batch.id)  # stop the background count from running on

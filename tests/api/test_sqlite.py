@@ -39,3 +39,29 @@ def test_auth_off_uses_one_default_project(tmp_path, tiny_llama_dir):
         response = http.post("/v1/files", data={"purpose": "batch"}, files={"file": ("a.jsonl", b"{}\n")})
         assert response.status_code == 200
         assert [f["id"] for f in http.get("/v1/files").json()["data"]] == [response.json()["id"]]
+
+
+def test_a_batch_left_validating_is_picked_up_at_start_up(tmp_path, tiny_llama_dir):
+    from sqlalchemy import update
+
+    from batchapi.jobs.batches import create_batch
+    from batchapi.jobs.context import open_jobs
+    from batchapi.jobs.db import session_scope
+    from batchapi.jobs.files import upload_file
+    from batchapi.jobs.keys import get_or_create_project
+    from batchapi.jobs.models import Batch
+    from batchapi.jobs.served_model import served_model_id
+
+    settings = load_settings(data_dir=tmp_path, model=str(tiny_llama_dir), auth_required=False)
+    upgrade(settings)
+    jobs = open_jobs(settings)  # a process that dies right after creating the batch
+    with session_scope(jobs.sessions) as session:
+        project = get_or_create_project(session, "default").id
+    f = upload_file(jobs, project, "in.jsonl", "batch", io.BytesIO(jsonl([request_line("a", served_model_id(settings))])))
+    bid = create_batch(jobs, project, f.id, "/v1/chat/completions", "24h").id
+    with session_scope(jobs.sessions) as session:  # its validation lease has run out
+        session.execute(update(Batch).where(Batch.id == bid).values(validation_lease_expires_at=1))
+    jobs.close()
+    with live_server(settings) as server, httpx.Client(base_url=server.base_url) as http:
+        batch = wait_until(lambda: (b := http.get(f"/v1/batches/{bid}").json())["status"] != "validating" and b)
+    assert batch["status"] == "in_progress" and batch["request_counts"]["total"] == 1
