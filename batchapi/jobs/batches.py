@@ -15,10 +15,11 @@ from batchapi.jobs import states
 from batchapi.jobs.context import Jobs
 from batchapi.jobs.db import session_scope
 from batchapi.jobs.errors import Conflict, InvalidRequest, NotFound
-from batchapi.jobs.files import _beyond, get_file_row
+from batchapi.jobs.files import get_file_row
 from batchapi.jobs.ids import batch_id as new_batch_id
 from batchapi.jobs.ids import now
 from batchapi.jobs.models import Batch, Shard
+from batchapi.jobs.paging import after_cursor
 from batchapi.jobs.pricing import price_for
 from batchapi.jobs.request_body import ENDPOINTS
 from batchapi.jobs.served_model import served_model_id
@@ -133,7 +134,7 @@ def list_batches(jobs: Jobs, project_id: str, limit: int, after: str | None) -> 
         query = select(Batch).where(Batch.project_id == project_id)
         if after:
             cursor = get_batch_row(session, project_id, after)
-            query = query.where(_beyond(Batch, cursor.created_at, cursor.id, newest_first=True))
+            query = query.where(after_cursor(Batch, cursor.created_at, cursor.id, newest_first=True))
         query = query.order_by(Batch.created_at.desc(), Batch.id.desc()).limit(limit + 1)
         rows = list(session.scalars(query))
     return rows[:limit], len(rows) > limit

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import BinaryIO
 
-from sqlalchemy import and_, or_, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from batchapi.jobs.context import Jobs
@@ -13,6 +13,7 @@ from batchapi.jobs.db import session_scope
 from batchapi.jobs.errors import InvalidRequest, NotFound
 from batchapi.jobs.ids import file_id, now
 from batchapi.jobs.models import Batch, File
+from batchapi.jobs.paging import after_cursor
 from batchapi.jobs.states import ACTIVE
 from batchapi.jobs.storage import file_key
 
@@ -89,17 +90,10 @@ def list_files(
             query = query.where(File.purpose == purpose)
         if after:
             cursor = get_file_row(session, project_id, after)
-            query = query.where(_beyond(File, cursor.created_at, cursor.id, newest_first))
+            query = query.where(after_cursor(File, cursor.created_at, cursor.id, newest_first))
         keys = (File.created_at.desc(), File.id.desc()) if newest_first else (File.created_at, File.id)
         rows = list(session.scalars(query.order_by(*keys).limit(limit + 1)))
     return rows[:limit], len(rows) > limit
-
-
-def _beyond(model, created_at: int, row_id: str, newest_first: bool):
-    """Rows after (``created_at``, ``row_id``) in the listing order."""
-    if newest_first:
-        return or_(model.created_at < created_at, and_(model.created_at == created_at, model.id < row_id))
-    return or_(model.created_at > created_at, and_(model.created_at == created_at, model.id > row_id))
 
 
 def open_content(jobs: Jobs, project_id: str, fid: str) -> tuple[File, Iterator[bytes]]:

@@ -105,6 +105,9 @@ class Scanner:
         self.first_model: tuple[str, int] | None = None
         self.pending: list[_Request] = []
         self.done: list[_Request] = []
+        # running upper bounds of the valid requests so far, for the estimate while validating
+        self.prompt_tokens = 0
+        self.output_tokens = 0
 
     def error(self, code: str, message: str, line: int | None = None, param: str | None = None) -> None:
         if len(self.errors) < MAX_REPORTED_ERRORS:
@@ -114,9 +117,9 @@ class Scanner:
     def full(self) -> bool:
         return len(self.errors) >= MAX_REPORTED_ERRORS
 
-    def scan(self, chunks: Iterable[bytes], progress: Callable[[int], bool] | None = None) -> ScanResult:
-        """Check every line; ``progress(lines_read)`` is called now and then and may return
-        False to stop early (the batch was cancelled)."""
+    def scan(self, chunks: Iterable[bytes], progress: Callable[[Scanner], bool] | None = None) -> ScanResult:
+        """Check every line; ``progress(self)`` is called now and then and may return False to
+        stop early (the batch was cancelled)."""
         lines = 0
         requests = 0
         for lines, start, end, content in iter_lines(chunks):
@@ -130,7 +133,7 @@ class Scanner:
                 requests += 1
             if len(self.pending) >= TOKENIZE_BATCH:
                 self.count_tokens()
-            if self.full or (progress is not None and lines % 4096 == 0 and progress(lines) is False):
+            if self.full or (progress is not None and lines % 4096 == 0 and progress(self) is False):
                 break
         self.count_tokens()
         if requests == 0 and not self.errors:
@@ -221,6 +224,8 @@ class Scanner:
         for request in self.pending:
             if _fits(request, context):
                 self.done.append(request)
+                self.prompt_tokens += request.prompt_tokens
+                self.output_tokens += output_bound(request.parsed, request.prompt_tokens if request.exact else 1, context)
                 continue
             count, wanted = request.prompt_tokens, request.parsed.max_tokens
             if count >= context:

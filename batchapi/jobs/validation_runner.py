@@ -69,19 +69,24 @@ def validate_batch(jobs: Jobs, batch_id: str) -> str:
         max_lines=jobs.settings.max_file_lines, shard_size=jobs.settings.shard_size,
     )
     scanner = Scanner(limits, counter_for(served.path))
-    result = scanner.scan(jobs.storage.iter_chunks(file.storage_key), lambda _: _renew(jobs, batch_id))
+    result = scanner.scan(jobs.storage.iter_chunks(file.storage_key), lambda scan: _renew(jobs, batch_id, scan))
     if result.errors:
         return _fail(jobs, batch_id, result.errors)
     return _start(jobs, batch_id, result)
 
 
-def _renew(jobs: Jobs, batch_id: str) -> bool:
-    """Extend the lease while the scan runs; False when the batch left ``validating``."""
+def _renew(jobs: Jobs, batch_id: str, scanner: Scanner) -> bool:
+    """Extend the lease while the scan runs and show the estimate so far; False when the batch
+    left ``validating``."""
     with session_scope(jobs.sessions) as session:
         result = session.execute(
             update(Batch)
             .where(Batch.id == batch_id, Batch.status == states.VALIDATING)
-            .values(validation_lease_expires_at=now() + jobs.settings.validation_lease_seconds)
+            .values(
+                validation_lease_expires_at=now() + jobs.settings.validation_lease_seconds,
+                estimated_input_tokens=scanner.prompt_tokens,
+                estimated_output_tokens=scanner.output_tokens,
+            )
         )
         return result.rowcount == 1
 

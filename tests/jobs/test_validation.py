@@ -154,3 +154,17 @@ def test_iter_lines_keeps_byte_offsets():
     data = b'a\n\nbcd\r\nlast'
     got = list(iter_lines([data[:3], data[3:5], data[5:]]))
     assert got == [(1, 0, 2, b"a"), (2, 2, 3, b""), (3, 3, 8, b"bcd\r"), (4, 8, 12, b"last")]
+
+
+def test_progress_reports_the_estimate_so_far_and_can_stop_the_scan(counter):
+    data = jsonl([ok(i, max_tokens=3) for i in range(1, 9001)])
+    seen = []
+
+    def progress(scanner):
+        seen.append((len(scanner.done), scanner.output_tokens, scanner.prompt_tokens > 0))
+        return len(seen) < 2
+
+    limits = Limits(endpoint=CHAT, served_model=M, model_aliases=frozenset({M}), max_lines=50_000, shard_size=256)
+    result = Scanner(limits, counter).scan([data[i : i + 65536] for i in range(0, len(data), 65536)], progress)
+    assert seen == [(4096, 4096 * 3, True), (8192, 8192 * 3, True)]
+    assert result.request_count == 8192  # stopped at the second report
