@@ -15,6 +15,7 @@ import logging
 
 from celery import Celery
 from kombu import Queue
+from kombu.exceptions import OperationalError as BrokerError
 
 from batchapi.config import Settings
 from batchapi.workers import tasks
@@ -59,7 +60,11 @@ class CeleryDispatcher:
         self.queue = queue
 
     def batch_ready(self, batch_id: str, shard_ids: list[str]) -> None:
-        send_shards(self.app, self.queue, shard_ids)
+        try:
+            send_shards(self.app, self.queue, shard_ids)
+        except (BrokerError, OSError):
+            # the shards are committed as queued: workers polling the database still find them
+            log.warning("broker unavailable; batch %s waits for the workers' next poll", batch_id, exc_info=True)
 
     def batch_cancelled(self, batch_id: str) -> None:
         # workers see the status within a second and abort the batch's requests themselves
@@ -68,4 +73,4 @@ class CeleryDispatcher:
 
 def send_shards(app: Celery, queue: str, shard_ids: list[str]) -> None:
     for shard_id in shard_ids:
-        app.send_task(RUN_SHARD, args=[shard_id], queue=queue)
+        app.send_task(RUN_SHARD, args=[shard_id], queue=queue, retry_policy={"max_retries": 2})

@@ -83,7 +83,7 @@ class ShardRunner:
         work = self._start(claimed)
         if work is None:
             return "released"
-        work.done.wait(timeout)
+        work.stored.wait(timeout)  # acknowledged only once its results are in storage
         return work.reason or "done"
 
     def in_flight(self) -> list[str]:
@@ -108,6 +108,7 @@ class ShardRunner:
             works = list(self._inflight.values())
         for work in works:
             work.close(None, lost=True)
+            work.stored.set()
         released = leases.release(self.jobs, [w.shard.id for w in works], self.owner)
         if released:
             log.info("gave %d shards back to the queue", released)
@@ -180,6 +181,7 @@ class ShardRunner:
         finally:
             with self._lock:
                 self._inflight.pop(shard.id, None)
+            work.stored.set()
             self._wake.set()
 
     def _store(self, work: ShardWork) -> None:
@@ -222,15 +224,19 @@ class ShardRunner:
         if not works:
             return
         with self.jobs.sessions() as session:
-            rows = dict(session.execute(
-                select(Batch.id, Batch.status).where(Batch.id.in_({w.shard.batch_id for w in works}))
-            ).all())
+            rows = {
+                batch_id: (status, expires_at)
+                for batch_id, status, expires_at in session.execute(
+                    select(Batch.id, Batch.status, Batch.expires_at)
+                    .where(Batch.id.in_({w.shard.batch_id for w in works}))
+                )
+            }
         t = now()
         for work in works:
-            status = rows.get(work.shard.batch_id)
+            status, expires_at = rows.get(work.shard.batch_id, (None, work.shard.expires_at))
             if status in (states.CANCELLING, states.CANCELLED):
                 self._close(work, "batch_cancelled")
-            elif status == states.EXPIRED or t >= work.shard.expires_at:
+            elif status == states.EXPIRED or t >= expires_at:
                 self._close(work, "batch_expired")
 
     def _beat(self) -> None:

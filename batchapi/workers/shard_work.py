@@ -31,7 +31,8 @@ class ShardWork:
     pending: set[str] = field(default_factory=set)
     reason: str | None = None  # why it was closed early
     lost: bool = False  # the lease went to someone else: write nothing
-    done: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)  # no result awaited any more
+    stored: threading.Event = field(default_factory=threading.Event)  # written and completed (or dropped)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def request_id(self, line: InputLine) -> str:
