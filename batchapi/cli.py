@@ -104,8 +104,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from batchapi.api.main import serve
 
     settings = _settings()
-    if args.port is not None:
-        settings = settings.model_copy(update={"port": args.port})
+    overrides = {name: getattr(args, name) for name in ("host", "port") if getattr(args, name) is not None}
+    if overrides:
+        settings = settings.model_copy(update=overrides)
     if settings.embedded:
         from batchapi.workers.embedded import EmbeddedWorker
 
@@ -187,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=cmd_run_batch)
 
     serve = sub.add_parser("serve", help="the API (with the embedded worker when no broker is set)")
+    serve.add_argument("--host", default=None, help="default: BATCHAPI_HOST")
     serve.add_argument("--port", type=int, default=None, help="default: BATCHAPI_PORT")
     serve.set_defaults(func=cmd_serve)
     worker = sub.add_parser("worker", help="a Celery GPU worker (one per GPU)")
