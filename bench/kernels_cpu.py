@@ -191,15 +191,18 @@ VARIANTS = [v_einsum, v_sdpa, v_sdpa_contig, v_sdpa_trim, v_float, v_loop, v_gqa
             v_library]
 
 
-def bench(fn, args, reps):
-    """Median ms per call (the machine is shared, so the median is steadier than the mean)."""
-    fn(*args)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
+def bench_interleaved(fns, args, reps):
+    """Best-of-reps ms per call, the variants taking turns so that load from other processes on a
+    shared machine hits them alike; the minimum is the least disturbed run."""
+    for fn in fns:
         fn(*args)
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2] * 1e3
+    times = {fn: [] for fn in fns}
+    for _ in range(reps):
+        for fn in fns:
+            t0 = time.perf_counter()
+            fn(*args)
+            times[fn].append(time.perf_counter() - t0)
+    return {fn: (min(t) * 1e3, sorted(t)[len(t) // 2] * 1e3) for fn, t in times.items()}
 
 
 def main():
@@ -217,19 +220,22 @@ def main():
     q, kc, vc, tables, lens = make_inputs(a.batch, a.ctx, a.hq, a.hkv, a.dim, 16, dtype)
     args = (q, kc, vc, tables, lens, a.dim**-0.5)
     ref = v_float(*args).float()
-    base = None
     print(f"decode B={a.batch} ctx~{a.ctx} Hq={a.hq} Hkv={a.hkv} D={a.dim} {a.dtype} threads={torch.get_num_threads()}")
+    fns, errs = [], {}
     for fn in VARIANTS:
         if a.only and fn.__name__ not in a.only.split(","):
             continue
         try:
-            err = (fn(*args).float() - ref).abs().max().item()
-            ms = bench(fn, args, a.reps)
-        except Exception as e:  # a variant may not exist yet (library) or fail on this torch
-            print(f"{fn.__name__:16s} failed: {type(e).__name__}: {e}")
-            continue
-        base = base or ms
-        print(f"{fn.__name__:16s} {ms:8.2f} ms  x{base / ms:5.2f} vs v_einsum  max_err {err:.2e}")
+            errs[fn] = (fn(*args).float() - ref).abs().max().item()
+            fns.append(fn)
+        except Exception as e:  # a variant may fail on this torch build
+            print(f"{fn.__name__:20s} failed: {type(e).__name__}: {e}")
+    timings = bench_interleaved(fns, args, a.reps)
+    base = timings[fns[0]][0]
+    for fn in fns:
+        best, median = timings[fn]
+        print(f"{fn.__name__:20s} best {best:7.2f} ms  median {median:7.2f} ms  x{base / best:5.2f} vs "
+              f"{fns[0].__name__}  max_err {errs[fn]:.1e}")
 
 
 if __name__ == "__main__":
