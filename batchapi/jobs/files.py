@@ -98,6 +98,7 @@ def list_files(
 
 def open_content(jobs: Jobs, project_id: str, fid: str) -> tuple[File, Iterator[bytes]]:
     row = get_file(jobs, project_id, fid)
+    jobs.storage.size(row.storage_key)  # NotFound now, before a response has started
     return row, jobs.storage.iter_chunks(row.storage_key)
 
 

@@ -74,8 +74,13 @@ class S3Storage:
             if exc.response.get("Error", {}).get("Code") == "InvalidRange":
                 return  # a range starting at the end of the object: nothing to read
             raise StorageError(f"download of {key!r} failed: {exc}") from exc
+        except BotoCoreError as exc:
+            raise StorageError(f"download of {key!r} failed: {exc}") from exc
         with body:
-            yield from body.iter_chunks(CHUNK)
+            try:
+                yield from body.iter_chunks(CHUNK)
+            except BotoCoreError as exc:  # the connection broke mid-stream
+                raise StorageError(f"download of {key!r} broke off: {exc}") from exc
 
     def size(self, key: str) -> int:
         try:
@@ -83,6 +88,8 @@ class S3Storage:
         except ClientError as exc:
             if exc.response.get("Error", {}).get("Code") in MISSING:
                 raise NotFound(f"no object {key!r}") from None
+            raise StorageError(f"head of {key!r} failed: {exc}") from exc
+        except BotoCoreError as exc:
             raise StorageError(f"head of {key!r} failed: {exc}") from exc
 
     def exists(self, key: str) -> bool:
@@ -95,7 +102,7 @@ class S3Storage:
     def delete(self, key: str) -> None:
         try:
             self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
-        except ClientError as exc:
+        except (BotoCoreError, ClientError) as exc:
             raise StorageError(f"delete of {key!r} failed: {exc}") from exc
 
     def check(self) -> None:

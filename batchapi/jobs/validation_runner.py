@@ -14,11 +14,12 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from sqlalchemy import delete, or_, select, update
+from sqlalchemy.exc import OperationalError
 
 from batchapi.jobs import states
 from batchapi.jobs.context import Jobs
 from batchapi.jobs.db import session_scope
-from batchapi.jobs.errors import NotFound
+from batchapi.jobs.errors import NotFound, StorageError
 from batchapi.jobs.ids import now, shard_id
 from batchapi.jobs.models import Batch, File, Shard
 from batchapi.jobs.prompt_counting import batches_to_count, count_batch
@@ -160,6 +161,9 @@ def run_claimed(jobs: Jobs, batch_id: str) -> str:
     """Validate, and never let one batch's surprise kill the validator thread."""
     try:
         return validate_batch(jobs, batch_id)
+    except (StorageError, OperationalError) as exc:  # transient: the lease runs out, a sweep retries
+        log.warning("validation of batch %s interrupted, will retry: %s", batch_id, exc)
+        return states.VALIDATING
     except Exception:  # an unexpected bug: the batch fails with a message rather than hanging
         log.exception("validation of batch %s crashed", batch_id)
         return _fail(jobs, batch_id, [LineError("validation_error", "the file could not be validated (internal error)")])

@@ -148,3 +148,17 @@ def test_cost_counts_only_recorded_usage_at_the_batch_discount(pg_jobs, project)
             price_cached_input=Decimal("0.075"), price_output=Decimal("0.60"), discount_percent=Decimal(50)))
     batch = get_batch(pg_jobs, project, bid)
     assert cost(batch).as_dict() == {"currency": "usd", "amount": "0.0002241", "list_amount": "0.0004482"}
+
+
+def test_storage_outage_leaves_the_batch_for_a_retry(pg_jobs, project, s3):
+    from batchapi.jobs.s3_storage import S3Storage
+    from batchapi.jobs.validation_runner import run_claimed
+
+    bid = new_batch(pg_jobs, project, jsonl([request_line("a", model(pg_jobs))]))
+    from tests.utils.services import free_port
+
+    away = S3Storage(s3.bucket, "", f"http://127.0.0.1:{free_port()}", s3.region,  # nothing listens
+                     s3.aws_access_key_id, s3.aws_secret_access_key)
+    assert run_claimed(dataclasses.replace(pg_jobs, storage=away), bid) == states.VALIDATING
+    assert get_batch(pg_jobs, project, bid).status == states.VALIDATING
+    assert run_claimed(pg_jobs, bid) == states.IN_PROGRESS  # storage is back
