@@ -306,14 +306,15 @@ def roofline_tokens_per_s(shape: dict, batch: int, prompt_len: int, new_tokens: 
     return batch / (step_bytes / HBM_BYTES_PER_S)
 
 
-def throughput(report, shape_name, model_dir, hf_model, batches, prompt_len, new_tokens, device) -> None:
+def throughput(report, shape_name, model_dir, hf_model, batches, prompt_len, new_tokens, device,
+               dtype="bfloat16", kernels="triton", hf_batches=(32, 64, 128, 256)) -> None:
     """HF static batching first (then freed), the engine after, on the same saved weights."""
     shape = SHAPES[shape_name]
     vocab = shape["vocab_size"]
-    hf_rate, hf_batch = hf_best(report, hf_model, shape_name, [32, 64, 128, 256], prompt_len, new_tokens, vocab)
+    hf_rate, hf_batch = hf_best(report, hf_model, shape_name, hf_batches, prompt_len, new_tokens, vocab)
     del hf_model  # the caller passes its only reference: the engine gets the memory
     _free_memory()
-    front = start_engine(model_dir, device, "bfloat16", "triton")
+    front = start_engine(model_dir, device, dtype, kernels)
     try:
         engine_generate(front, random_prompts(8, prompt_len, vocab, 1), 8)  # warm-up: compiles the kernels
         for batch in batches:
@@ -384,15 +385,8 @@ def run_cpu(report: Report, work: Path) -> None:
         finally:
             front.shutdown()
         parity(report, f"greedy parity tiny fp32, engine {kernels} kernels vs HF", ours, reference, need=1.0)
-    front = start_engine(tiny, "cpu", "float32", "torch")
-    try:
-        outs, elapsed = engine_generate(front, random_prompts(16, 32, vocab, 1), 16)
-    finally:
-        front.shutdown()
-    hf_rate = hf_tokens_per_s(model, 16, 32, 16, vocab)
-    rate = sum(len(o) for o in outs) / elapsed
-    report.add("throughput tiny CPU batch 16 (in 32, out 16)", f"engine {rate:.0f} tok/s, HF static {hf_rate:.0f}",
-               "info")
+    throughput(report, "tiny", tiny, model, [16], 32, 16, "cpu", dtype="float32", kernels="torch",
+               hf_batches=(8, 16))  # the roofline column is the H200's, meaningless here
     report.add("GPU run", "pending: no CUDA device in this run", "-")
 
 
