@@ -6,7 +6,6 @@ from typing import Annotated
 
 from fastapi import Depends, Header, Request
 
-from batchapi.config import Settings
 from batchapi.jobs.context import Jobs
 from batchapi.jobs.keys import authenticate
 
@@ -16,13 +15,6 @@ def get_jobs(request: Request) -> Jobs:
 
 
 JobsDep = Annotated[Jobs, Depends(get_jobs)]
-
-
-def get_settings_dep(jobs: JobsDep) -> Settings:
-    return jobs.settings
-
-
-SettingsDep = Annotated[Settings, Depends(get_settings_dep)]
 
 
 def get_project_id(request: Request, jobs: JobsDep) -> str:

@@ -10,7 +10,6 @@ from batchapi.api.schemas import FileDeleted, FileList, FileObject
 from batchapi.jobs import files
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
-FileId = Annotated[str, "file id"]
 
 
 @router.post("")
