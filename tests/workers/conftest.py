@@ -9,7 +9,6 @@ subprocesses, which the tests may kill.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -161,4 +160,3 @@ def cluster(tmp_path_factory, s3, tiny_llama_dir):
         stack.callback(beat.join, 20)
         stack.callback(stop_beat.set)
         yield cluster
-    shutil.rmtree(workdir, ignore_errors=True)
