@@ -21,16 +21,17 @@ def for_device(kernel, tensor: torch.Tensor):
     """The kernel for tensor's device: compiled on GPU, Triton's interpreter on CPU.
 
     Triton picks interpret-or-compile when a function is decorated (from TRITON_INTERPRET), both for
-    our kernels and for triton.language's own helpers (tl.sum, tl.cdiv ...). When triton was
-    imported without the variable (transformers imports it, for one) and kernels run on CPU
-    anyway, the kernel is wrapped in the interpreter here, and compiled helpers called from inside
-    it are routed to the interpreter too: their __call__ otherwise only raises "Cannot call
-    @triton.jit'd outside of the scope of a kernel", which the compiler itself never calls.
+    our kernels and for triton.language's own helpers (tl.sum, tl.cdiv ...), which are decorated
+    when triton is first imported. When that import came before the variable was set (transformers
+    imports triton, for one), kernels on CPU tensors are wrapped in the interpreter here, and the
+    compiled helpers they call are routed to the interpreter too: JITFunction.__call__ otherwise
+    only raises "Cannot call @triton.jit'd outside of the scope of a kernel" (the compiler itself
+    never calls it, so GPU launches are unaffected).
     """
-    if tensor.device.type != "cpu" or isinstance(kernel, InterpretedFunction):
+    if tensor.device.type != "cpu":
         return kernel
     JITFunction.__call__ = _call_interpreted
-    return _interpreted(kernel.fn)
+    return kernel if isinstance(kernel, InterpretedFunction) else _interpreted(kernel.fn)
 
 
 def check_last_dim_contiguous(**tensors: torch.Tensor) -> None:
