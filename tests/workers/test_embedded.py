@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from openai import OpenAI
@@ -79,6 +83,20 @@ def test_upload_to_results_with_the_openai_sdk(client, embedded):
     assert body["usage"]["completion_tokens"] == 1 and body["choices"][0]["finish_reason"] == "length"
     assert client.files.retrieve(batch.output_file_id).purpose == "batch_output"
     assert batch.model_extra["cost"]["currency"] == "usd"
+
+
+def test_submit_command_follows_a_batch_to_its_results(client, embedded, tmp_path):
+    lines = lines_for(embedded.app.state.model.id, 12, prefix="cli")
+    path = tmp_path / "batch.jsonl"
+    path.write_bytes(jsonl(lines))
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "batchapi"), "submit", str(path), "--wait", "--show", "2",
+         "--base-url", embedded.base_url + "/v1", "--api-key", "unused"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"},
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert ": completed, 12 completed, 0 failed" in done.stdout, done.stdout
+    assert "cli-0" in done.stdout and "cost: " in done.stdout and "usd" in done.stdout
 
 
 def test_cancel_aborts_in_flight_requests(client, embedded):

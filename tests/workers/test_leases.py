@@ -1,0 +1,126 @@
+"""Shard leases on PostgreSQL: one winner per claim, owner-checked writes, SKIP LOCKED pulling."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from decimal import Decimal
+
+import pytest
+from sqlalchemy import select, update
+
+from batchapi.jobs.context import open_jobs
+from batchapi.jobs.db import session_scope
+from batchapi.jobs.ids import now
+from batchapi.jobs.migrate import upgrade
+from batchapi.jobs.models import Batch, File, Project, Shard
+from batchapi.workers import leases
+from batchapi.workers.leases import Outcome
+from tests.utils import services
+from tests.utils.batch_service import service_settings
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory, tiny_llama_dir):
+    with services.fresh_database("batchapi_leases") as url:
+        settings = service_settings(tmp_path_factory.mktemp("leases"), tiny_llama_dir, pg_url=url, lease_seconds=30)
+        upgrade(settings)
+        jobs = open_jobs(settings)
+        yield jobs
+        jobs.close()
+
+
+def make_batch(jobs, shards: int, status: str = "in_progress", expires_in: int = 3600) -> tuple[str, list[str]]:
+    t, tag = now(), uuid.uuid4().hex[:12]
+    with session_scope(jobs.sessions) as session:
+        project = Project(id=f"proj_{tag}", name=f"p-{tag}", created_at=t)
+        session.add(project)
+        session.flush()  # no ORM relationships: rows go in foreign-key order by hand
+        file = File(id=f"file-{project.id}", project_id=project.id, filename="in.jsonl", purpose="batch", bytes=0,
+                    storage_key="files/none", created_at=t)
+        batch = Batch(
+            id=f"batch_{project.id}", project_id=project.id, endpoint="/v1/chat/completions", input_file_id=file.id,
+            completion_window="24h", status=status, created_at=t, expires_at=t + expires_in, request_total=shards,
+            price_input=Decimal(1), price_cached_input=Decimal(1), price_output=Decimal(1),
+            discount_percent=Decimal(50),
+        )
+        session.add_all([file, batch])
+        session.flush()
+        ids = [f"{batch.id}_{i:05d}" for i in range(shards)]
+        session.add_all(
+            Shard(id=sid, batch_id=batch.id, index=i, first_line=i + 1, last_line=i + 1, start_byte=0, end_byte=0,
+                  request_count=1, prompt_token_counts=[1], created_at=t)
+            for i, sid in enumerate(ids)
+        )
+    return batch.id, ids
+
+
+def shard(jobs, shard_id: str) -> Shard:
+    with jobs.sessions() as session:
+        return session.get(Shard, shard_id)
+
+
+def test_a_shard_is_claimed_once(jobs):
+    _, (sid,) = make_batch(jobs, 1)
+    first = leases.claim(jobs, sid, "a")
+    assert first is not None and first.attempts == 1
+    assert leases.claim(jobs, sid, "b") is None
+    assert shard(jobs, sid).lease_owner == "a"
+
+
+def test_no_claims_for_cancelled_or_expired_batches(jobs):
+    _, (cancelled,) = make_batch(jobs, 1, status="cancelling")
+    _, (expired,) = make_batch(jobs, 1, expires_in=-1)
+    assert leases.claim(jobs, cancelled, "a") is None
+    assert leases.claim(jobs, expired, "a") is None
+    assert shard(jobs, cancelled).status == shard(jobs, expired).status == "queued"
+
+
+def test_concurrent_pullers_get_distinct_shards(jobs):
+    batch_id, ids = make_batch(jobs, 12)
+    got: list[str] = []
+    lock = threading.Lock()
+
+    def pull(owner: str) -> None:
+        while (claimed := leases.claim_next(jobs, owner)) is not None:
+            with lock:
+                got.append(claimed.id)
+
+    threads = [threading.Thread(target=pull, args=(f"w{i}",)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    mine = [g for g in got if g.startswith(batch_id)]
+    assert sorted(mine) == ids  # each exactly once
+
+
+def test_a_lost_lease_cannot_write(jobs):
+    batch_id, (sid,) = make_batch(jobs, 1)
+    claimed = leases.claim(jobs, sid, "slow")
+    assert leases.heartbeat(jobs, [sid], "slow") == {sid}
+    with session_scope(jobs.sessions) as session:  # the lease runs out
+        session.execute(update(Shard).where(Shard.id == sid).values(lease_expires_at=now() - 1))
+    assert leases.requeue_expired(jobs, sid)
+    retry = leases.claim(jobs, sid, "fast")
+    assert retry is not None and retry.attempts == 2
+    outcome = Outcome(completed=1, failed=0, input_tokens=7, output_tokens=3)
+    assert leases.heartbeat(jobs, [sid], "slow") == set()
+    assert not leases.complete(jobs, claimed, "slow", outcome, "o", "e")
+    assert leases.complete(jobs, retry, "fast", outcome, "o", "e")
+    assert not leases.complete(jobs, retry, "fast", outcome, "o", "e")  # once only
+    with jobs.sessions() as session:
+        batch = session.get(Batch, batch_id)
+        assert (batch.request_completed, batch.input_tokens, batch.output_tokens) == (1, 7, 3)
+    assert shard(jobs, sid).status == "succeeded"
+
+
+def test_release_puts_shards_back(jobs):
+    _, ids = make_batch(jobs, 2)
+    for sid in ids:
+        assert leases.claim(jobs, sid, "leaving")
+    assert leases.release(jobs, ids, "someone-else") == 0
+    assert leases.release(jobs, ids, "leaving") == 2
+    with jobs.sessions() as session:
+        rows = session.execute(select(Shard.status, Shard.lease_owner).where(Shard.id.in_(ids))).all()
+    assert set(rows) == {("queued", None)}
