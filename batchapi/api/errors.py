@@ -7,6 +7,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DataError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from batchapi.jobs.errors import Conflict, InvalidRequest, JobsError, NotFound, StorageError, Unauthenticated
@@ -48,6 +49,26 @@ async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONRes
     return error_response(exc.status_code, message, None, None, type_, getattr(exc, "headers", None))
 
 
+async def _bad_value(_request: Request, exc: DataError) -> JSONResponse:
+    # the database refused a value from the request (a NUL character, say): bad input, not a 5xx
+    log.info("database refused a request value: %s", exc.orig)
+    return error_response(400, "The request holds a value that cannot be stored.", None, "invalid_value")
+
+
+class RejectNulMiddleware:
+    """A NUL character in the path or query is never valid and PostgreSQL cannot hold it."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and ("\x00" in scope["path"] or b"%00" in scope["query_string"]):
+            response = error_response(400, "The URL holds a NUL character.", None, "invalid_value")
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
 async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error", exc_info=exc)
     return error_response(500, "The server had an error processing your request.", type_="server_error")
@@ -57,4 +78,6 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(JobsError, _jobs_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(DataError, _bad_value)
     app.add_exception_handler(Exception, _unexpected)
+    app.add_middleware(RejectNulMiddleware)

@@ -49,7 +49,7 @@ def upload_file(jobs: Jobs, project_id: str, filename: str, purpose: str, stream
     key = file_key(fid)
     size = jobs.storage.put_stream(key, LimitedReader(stream, jobs.settings.max_upload_bytes))
     row = File(
-        id=fid, project_id=project_id, filename=filename[:512], purpose=purpose, bytes=size,
+        id=fid, project_id=project_id, filename=filename.replace("\x00", "")[:512], purpose=purpose, bytes=size,
         storage_key=key, created_at=now(),
     )
     with session_scope(jobs.sessions) as session:

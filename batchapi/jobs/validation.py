@@ -15,6 +15,7 @@ from batchapi.jobs.prompt_tokens import PromptCounter
 from batchapi.jobs.request_body import BodyError, ParsedBody, parse_body
 
 MAX_REPORTED_ERRORS = 100
+MAX_MESSAGE = 300
 TOKENIZE_BATCH = 1024
 
 
@@ -111,7 +112,9 @@ class Scanner:
 
     def error(self, code: str, message: str, line: int | None = None, param: str | None = None) -> None:
         if len(self.errors) < MAX_REPORTED_ERRORS:
-            self.errors.append(LineError(code, message, line, param))
+            if len(message) > MAX_MESSAGE:  # messages quote the input, which may be huge
+                message = message[: MAX_MESSAGE - 1] + "…"
+            self.errors.append(LineError(code, message, line, (param or "")[:MAX_MESSAGE] or None))
 
     @property
     def full(self) -> bool:

@@ -51,6 +51,13 @@ CASES = [
     ("POST", "/v1/batches/batch_nope/cancel", {}, 404),
     ("GET", "/v1/batches/batch_nope/partial_results", {}, 404),
     ("GET", "/v1/batches/BATCH/partial_results?kind=everything", {}, 400),
+    # NUL characters, which PostgreSQL cannot store
+    ("GET", "/v1/files/file-%00x", {}, 400),
+    ("GET", "/v1/batches/batch_%00", {}, 400),
+    ("GET", "/v1/batches?after=b%00", {}, 400),
+    ("GET", "/v1/files?purpose=%00", {}, 400),
+    ("POST", "/v1/batches", {"json": {**GOOD, "input_file_id": "file-\x00"}}, 400),
+    ("POST", "/v1/batches", {"json": {**GOOD, "completion_window": "24h\x00"}}, 400),
     # models and the rest
     ("GET", "/v1/models/gpt-4o", {}, 404),
     ("GET", "/v1/nothing-here", {}, 404),

@@ -168,3 +168,9 @@ def test_progress_reports_the_estimate_so_far_and_can_stop_the_scan(counter):
     result = Scanner(limits, counter).scan([data[i : i + 65536] for i in range(0, len(data), 65536)], progress)
     assert seen == [(4096, 4096 * 3, True), (8192, 8192 * 3, True)]
     assert result.request_count == 8192  # stopped at the second report
+
+
+def test_error_messages_stay_short_when_the_input_is_huge(counter):
+    result = scan(counter, jsonl([request_line("a", "m" * 100_000), {**ok(2), "method": "G" * 100_000}]))
+    assert [(e.code, e.line) for e in result.errors] == [("model_not_found", 1), ("invalid_method", 2)]
+    assert all(len(e.message) <= 300 for e in result.errors)
