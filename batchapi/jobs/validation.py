@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from batchapi.jobs.prompt_tokens import PromptCounter
 from batchapi.jobs.request_body import BodyError, ParsedBody, parse_body
@@ -71,6 +72,14 @@ class _Request:
     exact: bool = False
 
 
+class _Valid(NamedTuple):
+    line: int
+    start: int
+    end: int
+    prompt_tokens: int  # exact, or an upper bound
+    output_tokens: int  # upper bound
+
+
 def iter_lines(chunks: Iterable[bytes]) -> Iterator[tuple[int, int, int, bytes]]:
     """``(line_number, start_byte, end_byte, content)`` for each line; the newline is in the
     byte range but not in the content."""
@@ -105,7 +114,7 @@ class Scanner:
         self.seen_ids: set[str] = set()
         self.first_model: tuple[str, int] | None = None
         self.pending: list[_Request] = []
-        self.done: list[_Request] = []
+        self.done: list[_Valid] = []  # compact: the bodies are dropped once checked
         # running upper bounds of the valid requests so far, for the estimate while validating
         self.prompt_tokens = 0
         self.output_tokens = 0
@@ -226,9 +235,10 @@ class Scanner:
             request.prompt_tokens, request.exact = count, True
         for request in self.pending:
             if _fits(request, context):
-                self.done.append(request)
+                output = output_bound(request.parsed, request.prompt_tokens if request.exact else 1, context)
+                self.done.append(_Valid(request.line, request.start, request.end, request.prompt_tokens, output))
                 self.prompt_tokens += request.prompt_tokens
-                self.output_tokens += output_bound(request.parsed, request.prompt_tokens if request.exact else 1, context)
+                self.output_tokens += output
                 continue
             count, wanted = request.prompt_tokens, request.parsed.max_tokens
             if count >= context:
@@ -244,7 +254,6 @@ class Scanner:
     def result(self) -> ScanResult:
         if self.errors:
             return ScanResult(errors=self.errors)
-        context = self.counter.context_length
         result = ScanResult(errors=[], model=self.limits.served_model, request_count=len(self.done))
         size = self.limits.shard_size
         for index, begin in enumerate(range(0, len(self.done), size)):
@@ -252,7 +261,7 @@ class Scanner:
             shard = ShardPlan(index, chunk[0].line, chunk[-1].line, chunk[0].start, chunk[-1].end, len(chunk))
             for request in chunk:
                 shard.prompt_tokens += request.prompt_tokens
-                shard.estimated_output_tokens += output_bound(request.parsed, request.prompt_tokens if request.exact else 1, context)
+                shard.estimated_output_tokens += request.output_tokens
             result.prompt_tokens += shard.prompt_tokens
             result.max_output_tokens += shard.estimated_output_tokens
             result.shards.append(shard)
