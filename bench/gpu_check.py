@@ -10,10 +10,11 @@ in fp32/fp16, the engine with twins and with interpreted Triton kernels against 
 and says that the GPU run is pending. No model file is needed: weights are random, made here.
 
 Usage: .venv/bin/python bench/gpu_check.py [--cpu] [--budget-s 450] [--out table.md]
+On the device machine (its own python3 holds CUDA torch, Triton and transformers; the repository
+root is put on sys.path here, so nothing needs installing): python3 bench/gpu_check.py --out $OUT/gpu_check.md
 """
 
 import argparse
-import gc
 import os
 import random
 import sys
@@ -23,6 +24,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the test builders in tests/kernels (paged KV cases, random models)
+
+from gpu_kernel_checks import attention_bandwidth, check_kernels, free_memory, sync  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12
 SHAPES = {
@@ -63,125 +66,6 @@ class Report:
         return "\n".join(lines)
 
 
-# ---- kernels -------------------------------------------------------------------------------
-
-def check_kernels(report: Report, device: str, dtypes, big: bool) -> None:
-    import torch
-
-    from batchapi.kernels import TORCH_OPS, build_rope_cache, get_ops
-    from batchapi.kernels import attention as triton_attention
-    from tests.kernels.paged import make_case
-
-    tol = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
-    ops = get_ops("triton", device)
-    rng = random.Random(0)
-    for dtype in dtypes:
-        worst, cases = 0.0, 0
-        max_ctx, num_seqs = (2000, 24) if big else (40, 4)
-        for seed in range(6 if big else 2):
-            hkv, group = rng.choice([(8, 4), (2, 3), (1, 5), (4, 2), (8, 1)])
-            q_lens, ctx_lens = [], []
-            for i in range(num_seqs):
-                ctx = rng.randint(1, max_ctx)
-                kind = i % 3
-                q_lens.append(1 if kind == 0 else ctx if kind == 1 else rng.randint(1, ctx))
-                ctx_lens.append(ctx)
-            case = make_case(q_lens, ctx_lens, hkv * group, hkv, rng.choice([64, 128]), dtype=dtype,
-                             seed=seed, device=device)
-            worst = max(worst, _attention_err(case, triton_attention, None))
-            cases += 1
-        long = [8000, 3000] if big else [90, 70]
-        for splits in (None, 4):  # auto (split-KV chosen for 2 long decodes on a GPU) and forced
-            case = make_case([1, 1], long, 32, 8, 128 if big else 64, dtype=dtype, seed=9, device=device)
-            worst = max(worst, _attention_err(case, triton_attention, splits))
-            cases += 1
-        if big:  # element offsets past 2^31: 140k blocks of 16 x 8 x 128
-            case = make_case([1, 1, 7], [300, 17, 40], 32, 8, 128, dtype=dtype, seed=11, device=device,
-                             num_blocks=140_000)
-            worst = max(worst, _attention_err(case, triton_attention, None))
-            cases += 1
-        verdict = "ok" if worst <= tol[dtype] * 4 else "FAIL"
-        report.add(f"paged_attention vs twin, {_name(dtype)}", f"{cases} cases, max err {worst:.1e} "
-                   f"(tol {tol[dtype] * 4:.0e})", verdict)
-
-        n, hidden = (512, 4096) if big else (5, 192)
-        x, res = torch.randn(n, hidden, device=device).to(dtype), torch.randn(n, hidden, device=device).to(dtype)
-        w = torch.randn(hidden, device=device).to(dtype)
-        gate_up = torch.randn(n, 2 * hidden, device=device).to(dtype)
-        qkv = torch.randn(n, 48 * 128, device=device).to(dtype)
-        q, k = qkv[:, : 32 * 128].view(n, 32, 128), qkv[:, 32 * 128 : 40 * 128].view(n, 8, 128)
-        cos_sin = build_rope_cache(128, 8192, 500000.0, SHAPES["llama-3.2-1b"]["rope_parameters"], device,
-                                   torch.float32)
-        pos = torch.randint(0, 8192, (n,), device=device)
-        errs = [
-            _rel_err(ops.rms_norm(x, w, 1e-5), TORCH_OPS.rms_norm(x, w, 1e-5)),
-            _rel_err(ops.fused_add_rms_norm(x, res, w, 1e-5)[0], TORCH_OPS.fused_add_rms_norm(x, res, w, 1e-5)[0]),
-            _rel_err(ops.silu_and_mul(gate_up), TORCH_OPS.silu_and_mul(gate_up)),
-            _rel_err(ops.rotary(q, k, pos, cos_sin)[0], TORCH_OPS.rotary(q, k, pos, cos_sin)[0]),
-            _store_err(ops, TORCH_OPS, k, device, dtype),
-        ]
-        limit = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]  # ~ one ulp
-        report.add(f"norm/rotary/silu/store vs twins, {_name(dtype)}",
-                   "max rel errs " + " ".join(f"{e:.1e}" for e in errs), "ok" if max(errs) <= limit else "FAIL")
-
-
-def attention_bandwidth(report: Report, device: str, sizes=((256, 1024), (4, 16384))) -> None:
-    """Decode attention at the 8B shape: KV bytes read per second, Triton vs the twin (SDPA)."""
-    import torch
-
-    from batchapi.kernels import attention, attention_ref
-    from tests.kernels.paged import make_case
-
-    for batch, ctx in sizes:
-        case = make_case([1] * batch, [ctx] * batch, 32, 8, 128, dtype=torch.bfloat16, seed=3, device=device)
-        kv_bytes = 2 * batch * ctx * 8 * 128 * 2
-        rates = []
-        for fn in (attention.paged_attention, attention_ref.paged_attention):
-            fn(*case.args(), case.scale)
-            _sync(device)
-            start, reps = time.perf_counter(), 20
-            for _ in range(reps):
-                fn(*case.args(), case.scale)
-            _sync(device)
-            rates.append(kv_bytes * reps / (time.perf_counter() - start) / 1e12)
-        report.add(f"decode attention 8B shape, batch {batch} ctx {ctx}",
-                   f"Triton {rates[0]:.2f} TB/s of KV, twin {rates[1]:.2f} TB/s (HBM 4.8)", "info")
-        del case
-        _free_memory()
-
-
-def _attention_err(case, attention, splits) -> float:
-    from batchapi.kernels import attention_ref
-
-    out = attention.paged_attention(*case.args(), case.scale, num_splits=splits)
-    ref = attention_ref.paged_attention(*case.args(), case.scale)
-    return _err(out, ref)
-
-
-def _store_err(ops, ref_ops, k, device, dtype) -> float:
-    import torch
-
-    caches = [torch.zeros(64, 16, k.shape[1], k.shape[2], dtype=dtype, device=device) for _ in range(4)]
-    n = k.shape[0]
-    slots = torch.randperm(64 * 16, device=device)[:n]
-    slots[::7] = -1
-    ops.store_kvcache(k, k, caches[0], caches[1], slots)
-    ref_ops.store_kvcache(k, k, caches[2], caches[3], slots)
-    return _err(caches[0], caches[2])
-
-
-def _err(a, b) -> float:
-    return (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
-
-
-def _rel_err(a, b) -> float:
-    return _err(a, b) / max(1.0, b.float().abs().max().item())
-
-
-def _name(dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
 # ---- random models -------------------------------------------------------------------------
 
 def build_model(shape_name: str, out_dir: Path, device: str, dtype, std: float, seed: int = 0):
@@ -216,12 +100,12 @@ def hf_tokens_per_s(model, batch: int, prompt_len: int, new_tokens: int, vocab: 
     import torch
 
     ids = torch.randint(2, vocab, (batch, prompt_len), device=model.device)
-    _sync(model.device)
+    sync(model.device)
     start = time.perf_counter()
     with torch.inference_mode():
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                        min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    _sync(model.device)
+    sync(model.device)
     return batch * new_tokens / (time.perf_counter() - start)
 
 
@@ -238,24 +122,9 @@ def hf_best(report, model, label, batches, prompt_len, new_tokens, vocab) -> tup
         except torch.OutOfMemoryError:
             break
         finally:
-            _free_memory()
+            free_memory()
     print(f"  HF static batching {label}: best {best[0]:.0f} tok/s at batch {best[1]}", flush=True)
     return best
-
-
-def _free_memory() -> None:
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def _sync(device) -> None:
-    import torch
-
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
 
 
 # ---- engine --------------------------------------------------------------------------------
@@ -313,7 +182,7 @@ def throughput(report, shape_name, model_dir, hf_model, batches, prompt_len, new
     vocab = shape["vocab_size"]
     hf_rate, hf_batch = hf_best(report, hf_model, shape_name, hf_batches, prompt_len, new_tokens, vocab)
     del hf_model  # the caller passes its only reference: the engine gets the memory
-    _free_memory()
+    free_memory()
     front = start_engine(model_dir, device, dtype, kernels)
     try:
         engine_generate(front, random_prompts(8, prompt_len, vocab, 1), 8)  # warm-up: compiles the kernels
@@ -331,7 +200,7 @@ def throughput(report, shape_name, model_dir, hf_model, batches, prompt_len, new
     finally:
         front.shutdown()
         del front
-        _free_memory()
+        free_memory()
 
 
 def _throughput_verdict(shape_name: str, batch: int, vs_hf: float, vs_roof: float) -> str:
@@ -357,10 +226,11 @@ def run_gpu(report: Report, work: Path) -> None:
     finally:
         front.shutdown()
         del front
+        free_memory()  # the next engine sizes its KV pool from the free memory
     parity(report, "greedy parity llama-3.2-1b bf16 vs HF generate", ours, reference, need=0.75)
     throughput(report, "llama-3.2-1b", one_b, model, [64, 256], 128, 128, "cuda")
     del model
-    _free_memory()
+    free_memory()
     if report.left() < 200:
         report.add("llama-3-8b", "skipped: out of time budget", "-")
         return
