@@ -230,8 +230,9 @@ def paged_attention(
     """q [T, Hq, D] -> [T, Hq, D]; see docs/CONTRACTS.md.
 
     max_seqlen_q / max_context_len: the step's longest query run and context, known on the host
-    by the engine; without them they are read from the device once per step. num_splits forces
-    the split-KV path (a power of 2; 1 turns it off).
+    by the engine; without them they are read from the device once per step. They choose the
+    tiling and the split only: any values give the same result. num_splits forces the split-KV
+    path (a power of 2; 1 turns it off).
     """
     _check(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens)
     num_tokens, num_heads, head_dim = q.shape

@@ -85,3 +85,12 @@ def test_launcher_rejects_bad_inputs():
         attention.paged_attention(case.q.half(), *case.args()[1:], case.scale)
     with pytest.raises(AssertionError, match="multiple"):
         attention.paged_attention(torch.zeros(1, 3, 64), *make_case([1], [5], 2, 2, 64).args()[1:], case.scale)
+
+
+def test_host_hints_change_nothing_but_the_launch():
+    # the engine may pass the step's maxima it knows on the host; wrong-but-valid tilings stay exact
+    case = make_case([1, 6, 1], [30, 6, 12], 4, 2, 64, seed=4)
+    expected = attention_ref.paged_attention(*case.args(), case.scale, max_seqlen_q=6, max_context_len=30)
+    for hints in ({"max_seqlen_q": 6, "max_context_len": 30}, {"max_seqlen_q": 1, "max_context_len": 30}):
+        out = attention.paged_attention(*case.args(), case.scale, **hints)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
