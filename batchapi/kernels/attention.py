@@ -49,8 +49,8 @@ def _paged_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    # -- which sequence: the last b with cu[b] // BLOCK_Q + b <= qblock (each sequence owns
-    #    ceil-ish q_len / BLOCK_Q + 1 program slots, the launcher's grid covers them all)
+    # -- which sequence: sequence b owns program ids [cu[b] // BLOCK_Q + b, cu[b+1] // BLOCK_Q + b + 1),
+    #    at least ceil(q_len / BLOCK_Q) of them (spares return at once); binary search for the owner
     lo: tl.int32 = 0
     hi = num_seqs
     while lo < hi:
