@@ -8,7 +8,8 @@ process, which must not need it.
 
 Speed: templates are rendered once per shape of conversation (the sequence of roles) with
 placeholders, and later conversations of that shape are string concatenation; tokenizing is
-batched through the Rust tokenizer, which uses every core.
+batched through the Rust tokenizer, which uses every core, and text between added tokens that
+was seen before is not tokenized again (``segment_counts``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from batchapi.jobs.segment_counts import SegmentCounter
+
 Messages = Sequence[dict[str, str]]
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
@@ -34,6 +37,7 @@ class PromptCounter:
         self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         self.tokenizer.no_padding()
         self.tokenizer.no_truncation()
+        self._segments = SegmentCounter(self.tokenizer)
         tok_config = _read_json(model_dir / "tokenizer_config.json")
         self.context_length = _context_length(_read_json(model_dir / "config.json"), tok_config)
         self._specials = {name: _token_text(tok_config.get(name)) for name in SPECIAL_TOKEN_NAMES}
@@ -68,10 +72,7 @@ class PromptCounter:
         return self.count_texts(list(prompts), add_special_tokens=True)
 
     def count_texts(self, texts: list[str], add_special_tokens: bool) -> list[int]:
-        if not texts:
-            return []
-        encodings = self.tokenizer.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
-        return [len(e.ids) for e in encodings]
+        return self._segments.count(texts, add_special_tokens)
 
     def upper_bound(self, text: str, add_special_tokens: bool) -> int:
         """At least as many tokens as ``text`` encodes to, without tokenizing: every token of a
