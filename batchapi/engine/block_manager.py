@@ -73,6 +73,15 @@ class BlockManager:
             prev = h
         return blocks, hashes
 
+    def prompt_hashes(self, seq: Sequence, start: int, prev: int | None) -> list[int]:
+        """Chained hashes of the full prompt blocks of ``seq`` from block ``start`` on."""
+        bs = self.block_size
+        out = []
+        for i in range(start, seq.num_prompt_tokens // bs):
+            prev = chain_hash(prev, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
+            out.append(prev)
+        return out
+
     def can_admit(self, cached: list[int], num_tokens: int) -> bool:
         """Whether a waiting seq with ``cached`` hit blocks can hold ``num_tokens`` tokens."""
         reclaimed = sum(1 for b in cached if self.ref_counts[b] == 0)

@@ -21,6 +21,8 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int32, pad -1
     cu_seqlens_q: torch.Tensor  # [B+1] int32
     context_lens: torch.Tensor  # [B] int32, KV length including this step's tokens
+    max_seqlen_q: int  # host-side maxima, so the kernels need not read them from the device
+    max_context_len: int
 
 
 class Attention(nn.Module):
@@ -46,7 +48,9 @@ class Attention(nn.Module):
         q, k = self.ops.rotary(q, k, positions, cos_sin)
         self.ops.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         out = self.ops.paged_attention(q, self.k_cache, self.v_cache, meta.block_tables,
-                                       meta.cu_seqlens_q, meta.context_lens, self.scale)  # [T, Hq, D]
+                                       meta.cu_seqlens_q, meta.context_lens, self.scale,
+                                       max_seqlen_q=meta.max_seqlen_q,
+                                       max_context_len=meta.max_context_len)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 

@@ -127,6 +127,8 @@ class ModelRunner:
             block_tables=tensor(tables, torch.int32),
             cu_seqlens_q=tensor(cu_seqlens, torch.int32),
             context_lens=tensor(context_lens, torch.int32),
+            max_seqlen_q=max(batch.num_new_tokens),
+            max_context_len=max(context_lens),
         )
         return tensor(input_ids, torch.int64), tensor(positions, torch.int64), meta, tensor(logit_rows, torch.int64)
 

@@ -13,7 +13,7 @@ from collections import OrderedDict, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from batchapi.engine.block_manager import BlockManager
+from batchapi.engine.block_manager import BlockManager, chain_hash
 from batchapi.engine.sequence import Sequence, SequenceStatus
 
 
@@ -83,6 +83,11 @@ class WaitingQueue:
 
     def __len__(self) -> int:
         return self.size
+
+    def runs(self) -> Iterator[deque[Sequence]]:
+        """The preempted sequences, then each prefix group, in order."""
+        yield self.front
+        yield from self.groups.values()
 
     def __iter__(self) -> Iterator[Sequence]:
         yield from self.front
@@ -154,31 +159,54 @@ class Scheduler:
         return preempted
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
-        deferred_key = None
-        while len(self.waiting) and budget > 0:
-            seq = self.waiting.peek()
-            extra = seq.num_forks  # children forked later take seq slots too
-            if self.running and len(self.running) + 1 + extra > self.max_num_seqs:
+        admitted: list[Sequence] = []
+        pending: set[int] = set()  # hashes of the prompt blocks that this step's admissions compute
+        full = False  # out of budget, seq slots or blocks: admit nothing more this step
+        for group in self.waiting.runs():
+            for seq in group:
+                if budget <= 0 or not self._has_seq_slot(seq):
+                    full = True
+                    break
+                cached, hashes = self.bm.match_prefix(seq)
+                if pending and group is not self.waiting.front and self._computed_now(seq, hashes, pending):
+                    break  # its next blocks are being computed now: next step they are cache hits
+                num_cached = len(cached) * self.bm.block_size
+                n = min(seq.num_tokens - num_cached, budget)
+                if not self.bm.can_admit(cached, num_cached + n):
+                    full = True
+                    break
+                self._admit(seq, cached, hashes, num_cached, n, batch)
+                admitted.append(seq)
+                budget -= n
+                if self.bm.enable_prefix_caching:
+                    pending.update(self.bm.prompt_hashes(seq, len(hashes), hashes[-1] if hashes else None))
+            if full:
                 break
-            key = self.waiting.key(seq)
-            if key == deferred_key:
-                break  # its shared prefix is being computed this step; wait and hit the cache
-            cached, hashes = self.bm.match_prefix(seq)
-            num_cached = len(cached) * self.bm.block_size
-            n = min(seq.num_tokens - num_cached, budget)
-            if not self.bm.can_admit(cached, num_cached + n):
-                break
-            self.waiting.pop()
-            self.bm.admit(seq, cached, hashes, num_cached + n)
-            if seq.num_output_tokens == 0:  # first admission, not a recompute after preemption
-                seq.num_cached_tokens = num_cached
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(n)
-            budget -= n
-            if self.bm.enable_prefix_caching and num_cached < len(key):
-                deferred_key = key
+        for seq in admitted:
+            self.waiting.remove(seq)
+
+    def _computed_now(self, seq: Sequence, hashes: list[int], pending: set[int]) -> bool:
+        """Whether the first block of ``seq`` past its cache hits is one this step computes."""
+        bs = self.bm.block_size
+        start = len(hashes)
+        if (start + 1) * bs > seq.num_prompt_tokens:
+            return False
+        block = tuple(seq.token_ids[start * bs : (start + 1) * bs])
+        return chain_hash(hashes[-1] if hashes else None, block) in pending
+
+    def _admit(self, seq: Sequence, cached: list[int], hashes: list[int], num_cached: int, n: int,
+               batch: ScheduledBatch) -> None:
+        self.bm.admit(seq, cached, hashes, num_cached + n)
+        if seq.num_output_tokens == 0:  # first admission, not a recompute after preemption
+            seq.num_cached_tokens = num_cached
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        batch.seqs.append(seq)
+        batch.num_new_tokens.append(n)
+
+    def _has_seq_slot(self, seq: Sequence | None) -> bool:
+        extra = seq.num_forks if seq is not None else 0  # children forked later take slots too
+        return not self.running or len(self.running) + 1 + extra <= self.max_num_seqs
 
     def _preempt(self, seq: Sequence) -> None:
         self.bm.free_blocks(seq)
