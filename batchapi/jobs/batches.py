@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 from collections.abc import Iterator
 
@@ -23,6 +24,8 @@ from batchapi.jobs.paging import after_cursor
 from batchapi.jobs.pricing import price_for
 from batchapi.jobs.request_body import ENDPOINTS
 from batchapi.jobs.served_model import served_model_id
+
+log = logging.getLogger(__name__)
 
 WINDOW = re.compile(r"^([1-9][0-9]*)(h|d)$")
 MIN_WINDOW = 3600
@@ -176,4 +179,7 @@ def iter_partial_results(jobs: Jobs, project_id: str, bid: str, kind: str = "out
 
 def _concat(jobs: Jobs, keys: list[str]) -> Iterator[bytes]:
     for key in keys:
-        yield from jobs.storage.iter_chunks(key)
+        try:
+            yield from jobs.storage.iter_chunks(key)
+        except NotFound:  # raised before any byte of it: a shard object not written yet
+            log.warning("partial results: %s is missing", key)
