@@ -2,7 +2,7 @@
 
 Needs no GPU: Triton's bundled ptxas builds the cubin. Catches what the interpreter cannot: type
 errors of compiled Triton, tl.dot shape limits, register spills (reported). Run in a process where
-TRITON_INTERPRET is unset: `python -m tests.kernels.sm90_compile`.
+TRITON_INTERPRET is unset: `python -m tests.kernels.sm90_compile [--quiet]`.
 """
 
 import importlib
@@ -20,12 +20,12 @@ TARGET = GPUTarget("cuda", 90, 32)
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")
 
 
-def compile_for_sm90(kernel, types: dict[str, str], constexprs: dict, **options) -> str:
-    """Compile; return ptxas' register/spill line ('' where ptxas is not at hand)."""
+def compile_for_sm90(kernel, types: dict[str, str], constexprs: dict, report: bool = True, **options) -> str:
+    """Compile; return ptxas' register/spill line ('' unless report, or where ptxas is not at hand)."""
     assert isinstance(kernel, JITFunction), "run with TRITON_INTERPRET unset"
     signature = {n: "constexpr" if n in constexprs else types.get(n, types["*"]) for n in kernel.arg_names}
     compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=TARGET, options=options)
-    if not os.path.exists(PTXAS):
+    if not report or not os.path.exists(PTXAS):
         return ""
     with tempfile.TemporaryDirectory() as tmp:
         ptx = os.path.join(tmp, "k.ptx")
@@ -76,10 +76,11 @@ def _elementwise_cases():
 
 
 def main() -> int:
+    report = "--quiet" not in sys.argv  # --quiet: compile only, no ptxas register report
     failures = 0
     for name, kernel, types, constexprs, options in [*_attention_cases(), *_elementwise_cases()]:
         try:
-            print(f"{name}: ok {compile_for_sm90(kernel, types, constexprs, **options)}", flush=True)
+            print(f"{name}: ok {compile_for_sm90(kernel, types, constexprs, report, **options)}", flush=True)
         except Exception as exc:  # report every failing configuration, not just the first
             failures += 1
             print(f"{name}: FAILED {type(exc).__name__}: {exc}", flush=True)

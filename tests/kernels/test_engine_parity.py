@@ -17,7 +17,7 @@ TINY = dict(
     rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
 )
-NEW_TOKENS = 10
+NEW_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def tiny_model(tmp_path_factory):
     rng = random.Random(0)
     # two prompts share a 20-token prefix: the second runs after the first, as a prefill on a cached block
     shared = [rng.randrange(2, 512) for _ in range(20)]
-    prompts = [shared + [5, 6, 7], shared + [9], [rng.randrange(2, 512) for _ in range(37)], [3]]
+    prompts = [shared + [5, 6, 7], shared + [9], [rng.randrange(2, 512) for _ in range(29)], [3]]
     reference = []
     for prompt in prompts:
         ids = torch.tensor([prompt])
@@ -44,7 +44,7 @@ def _engine_greedy(model_dir, prompts, kernels):
     config = EngineConfig(model_path=model_dir, device="cpu", dtype="float32", kernels=kernels,
                           max_num_seqs=8, max_num_batched_tokens=16, kv_cache_bytes=8 << 20)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    with EngineFront(config) as front:  # a 16-token budget chunks the 37-token prompt across steps
+    with EngineFront(config) as front:  # a 16-token budget chunks the 29-token prompt across steps
         first = front.submit(GenerationRequest("r0", prompts[0], params)).result(timeout=300)
         futures = [front.submit(GenerationRequest(f"r{i}", p, params)) for i, p in enumerate(prompts) if i]
         results = [first] + [f.result(timeout=300) for f in futures]
