@@ -1,4 +1,14 @@
-"""Hot-path kernels of the engine: Triton on CUDA, each with a pure-torch twin (the CPU path)."""
+"""Hot-path kernels of the engine: Triton on CUDA, each with a pure-torch twin (the CPU path).
+
+`get_ops(mode, device)` picks the set (docs/CONTRACTS.md, "Kernels"). Files, one idea each:
+- reference.py, attention_ref.py, rope.py: the twins and the rotary cache; torch only.
+- attention.py, kvcache.py, norm.py, rotary_embedding.py, activation.py: Triton kernels with
+  their launchers (shape, dtype and stride checks); imported only when Triton ops are asked for.
+- launch.py: what the launchers share, including running kernels under Triton's interpreter
+  when the tensors are on CPU (the tests).
+KV caches must be allocated zeroed: the twin reads the unwritten tail slots of a sequence's last
+block (with zero weight), and NaN garbage there would leak through.
+"""
 
 from batchapi.kernels.attention_ref import paged_attention
 from batchapi.kernels.ops import MODES, TORCH_OPS, Ops, get_ops
