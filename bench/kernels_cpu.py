@@ -180,6 +180,20 @@ def v_fp32_gqa_bias(q, kc, vc, tables, lens, scale):
     return out.view(b, hq, d).to(q.dtype)
 
 
+def _chunked(q, kc, vc, tables, lens, scale, chunk):
+    """v_gqa_bool over chunks of sequences, so that each chunk's gathered K/V stays in cache for SDPA."""
+    return torch.cat([v_gqa_bool(q[i : i + chunk], kc, vc, tables[i : i + chunk], lens[i : i + chunk], scale)
+                      for i in range(0, q.shape[0], chunk)])
+
+
+def v_chunk8(q, kc, vc, tables, lens, scale):
+    return _chunked(q, kc, vc, tables, lens, scale, 8)
+
+
+def v_chunk24(q, kc, vc, tables, lens, scale):
+    return _chunked(q, kc, vc, tables, lens, scale, 24)
+
+
 def v_library(q, kc, vc, tables, lens, scale):
     from batchapi.kernels.attention_ref import paged_attention
 
@@ -187,8 +201,10 @@ def v_library(q, kc, vc, tables, lens, scale):
     return paged_attention(q, kc, vc, tables, cu, lens, scale)
 
 
-VARIANTS = [v_einsum, v_sdpa, v_sdpa_contig, v_sdpa_trim, v_float, v_loop, v_gqa_bool, v_gqa_bool_clean, v_gqa_bool_inplace, v_group_bias, v_fp32_gqa_bias,
-            v_library]
+VARIANTS = [
+    v_einsum, v_sdpa, v_sdpa_contig, v_sdpa_trim, v_float, v_loop, v_gqa_bool, v_gqa_bool_clean,
+    v_gqa_bool_inplace, v_group_bias, v_fp32_gqa_bias, v_chunk8, v_chunk24, v_library,
+]
 
 
 def bench_interleaved(fns, args, reps):
