@@ -1,7 +1,14 @@
 """CPU micro-benchmark of decode-attention twin variants (SmolLM2-135M shapes by default).
 
 Prints ms per call for each variant and its ratio to the first (the plain gather + einsum).
-Usage: .venv/bin/python bench/kernels_cpu.py [--batch 96] [--ctx 300] [--dtype bf16]
+Usage: .venv/bin/python bench/kernels_cpu.py [--batch 96] [--ctx 300] [--dtype bf16] [--only a,b]
+
+Seen 2026-11-29 on this project's 2-core machine, shared with four other sessions (so noisy;
+quietest runs, ms per call, batch 96, context ~300, bf16): v_einsum 12-17, v_sdpa 10,
+v_group_bias 5.5-6.3, v_gqa_bool 4.0-5.4, v_library 4.6-6.1 (v_gqa_bool plus the padding
+redirect and the mixed-step split), v_fp32_gqa_bias 13. Under load, best-of ratios to v_einsum:
+v_library / v_gqa_bool 3-5x, v_sdpa 1.5-2.3x, zeroing masked slots (v_gqa_bool_clean) or
+chunking the batch (v_chunk*) lose their gain, one SDPA per sequence (v_loop) 0.3-0.6x.
 """
 
 import argparse
