@@ -42,7 +42,7 @@ def test_mixed_step_matches_twin(seed, dtype):
     hkv, group = GQA[seed % len(GQA)] if dtype == torch.float32 else rng.choice(GQA)
     d = [64, 128][seed % 2]
     q_lens, ctx_lens = _mixed_lens(rng, rng.randint(3, 5), 40)
-    case = make_case(q_lens, ctx_lens, hkv * group, hkv, d, block_size=rng.choice([8, 16]), dtype=dtype, seed=seed)
+    case = make_case(q_lens, ctx_lens, hkv * group, hkv, d, block_size=rng.choice([8, 16, 32]), dtype=dtype, seed=seed)
     _check(case, dtype)
 
 
