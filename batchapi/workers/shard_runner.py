@@ -86,10 +86,6 @@ class ShardRunner:
         work.stored.wait(timeout)  # acknowledged only once its results are in storage
         return work.reason or "done"
 
-    def in_flight(self) -> list[str]:
-        with self._lock:
-            return list(self._inflight)
-
     def abort_batch(self, batch_id: str, reason: str) -> int:
         """Cut the batch's shards short now (the embedded API calls this on cancel)."""
         with self._lock:
