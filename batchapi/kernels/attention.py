@@ -8,6 +8,7 @@ contexts at small batch) each program covers one slice of the KV and a second ke
 slices. The twin is attention_ref.paged_attention.
 """
 
+import functools
 import weakref
 
 import torch
@@ -175,18 +176,20 @@ def _check(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens):
     check_same_device(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens)
 
 
+@functools.cache
+def _tiling(group: int, head_dim: int, decode: bool) -> tuple:
+    block_m = max(16 if decode else 64, next_pow2(group))
+    return block_m, 32 if decode else 64, 4 if decode and head_dim <= 64 else 8
+
+
 def launch_tiling(group: int, head_dim: int, max_seqlen_q: int) -> dict:
     """Rows per program (BLOCK_M = BLOCK_Q positions x GROUP heads), KV tile and warps.
 
     Picked by ptxas register counts for sm_90 (no spills; at most 128 registers for decode, so two
     programs share an SM), not yet by timings on a GPU.
     """
-    decode = max_seqlen_q <= 4
-    block_m = max(16 if decode else 64, next_pow2(group))
-    return dict(
-        BLOCK_M=block_m, BLOCK_Q=block_m // group, TILE=32 if decode else 64,
-        num_warps=4 if decode and head_dim <= 64 else 8, num_stages=2,
-    )
+    block_m, tile, warps = _tiling(group, head_dim, max_seqlen_q <= 4)
+    return dict(BLOCK_M=block_m, BLOCK_Q=block_m // group, TILE=tile, num_warps=warps, num_stages=2)
 
 
 def _choose_splits(num_seqs: int, num_kv_heads: int, max_seqlen_q: int, max_context_len: int, tile: int) -> int:

@@ -3,7 +3,6 @@
 import functools
 
 import torch
-import triton
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
@@ -45,4 +44,5 @@ def check_same_device(*tensors: torch.Tensor) -> None:
 
 
 def next_pow2(n: int) -> int:
-    return triton.next_power_of_2(n)
+    # plain Python: triton.next_power_of_2 is a constexpr function, slow to call from the host
+    return 1 << (n - 1).bit_length() if n > 1 else 1
