@@ -171,7 +171,9 @@ def _check(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens):
     num_seqs = context_lens.shape[0]
     assert cu_seqlens_q.shape == (num_seqs + 1,), f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} for {num_seqs} seqs"
     assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs, f"block_tables {tuple(block_tables.shape)}"
-    assert block_tables.stride(1) == 1 and cu_seqlens_q.is_contiguous() and context_lens.is_contiguous()
+    assert block_tables.stride(1) == 1 and cu_seqlens_q.is_contiguous() and context_lens.is_contiguous(), (
+        "block_tables rows, cu_seqlens_q and context_lens must be contiguous"
+    )
     check_last_dim_contiguous(q=q, k_cache=k_cache, v_cache=v_cache)
     check_same_device(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens)
 
