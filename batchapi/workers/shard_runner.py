@@ -162,6 +162,8 @@ class ShardRunner:
     def _on_result(self, work: ShardWork, result) -> None:  # engine thread: keep it short
         if work.add(result):
             self._finish(work)
+        elif self.front.num_waiting() <= self.settings.engine_watermark:
+            self._wake.set()  # the queue drained: let the feeder claim now, not at its next tick
 
     def _finish(self, work: ShardWork) -> None:
         self._finisher.submit(self._write, work)
