@@ -17,12 +17,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from sqlalchemy import select
 from sqlalchemy.exc import OperationalError
 
-from batchapi.engine import EngineFront
+from batchapi.engine import EngineFront, GenerationResult
 from batchapi.jobs import states
 from batchapi.jobs.context import Jobs
 from batchapi.jobs.errors import StorageError
@@ -41,6 +41,10 @@ log = logging.getLogger(__name__)
 
 MONITOR_SECONDS = 1.0
 TRANSIENT = (OperationalError, StorageError, OSError)
+
+
+def engine_failure(request_id: str, exc: BaseException) -> GenerationResult:
+    return GenerationResult(request_id, 0, 0, [], error=f"the engine failed while running this request: {exc}")
 
 
 class ShardRunner:
@@ -156,10 +160,15 @@ class ShardRunner:
         if work.done.is_set():  # nothing to run: every line was rejected
             self._finish(work)
         for request in requests:
-            self.front.submit(request, callback=lambda result, w=work: self._on_result(w, result))
+            future = self.front.submit(request)
+            future.add_done_callback(lambda f, w=work, rid=request.request_id: self._on_done(w, rid, f))
         return work
 
-    def _on_result(self, work: ShardWork, result) -> None:  # engine thread: keep it short
+    def _on_done(self, work: ShardWork, request_id: str, future: Future) -> None:
+        """Engine thread: keep it short. A future, not the front's callback, so that a request
+        failed by an engine crash is reported too instead of leaving its shard waiting."""
+        exc = future.exception()
+        result = future.result() if exc is None else engine_failure(request_id, exc)
         if work.add(result):
             self._finish(work)
         elif self.front.num_waiting() <= self.settings.engine_watermark:
