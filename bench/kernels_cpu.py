@@ -2,6 +2,7 @@
 
 Prints ms per call for each variant and its ratio to the first (the plain gather + einsum).
 Usage: .venv/bin/python bench/kernels_cpu.py [--batch 96] [--ctx 300] [--dtype bf16] [--only a,b]
+        [--no-mallopt]  (by default glibc keeps freed buffers mapped, as the engine sets it on CPU)
 
 Seen 2026-11-29 on this project's 2-core machine, shared with four other sessions (so noisy;
 quietest runs, ms per call, batch 96, context ~300, bf16): v_einsum 12-17, v_sdpa 10,
@@ -9,6 +10,8 @@ v_group_bias 5.5-6.3, v_gqa_bool 4.0-5.4, v_library 4.6-6.1 (v_gqa_bool plus the
 redirect and the mixed-step split), v_fp32_gqa_bias 13. Under load, best-of ratios to v_einsum:
 v_library / v_gqa_bool 3-5x, v_sdpa 1.5-2.3x, zeroing masked slots (v_gqa_bool_clean) or
 chunking the batch (v_chunk*) lose their gain, one SDPA per sequence (v_loop) 0.3-0.6x.
+Later, best of 25 at lower load: v_einsum 11.8, v_gqa_bool 5.1, v_gqa_bool_2d 4.9, v_library 4.9
+(the 2-D-view gather of v_gqa_bool_2d is what v_library now does).
 """
 
 import argparse
@@ -136,6 +139,20 @@ def v_gqa_bool(q, kc, vc, tables, lens, scale):
     return out.view(b, hq, d)
 
 
+def v_gqa_bool_2d(q, kc, vc, tables, lens, scale):
+    """v_gqa_bool gathering through a 2-D view of the cache (whole-row copies)."""
+    b, hq, d = q.shape
+    n = int(lens.max())
+    nb, bs, hkv, _ = kc.shape
+    tables = tables[:, : (n + bs - 1) // bs]
+    flat = tables.clamp(min=0).reshape(-1).long()
+    k = kc.view(nb, -1).index_select(0, flat).view(b, -1, hkv, d)[:, :n].transpose(1, 2)
+    v = vc.view(nb, -1).index_select(0, flat).view(b, -1, hkv, d)[:, :n].transpose(1, 2)
+    m = (torch.arange(n)[None] < lens[:, None])[:, None, None, :]
+    out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=m, scale=scale, enable_gqa=True)
+    return out.view(b, hq, d)
+
+
 def v_gqa_bool_clean(q, kc, vc, tables, lens, scale):
     """v_gqa_bool, with masked slots zeroed so that NaN garbage in unwritten cache slots cannot leak."""
     b, hq, d = q.shape
@@ -209,7 +226,7 @@ def v_library(q, kc, vc, tables, lens, scale):
 
 
 VARIANTS = [
-    v_einsum, v_sdpa, v_sdpa_contig, v_sdpa_trim, v_float, v_loop, v_gqa_bool, v_gqa_bool_clean,
+    v_einsum, v_sdpa, v_sdpa_contig, v_sdpa_trim, v_float, v_loop, v_gqa_bool, v_gqa_bool_2d, v_gqa_bool_clean,
     v_gqa_bool_inplace, v_group_bias, v_fp32_gqa_bias, v_chunk8, v_chunk24, v_library,
 ]
 
@@ -238,7 +255,12 @@ def main():
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--only", default="")
+    ap.add_argument("--no-mallopt", action="store_true", help="leave glibc returning big buffers to the OS")
     a = ap.parse_args()
+    if not a.no_mallopt:  # as the engine does on CPU: no page faults on every step's buffers
+        from batchapi.engine.model_runner import keep_freed_memory
+
+        keep_freed_memory()
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     q, kc, vc, tables, lens = make_inputs(a.batch, a.ctx, a.hq, a.hkv, a.dim, 16, dtype)
     args = (q, kc, vc, tables, lens, a.dim**-0.5)
