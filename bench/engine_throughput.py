@@ -8,6 +8,10 @@ best size; the ratios; and the fraction of the roofline: tokens/s if a step did 
 the model's matmuls, measured here in the same dtype at the step's shape. Then a workload with
 output lengths 16..512 (continuous vs static) and one with a shared 1,000-token prefix
 (prefix caching on vs off). Printed, never asserted: timings are noisy on a shared CPU.
+
+Rates are given per wall second and per CPU second of this process (divided by the thread
+count). On a machine shared with other jobs the CPU-time rate is the stable one, and the
+ratios are computed from it; run with --threads 1 there so that no thread spins idle.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -52,27 +57,57 @@ def chat_prompts(tokenizer, count: int, seed: int = 0) -> list[list[int]]:
     return out
 
 
+@dataclass
+class Timed:
+    tokens: int
+    wall: float
+    cpu: float  # process CPU seconds / threads
+
+    @property
+    def rate(self) -> float:  # output tokens per CPU second: stable on a shared machine
+        return self.tokens / self.cpu
+
+    def __str__(self) -> str:
+        return f"{self.rate:7.1f} tok/s ({self.tokens / self.wall:.1f} per wall second, {self.tokens} tokens)"
+
+
+class Clock:
+    def __enter__(self):
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc):
+        self.wall = time.perf_counter() - self.wall
+        self.cpu = (time.process_time() - self.cpu) / torch.get_num_threads()
+
+
 # ---- this engine ----
 
-def run_engine(engine: LLMEngine, prompts, params, static_batch: int | None = None) -> tuple[int, float]:
-    """(output tokens, seconds); static_batch: admit the next batch only when the last one is done."""
+def run_engine(engine: LLMEngine, prompts, params, static_batch: int | None = None) -> Timed:
+    """Output tokens and time; static_batch: admit the next batch only when the last one is done."""
     params = params if isinstance(params, list) else [params] * len(prompts)
     chunk = static_batch or len(prompts)
-    tokens, start = 0, time.perf_counter()
-    for lo in range(0, len(prompts), chunk):
-        for i in range(lo, min(lo + chunk, len(prompts))):
-            engine.add_request(GenerationRequest(f"r{i}", prompts[i], params[i]))
-        while engine.has_unfinished():
-            for result in engine.step():
-                tokens += result.completion_tokens
-    return tokens, time.perf_counter() - start
+    tokens = 0
+    with Clock() as clock:
+        for lo in range(0, len(prompts), chunk):
+            for i in range(lo, min(lo + chunk, len(prompts))):
+                engine.add_request(GenerationRequest(f"r{i}", prompts[i], params[i]))
+            while engine.has_unfinished():
+                for result in engine.step():
+                    tokens += result.completion_tokens
+    return Timed(tokens, clock.wall, clock.cpu)
 
 
 # ---- Hugging Face ----
 
-def run_hf(model, tokenizer, prompts, max_tokens: int, batch: int, eos: set[int]) -> tuple[int, float]:
-    tokens, start = 0, time.perf_counter()
-    tokenizer.padding_side = "left"
+def run_hf(model, tokenizer, prompts, max_tokens: int, batch: int, eos: set[int]) -> Timed:
+    with Clock() as clock:
+        tokens = _hf_batches(model, tokenizer, prompts, max_tokens, batch, eos)
+    return Timed(tokens, clock.wall, clock.cpu)
+
+
+def _hf_batches(model, tokenizer, prompts, max_tokens: int, batch: int, eos: set[int]) -> int:
+    tokens = 0
     for lo in range(0, len(prompts), batch):
         group = prompts[lo : lo + batch]
         width = max(len(p) for p in group)
@@ -84,7 +119,7 @@ def run_hf(model, tokenizer, prompts, max_tokens: int, batch: int, eos: set[int]
         for row in out[:, width:].tolist():
             n = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
             tokens += n
-    return tokens, time.perf_counter() - start
+    return tokens
 
 
 # ---- roofline ----
@@ -100,10 +135,10 @@ def matmul_roofline(engine: LLMEngine, tokens_per_step: int, repeats: int = 5) -
             torch.nn.functional.linear(a, w)
         best = float("inf")
         for _ in range(repeats):
-            start = time.perf_counter()
-            for a, w in zip(inputs, weights, strict=True):
-                torch.nn.functional.linear(a, w)
-            best = min(best, time.perf_counter() - start)
+            with Clock() as clock:
+                for a, w in zip(inputs, weights, strict=True):
+                    torch.nn.functional.linear(a, w)
+            best = min(best, clock.cpu)
     del x
     flops = sum(2 * w.numel() for w in weights) * tokens_per_step
     print(f"  matmul FLOP/s at {tokens_per_step} tokens a step: {flops / best / 1e9:.0f} GFLOP/s "
@@ -119,6 +154,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--mixed-prompts", type=int, default=48)
     ap.add_argument("--skip", default="", help="comma list of: hf,static,mixed,prefix")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -135,50 +171,56 @@ def main() -> None:
           f"({sum(map(len, prompts)) / len(prompts):.0f} tokens avg), max_tokens {args.max_tokens}, greedy")
 
     run_engine(engine, prompts[:4], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
-    steps0 = engine.scheduler.num_preemptions
-    tokens, secs = run_engine(engine, prompts, greedy)
-    cont = tokens / secs
-    print(f"engine, continuous batching: {tokens} tokens in {secs:.1f}s = {cont:.1f} tok/s "
-          f"(preemptions {engine.scheduler.num_preemptions - steps0})")
-    roof = matmul_roofline(engine, min(len(prompts), args.max_num_seqs))
-    print(f"roofline: {roof:.0f} tok/s; engine reaches {cont / roof:.0%} of it")
+    batch_shape = min(len(prompts), args.max_num_seqs)
+    roof = matmul_roofline(engine, batch_shape)
+    preemptions = engine.scheduler.num_preemptions
+    cont = run_engine(engine, prompts, greedy)
+    roof = max(roof, matmul_roofline(engine, batch_shape))  # the better of before and after
+    prompt_tokens = sum(map(len, prompts))
+    print(f"engine, continuous batching:       {cont}  preemptions {engine.scheduler.num_preemptions - preemptions}")
+    print(f"roofline (matmuls only at {batch_shape} tokens a step): {roof:.0f} tok/s; the engine reaches "
+          f"{cont.rate / roof:.0%} of it in output tokens, {(cont.tokens + prompt_tokens) / cont.cpu / roof:.0%} "
+          f"counting the prompt tokens it also ran through the matmuls")
 
-    best_hf, best_batch = 0.0, min(len(prompts), 64)
+    best_hf, best_batch = None, min(len(prompts), 64)
     if "hf" not in skip:
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval()
+        tokenizer.padding_side = "left"
         eos = set(engine.eos_token_ids)
         for batch in [int(b) for b in args.hf_batch_sizes.split(",")]:
             subset = prompts[: max(batch, 8)] if batch < 16 else prompts  # batch 1 is slow: a sample
-            tokens, secs = run_hf(hf, tokenizer, subset, args.max_tokens, batch, eos)
-            print(f"HF generate, static batch {batch:>3}: {tokens / secs:7.1f} tok/s ({len(subset)} prompts)")
-            if tokens / secs > best_hf:
-                best_hf, best_batch = tokens / secs, batch
+            timed = run_hf(hf, tokenizer, subset, args.max_tokens, batch, eos)
+            print(f"HF generate, static batch {batch:>3}:    {timed}")
+            if best_hf is None or timed.rate > best_hf.rate:
+                best_hf, best_batch = timed, batch
         del hf
-        print(f"engine / best HF static (batch {best_batch}): {cont / best_hf:.2f}x")
+        print(f"engine / best HF static (batch {best_batch}): {cont.rate / best_hf.rate:.2f}x")
     if "static" not in skip:
-        tokens, secs = run_engine(engine, prompts, greedy, static_batch=best_batch)
-        print(f"engine forced to static batches of {best_batch}: {tokens / secs:.1f} tok/s; "
-              f"continuous / static {cont / (tokens / secs):.2f}x")
+        static = run_engine(engine, prompts, greedy, static_batch=best_batch)
+        print(f"engine, static batches of {best_batch}:     {static}; continuous / static "
+              f"{cont.rate / static.rate:.2f}x")
     if "mixed" not in skip:
         rng = random.Random(1)
+        subset = prompts[: args.mixed_prompts]
         mixed = [SamplingParams(max_tokens=rng.choice([16, 32, 64, 128, 256, 512]), temperature=0.0,
-                                ignore_eos=True) for _ in prompts]
-        c_tokens, c_secs = run_engine(engine, prompts, mixed)
-        s_tokens, s_secs = run_engine(engine, prompts, mixed, static_batch=best_batch)
-        print(f"mixed output lengths 16..512: continuous {c_tokens / c_secs:.1f} tok/s, static batches of "
-              f"{best_batch} {s_tokens / s_secs:.1f} tok/s: {(c_tokens / c_secs) / (s_tokens / s_secs):.2f}x")
+                                ignore_eos=True) for _ in subset]
+        batch = min(best_batch, len(subset) // 2)
+        c = run_engine(engine, subset, mixed)
+        s = run_engine(engine, subset, mixed, static_batch=batch)
+        print(f"mixed output lengths 16..512, {len(subset)} requests: continuous {c.rate:.1f} tok/s, static "
+              f"batches of {batch} {s.rate:.1f} tok/s: {c.rate / s.rate:.2f}x")
     if "prefix" not in skip:
-        shared = tokenizer.encode(" ".join(f"Fact {i}: the {TOPICS[i % len(TOPICS)]} is item {i}." for i in range(120)))
-        shared = shared[:1000]
+        facts = " ".join(f"Fact {i}: the {TOPICS[i % len(TOPICS)]} is item {i}." for i in range(150))
+        shared = tokenizer.encode(facts)[:1000]
         questions = [shared + tokenizer.encode(f"\nQuestion {i}: which item is {TOPICS[i % len(TOPICS)]}?")
                      for i in range(32)]
         short = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
         for caching in (False, True):
             engine.block_manager.enable_prefix_caching = caching
-            engine.block_manager.hash_to_block.clear()
-            tokens, secs = run_engine(engine, questions, short)
+            engine.block_manager.reset_prefix_cache()
+            timed = run_engine(engine, questions, short)
             print(f"shared 1,000-token prefix, 32 requests, prefix caching {'on ' if caching else 'off'}: "
-                  f"{secs:.1f}s ({tokens / secs:.1f} output tok/s)")
+                  f"{timed.cpu:.1f} CPU s, {timed.wall:.1f} wall s")
 
 
 if __name__ == "__main__":

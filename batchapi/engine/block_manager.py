@@ -31,6 +31,12 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # evict from the front
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (those in use keep their contents, unregistered)."""
+        self.hash_to_block.clear()
+        self.block_hash = [None] * self.num_blocks
+        self.block_tokens = [None] * self.num_blocks
+
     @property
     def num_free_blocks(self) -> int:
         return len(self.free)
