@@ -46,6 +46,12 @@ def test_mixed_step_matches_twin(seed, dtype):
     _check(case, dtype)
 
 
+@pytest.mark.parametrize(("hkv", "group"), [(2, 7), (1, 8), (1, 16)])  # Qwen2.5-0.5B's 14/2; wide groups
+def test_wide_and_odd_groups_match_twin(hkv, group):
+    case = make_case([1, 7, 1], [19, 12, 33], hkv * group, hkv, 64, seed=group)
+    _check(case, torch.float32)
+
+
 @pytest.mark.parametrize("num_splits", [2, 4])
 def test_split_kv_matches_twin(num_splits):
     rng = random.Random(num_splits)
