@@ -39,7 +39,7 @@ def compile_for_sm90(kernel, types: dict[str, str], constexprs: dict, report: bo
 def _attention_cases():
     attention = importlib.import_module("batchapi.kernels.attention")
     for dtype in ("bf16", "fp16"):
-        for group, head_dim in ((4, 128), (4, 64), (3, 64), (5, 128)):
+        for group, head_dim in ((4, 128), (4, 64), (3, 64), (5, 128), (7, 64)):
             for max_q, splits in ((1, 1), (1, 16), (512, 1)):
                 if dtype == "fp16" and (group, head_dim) != (4, 128):
                     continue
