@@ -58,6 +58,8 @@ class ShardRunner:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._last_progress = time.monotonic()  # when the engine's state last moved (or work arrived)
+        self._engine_state: tuple = ()
         self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchapi-finish")
         self._threads = [
             threading.Thread(target=self._feed_loop, name="batchapi-feeder", daemon=True),
@@ -120,7 +122,21 @@ class ShardRunner:
     def _has_room(self) -> bool:
         with self._lock:
             held = len(self._inflight)
+        if held and self._stalled():
+            return False
         return held < self.settings.max_shards_in_flight and self.front.num_waiting() <= self.settings.engine_watermark
+
+    def _stalled(self) -> bool:
+        """The engine's queues and KV cache have not moved for a whole lease while requests are
+        in flight: its thread died or hangs. Its leases are then left to run out, so other
+        workers take the shards over."""
+        return time.monotonic() - self._last_progress > self.settings.lease_seconds
+
+    def _watch_engine(self) -> None:
+        state = (self.front.num_waiting(), self.front.num_running(), self.front.kv_usage())
+        if state != self._engine_state:
+            self._engine_state = state
+            self._last_progress = time.monotonic()
 
     def _feed_loop(self) -> None:
         while not self._stop.is_set():
@@ -155,6 +171,8 @@ class ShardRunner:
                 line.parsed, line.error = None, BodyError(str(exc))
         work.expect([r.request_id for r in requests])
         with self._lock:
+            if not self._inflight:
+                self._last_progress = time.monotonic()
             self._inflight[claimed.id] = work
         log.info("shard %s (attempt %d): %d requests", claimed.id, claimed.attempts, len(requests))
         if work.done.is_set():  # nothing to run: every line was rejected
@@ -217,6 +235,7 @@ class ShardRunner:
     def _monitor_loop(self) -> None:
         last_beat = time.monotonic()
         while not self._stop.wait(MONITOR_SECONDS):
+            self._watch_engine()
             try:
                 self._check_batches()
                 if time.monotonic() - last_beat >= self.settings.heartbeat_seconds:
@@ -249,6 +268,10 @@ class ShardRunner:
     def _beat(self) -> None:
         with self._lock:
             works = list(self._inflight.values())
+        if works and self._stalled():
+            log.error("the engine returned nothing for %ds; leaving %d shards' leases to run out",
+                      self.settings.lease_seconds, len(works))
+            return
         held = leases.heartbeat(self.jobs, [w.shard.id for w in works], self.owner)
         for work in works:
             if work.shard.id not in held and not work.done.is_set():

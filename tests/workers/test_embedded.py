@@ -137,3 +137,34 @@ def test_a_shard_out_of_attempts_fails_and_the_batch_completes(tmp_path, tiny_ll
         errors = contents(client, batch.error_file_id)
         assert_each_once(lines, [], errors)
         assert {e["error"]["code"] for e in errors} == {"shard_failed"}
+
+
+def test_a_stuck_engine_lets_its_leases_run_out(tmp_path, tiny_llama_dir):
+    """An engine whose thread never runs: the runner stops renewing, the sweeper re-queues."""
+    from batchapi.cli import engine_config_from
+    from batchapi.engine import EngineFront
+    from batchapi.workers.codec import Codec
+    from batchapi.workers.shard_runner import ShardRunner
+
+    settings = service_settings(tmp_path, tiny_llama_dir, **{**EMBEDDED, "lease_seconds": 5})
+    upgrade(settings)
+    with live_server(settings) as server:
+        client = OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+        lines = lines_for(server.app.state.model.id, 4, prefix="stuck")
+        batch = wait(client, run(client, lines).id, lambda b: b.status == "in_progress")
+        front = EngineFront(engine_config_from(settings))  # never started: nothing ever comes back
+        runner = ShardRunner(server.jobs, front, Codec(front.tokenizer, "tiny"), "stuck-worker").start()
+        try:
+            deadline = time.monotonic() + 30
+            while True:
+                report = sweep(server.jobs)
+                if report.requeued:
+                    break
+                assert time.monotonic() < deadline, "the stuck runner kept its lease"
+                time.sleep(0.5)
+            time.sleep(2)  # the stuck runner does not take it back
+            with server.jobs.sessions() as session:
+                (shard,) = session.scalars(select(Shard).where(Shard.batch_id == batch.id))
+            assert (shard.status, shard.attempts, shard.lease_owner) == ("queued", 1, None)
+        finally:
+            runner.shutdown()
