@@ -1,5 +1,8 @@
 """The Celery app for long GPU work, built from settings (never at import).
 
+Only ``batchapi worker`` registers the task bodies (``tasks.register``); the API and the beat
+send tasks by name and never load the engine.
+
 Tasks carry shard ids only; the database is the source of truth and a message is a wake-up.
 - ``task_acks_late`` + ``task_reject_on_worker_lost``: a message is acknowledged only after its
   shard is done, so a worker that dies mid-shard leaves it for another one;
@@ -18,7 +21,6 @@ from kombu import Queue
 from kombu.exceptions import OperationalError as BrokerError
 
 from batchapi.config import Settings
-from batchapi.workers import tasks
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +45,6 @@ def make_celery(settings: Settings) -> Celery:
         worker_hijack_root_logger=False,
         worker_cancel_long_running_tasks_on_connection_loss=False,
     )
-    app.task(
-        name=RUN_SHARD,
-        autoretry_for=tasks.TRANSIENT,
-        retry_backoff=True,
-        max_retries=5,
-    )(tasks.run_shard)
     return app
 
 

@@ -12,9 +12,7 @@ from sqlalchemy.exc import OperationalError
 from batchapi.config import Settings
 from batchapi.jobs.context import open_jobs
 from batchapi.jobs.errors import StorageError
-from batchapi.workers import tasks
 from batchapi.workers.celery_app import make_celery, send_shards
-from batchapi.workers.engine_setup import start_runner
 from batchapi.workers.sweeper import sweep
 
 log = logging.getLogger(__name__)
@@ -24,10 +22,14 @@ def run_worker(settings: Settings, name: str | None = None) -> None:
     """One Celery worker per GPU: the engine is loaded here, once, before consuming. The solo
     pool runs one task at a time in this process; the runner's feeder keeps more shards in
     the engine, and a message whose shard it already took finds nothing to do."""
+    from batchapi.workers import tasks  # the engine's imports: only a worker process pays for them
+    from batchapi.workers.engine_setup import start_runner
+
     jobs = open_jobs(settings)
     runner = start_runner(jobs)
     tasks.install(runner)
     app = make_celery(settings)
+    tasks.register(app)
     try:
         app.worker_main([
             "worker", "--pool=solo", "--concurrency=1", "-Q", settings.celery_queue,

@@ -6,9 +6,11 @@ before it consumes anything, and installed here with ``install``.
 
 from __future__ import annotations
 
+from celery import Celery
 from sqlalchemy.exc import OperationalError
 
 from batchapi.jobs.errors import StorageError
+from batchapi.workers.celery_app import RUN_SHARD
 from batchapi.workers.shard_runner import ShardRunner
 
 # named transient failures a task is retried for (the database or storage briefly away)
@@ -26,3 +28,7 @@ def run_shard(shard_id: str) -> str:
     """Claim and run one shard; a duplicate or late message finds it taken and returns."""
     assert _runner is not None, "the worker's runner is not installed (start it with `batchapi worker`)"
     return _runner.run_shard(shard_id)
+
+
+def register(app: Celery) -> None:
+    app.task(name=RUN_SHARD, autoretry_for=TRANSIENT, retry_backoff=True, max_retries=5)(run_shard)
