@@ -6,7 +6,9 @@
    the result objects, finalize. Timed from the upload to `completed`.
 2. Straight through the engine: one EngineFront in this process with the same engine
    settings, every request tokenized and submitted, timed until the last result.
-Both are warmed up first. Prints output tokens/s of each and the ratio (service / engine).
+Both are warmed up first. Prints output tokens/s of each and the ratio (service / engine), and
+the same per CPU-second (the API and worker processes vs this one), which other jobs' load on a
+shared machine moves far less than wall-clock time.
 
     .venv/bin/python bench/service_overhead.py                       # 1,000 requests, default model
     .venv/bin/python bench/service_overhead.py --requests 200 --model /path/to/hf-dir
@@ -47,6 +49,12 @@ def request_lines(model: str, n: int, max_tokens: int) -> list[dict]:
     ]
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process and its threads so far (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def wait_until(predicate, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -78,8 +86,12 @@ class Service:
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signal.SIGKILL)
 
-    def run_batch(self, http: httpx.Client, lines: list[dict]) -> tuple[float, dict]:
+    def cpu(self) -> float:
+        return sum(cpu_seconds(proc.pid) for proc in self.procs if proc.poll() is None)
+
+    def run_batch(self, http: httpx.Client, lines: list[dict]) -> tuple[float, float, dict]:
         data = ("\n".join(json.dumps(line) for line in lines) + "\n").encode()
+        cpu = self.cpu()
         start = time.perf_counter()
         file_id = http.post("/v1/files", files={"file": ("bench.jsonl", data)}, data={"purpose": "batch"}).json()["id"]
         batch = http.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/chat/completions",
@@ -87,13 +99,13 @@ class Service:
         while batch["status"] not in ("completed", "failed", "expired", "cancelled"):
             time.sleep(0.5)  # a light poll: the API shares the CPU with the worker here
             batch = http.get(f"/v1/batches/{batch['id']}").json()
-        elapsed = time.perf_counter() - start
+        elapsed, cpu = time.perf_counter() - start, self.cpu() - cpu
         assert batch["status"] == "completed", batch
         assert batch["request_counts"]["completed"] == len(lines), batch
-        return elapsed, batch
+        return elapsed, cpu, batch
 
 
-def through_service(args, model_id: str, lines: list[dict], warmup: list[dict]) -> tuple[float, int]:
+def through_service(args, model_id: str, lines: list[dict], warmup: list[dict]) -> tuple[float, float, int]:
     workdir = Path(tempfile.mkdtemp(prefix="batchapi-bench-"))
     redis_port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHAPI_")}
@@ -114,8 +126,8 @@ def through_service(args, model_id: str, lines: list[dict], warmup: list[dict]) 
         with httpx.Client(base_url=service.base, timeout=60) as http:
             wait_until(lambda: _healthy(http), 120, "the API")
             service.run_batch(http, warmup)
-            elapsed, batch = service.run_batch(http, lines)
-        return elapsed, batch["usage"]["output_tokens"]
+            elapsed, cpu, batch = service.run_batch(http, lines)
+        return elapsed, cpu, batch["usage"]["output_tokens"]
     finally:
         service.stop()
         shutil.rmtree(workdir, ignore_errors=True)
@@ -128,7 +140,7 @@ def _healthy(http: httpx.Client) -> bool:
         return False
 
 
-def through_engine(args, lines: list[dict], warmup: list[dict]) -> tuple[float, int]:
+def through_engine(args, lines: list[dict], warmup: list[dict]) -> tuple[float, float, int]:
     from batchapi.cli import engine_config_from
     from batchapi.config import load_settings
     from batchapi.engine import EngineFront
@@ -137,15 +149,15 @@ def through_engine(args, lines: list[dict], warmup: list[dict]) -> tuple[float, 
 
     settings = load_settings(model=args.model)
     with EngineFront(engine_config_from(settings)) as front:
-        def run(batch: list[dict]) -> tuple[float, int]:
-            start = time.perf_counter()
+        def run(batch: list[dict]) -> tuple[float, float, int]:
+            cpu, start = time.process_time(), time.perf_counter()
             futures = [
                 front.submit(openai_io.to_request(parse_body(line["url"], line["body"]), front.tokenizer,
                                                   f"{line['custom_id']}-{start}"))
                 for line in batch
             ]
             tokens = sum(f.result().completion_tokens for f in futures)
-            return time.perf_counter() - start, tokens
+            return time.perf_counter() - start, time.process_time() - cpu, tokens
 
         run(warmup)
         return run(lines)
@@ -168,14 +180,16 @@ def main() -> int:
     for line in warmup:
         line["custom_id"] = "warm-" + line["custom_id"]
 
-    service_s, service_tokens = through_service(args, served, lines, warmup)
-    engine_s, engine_tokens = through_engine(args, lines, warmup)
+    service_s, service_cpu, service_tokens = through_service(args, served, lines, warmup)
+    engine_s, engine_cpu, engine_tokens = through_engine(args, lines, warmup)
     service_rate, engine_rate = service_tokens / service_s, engine_tokens / engine_s
     print(f"{args.requests} requests x {args.max_tokens} tokens, model {served}")
-    print(f"engine : {engine_tokens} output tokens in {engine_s:.2f}s = {engine_rate:.1f} tok/s")
+    print(f"engine : {engine_tokens} output tokens in {engine_s:.2f}s = {engine_rate:.1f} tok/s "
+          f"({engine_cpu:.1f} CPU s)")
     print(f"service: {service_tokens} output tokens in {service_s:.2f}s = {service_rate:.1f} tok/s "
-          "(upload to completed, Celery worker)")
-    print(f"ratio service/engine: {service_rate / engine_rate:.3f}")
+          f"({service_cpu:.1f} CPU s; upload to completed, Celery worker)")
+    print(f"ratio service/engine: {service_rate / engine_rate:.3f} (tokens per wall second), "
+          f"{(service_tokens / service_cpu) / (engine_tokens / engine_cpu):.3f} (tokens per CPU second)")
     return 0
 
 
