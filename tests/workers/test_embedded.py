@@ -85,6 +85,23 @@ def test_upload_to_results_with_the_openai_sdk(client, embedded):
     assert batch.model_extra["cost"]["currency"] == "usd"
 
 
+def test_a_finalize_that_died_is_finished_by_the_sweeper(client, embedded):
+    from batchapi.jobs.models import Batch
+
+    lines = lines_for(embedded.app.state.model.id, 12, prefix="refinal")
+    batch = wait(client, run(client, lines).id)
+    first = contents(client, batch.output_file_id)
+    with session_scope(embedded.jobs.sessions) as session:  # as if the finalizer died half-way
+        session.execute(update(Batch).where(Batch.id == batch.id).values(
+            status="finalizing", finalizing_at=now() - 3600, completed_at=None, output_file_id=None,
+            request_completed=0, input_tokens=0, cached_tokens=0, output_tokens=0,
+        ))
+    again = wait(client, batch.id)
+    assert again.status == "completed" and again.output_file_id != batch.output_file_id
+    assert contents(client, again.output_file_id) == first
+    assert again.request_counts == batch.request_counts and again.usage == batch.usage
+
+
 def test_submit_command_follows_a_batch_to_its_results(client, embedded, tmp_path):
     lines = lines_for(embedded.app.state.model.id, 12, prefix="cli")
     path = tmp_path / "batch.jsonl"
