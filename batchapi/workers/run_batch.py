@@ -15,7 +15,14 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from batchapi.engine import EngineConfig, EngineFront, GenerationResult
 from batchapi.jobs.request_body import ENDPOINTS, BodyError, ParsedBody, parse_body
