@@ -4,8 +4,8 @@
 - reference.py, attention_ref.py, rope.py: the twins and the rotary cache; torch only.
 - attention.py, kvcache.py, norm.py, rotary_embedding.py, activation.py: Triton kernels with
   their launchers (shape, dtype and stride checks); imported only when Triton ops are asked for.
-- launch.py: what the launchers share, including running kernels under Triton's interpreter
-  when the tensors are on CPU (the tests).
+- launch.py: what the launchers share: `jit` for the kernels, and running them under Triton's
+  interpreter when the tensors are on CPU (the tests).
 KV caches must be allocated zeroed: the twin reads the unwritten tail slots of a sequence's last
 block (with zero weight), and NaN garbage there would leak through.
 """

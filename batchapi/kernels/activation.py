@@ -4,10 +4,10 @@ import torch
 import triton
 import triton.language as tl
 
-from batchapi.kernels.launch import check_last_dim_contiguous, for_device
+from batchapi.kernels.launch import check_last_dim_contiguous, for_device, jit
 
 
-@triton.jit
+@jit
 def _silu_and_mul_kernel(out_ptr, x_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)

@@ -12,13 +12,12 @@ import functools
 import weakref
 
 import torch
-import triton
 import triton.language as tl
 
-from batchapi.kernels.launch import check_last_dim_contiguous, check_same_device, for_device, next_pow2
+from batchapi.kernels.launch import check_last_dim_contiguous, check_same_device, for_device, jit, next_pow2
 
 
-@triton.jit(do_not_specialize=["num_seqs"])  # a loop bound below: it must not become constexpr 1
+@jit(do_not_specialize=["num_seqs"])  # a loop bound below: it must not become constexpr 1
 def _paged_attention_kernel(
     out_ptr,  # [T, Hq, D], or the split partials [T, Hq, S, D] fp32
     max_ptr,  # [T, Hq, S] fp32 (splits only)
@@ -132,7 +131,7 @@ def _paged_attention_kernel(
         tl.store(sum_ptr + part, l_i, mask=row_ok)
 
 
-@triton.jit
+@jit
 def _merge_splits_kernel(
     out_ptr,  # [T, Hq, D]
     part_ptr,  # [T, Hq, S, D] fp32

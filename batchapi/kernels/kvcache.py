@@ -1,13 +1,12 @@
 """Store this step's keys and values into the paged cache through a slot mapping (-1 = skip)."""
 
 import torch
-import triton
 import triton.language as tl
 
-from batchapi.kernels.launch import check_last_dim_contiguous, check_same_device, for_device, next_pow2
+from batchapi.kernels.launch import check_last_dim_contiguous, check_same_device, for_device, jit, next_pow2
 
 
-@triton.jit
+@jit
 def _store_kvcache_kernel(
     key_ptr,  # [N, Hkv, D]
     value_ptr,

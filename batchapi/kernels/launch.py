@@ -1,19 +1,67 @@
 """Launch helpers shared by the Triton launchers."""
 
 import functools
+import inspect
+import textwrap
 
 import torch
-from triton.runtime.interpreter import InterpretedFunction
+import triton
+from triton.runtime.interpreter import FunctionRewriter, InterpretedFunction
 from triton.runtime.jit import JITFunction
 
 
-@functools.cache
-def _interpreted(fn):
-    return InterpretedFunction(fn)
+class _ImportedSourceRewriter(FunctionRewriter):
+    """Triton's interpreter rewrite, from the kernel's source as it was imported.
+
+    Triton's own rewriter reads the source from the file at the first interpreted launch, long after
+    import; a file edited in between (the working tree of a long test run) gives it another
+    function's lines: a KeyError naming the kernel, or silently different code. Compiled Triton
+    keeps the source from decoration (JITFunction.src); this does the same for the interpreter.
+    """
+
+    def __init__(self, fn, src: str, def_line: int, **kwargs):
+        super().__init__(fn, **kwargs)
+        self.src, self.def_line = src, def_line  # src starts at `def`, on line def_line of its file
+
+    def rewrite_ast(self):
+        self.filename, self.def_file_lineno = self.fn.__code__.co_filename, self.def_line
+        return self._compile_and_exec(self._transform_ast(self.src))
+
+
+def _source_from_def(fn) -> tuple[str, int]:
+    lines, first_line = inspect.getsourcelines(fn)
+    at = next(i for i, line in enumerate(lines) if line.lstrip().startswith("def "))
+    return textwrap.dedent("".join(lines[at:])), first_line + at
+
+
+def jit(fn=None, **options):
+    """triton.jit for our kernels: the interpreter runs the source read at import, as compiled Triton does.
+
+    Under TRITON_INTERPRET=1 triton.jit returns an InterpretedFunction, which would read the source
+    only at its first launch; the source is read here instead, while the module is imported.
+    """
+    if fn is None:
+        return functools.partial(jit, **options)
+    kernel = triton.jit(fn, **options)
+    if isinstance(kernel, InterpretedFunction):
+        kernel.rewriter = _ImportedSourceRewriter(fn, *_source_from_def(fn), **kernel.kwargs)
+    return kernel
+
+
+_interpreted: dict = {}  # JITFunction.fn -> its InterpretedFunction (a JITFunction's own hash is costly)
+
+
+def _interpreted_twin(kernel: JITFunction) -> InterpretedFunction:
+    interpreted = _interpreted.get(kernel.fn)
+    if interpreted is None:
+        interpreted = InterpretedFunction(kernel.fn)
+        interpreted.rewriter = _ImportedSourceRewriter(kernel.fn, kernel.src, kernel.def_file_line_number)
+        _interpreted[kernel.fn] = interpreted
+    return interpreted
 
 
 def _call_interpreted(self, *args, **kwargs):
-    return _interpreted(self.fn)(*args, **kwargs)
+    return _interpreted_twin(self)(*args, **kwargs)
 
 
 def for_device(kernel, tensor: torch.Tensor):
@@ -25,12 +73,16 @@ def for_device(kernel, tensor: torch.Tensor):
     imports triton, for one), kernels on CPU tensors are wrapped in the interpreter here, and the
     compiled helpers they call are routed to the interpreter too: JITFunction.__call__ otherwise
     only raises "Cannot call @triton.jit'd outside of the scope of a kernel" (the compiler itself
-    never calls it, so GPU launches are unaffected).
+    never calls it, so GPU launches are unaffected). Either way the interpreter runs the source
+    captured at import (see jit).
     """
     if tensor.device.type != "cpu":
         return kernel
     JITFunction.__call__ = _call_interpreted
-    return kernel if isinstance(kernel, InterpretedFunction) else _interpreted(kernel.fn)
+    if isinstance(kernel, InterpretedFunction):
+        assert isinstance(kernel.rewriter, _ImportedSourceRewriter), f"{kernel.__name__}: decorate with launch.jit"
+        return kernel
+    return _interpreted_twin(kernel)
 
 
 def check_last_dim_contiguous(**tensors: torch.Tensor) -> None:

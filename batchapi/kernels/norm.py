@@ -1,13 +1,12 @@
 """RMSNorm and fused residual-add + RMSNorm, rounding where transformers' LlamaRMSNorm rounds."""
 
 import torch
-import triton
 import triton.language as tl
 
-from batchapi.kernels.launch import check_last_dim_contiguous, check_same_device, for_device, next_pow2
+from batchapi.kernels.launch import check_last_dim_contiguous, check_same_device, for_device, jit, next_pow2
 
 
-@triton.jit
+@jit
 def _rms_norm_kernel(
     out_ptr,  # [N, H]
     sum_ptr,  # [N, H], x + residual (written only with HAS_RESIDUAL)

@@ -1,13 +1,12 @@
 """Rotary embedding (neox halves layout) applied to q and k, rounding where transformers rounds."""
 
 import torch
-import triton
 import triton.language as tl
 
-from batchapi.kernels.launch import check_last_dim_contiguous, check_same_device, for_device, next_pow2
+from batchapi.kernels.launch import check_last_dim_contiguous, check_same_device, for_device, jit, next_pow2
 
 
-@triton.jit
+@jit
 def _rotate_heads(src_ptr, dst_ptr, stride_src, stride_dst, token, cos, sin, num_heads,
                   HEADS_P2: tl.constexpr, HALF: tl.constexpr):
     heads = tl.arange(0, HEADS_P2)[:, None]
@@ -27,7 +26,7 @@ def _rotate_heads(src_ptr, dst_ptr, stride_src, stride_dst, token, cos, sin, num
     tl.store(out + HALF, (a2 + b2).to(dt), mask=ok)
 
 
-@triton.jit
+@jit
 def _rotary_kernel(
     q_out_ptr, k_out_ptr,  # [N, Hq, D], [N, Hkv, D] contiguous
     q_ptr, k_ptr,  # same shapes; heads contiguous within a token
