@@ -99,17 +99,18 @@ class LLMEngine:
         """Advance every scheduled sequence by one step; return the requests that finished."""
         finished = self._take_rejected()
         batch = self.scheduler.schedule()
-        if len(batch):
-            samples = self.runner.execute(batch)
-            rows = sample_rows(batch)
-            self.scheduler.postprocess(batch)
-            for (seq, index), sample in zip(rows, samples, strict=True):
-                target = seq if index == seq.sample_index else self._fork(seq, index)
-                self._append(target, sample)
-            for seq, _ in rows:
-                seq.num_forks = 0
-            self.scheduler.release_finished()
-        for seq, _ in rows if len(batch) else []:
+        if not len(batch):
+            return finished
+        samples = self.runner.execute(batch)
+        rows = sample_rows(batch)
+        self.scheduler.postprocess(batch)
+        for (seq, index), sample in zip(rows, samples, strict=True):
+            target = seq if index == seq.sample_index else self._fork(seq, index)
+            self._append(target, sample)
+        for seq, _ in rows:
+            seq.num_forks = 0
+        self.scheduler.release_finished()
+        for seq, _ in rows:
             state = self.requests.get(seq.request_id)
             if state is not None and all(s.is_finished for s in state.seqs):
                 finished.append(self._result(self.requests.pop(seq.request_id)))
