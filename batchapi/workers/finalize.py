@@ -22,8 +22,14 @@ from batchapi.workers.leases import OPEN
 
 log = logging.getLogger(__name__)
 
-SUMMED = ("completed_count", "failed_count", "input_tokens", "cached_tokens", "output_tokens")
+SUMMED = ("completed_count", "failed_count", "input_tokens", "cached_tokens", "output_tokens")  # shards
 BATCH_COLUMNS = ("request_completed", "request_failed", "input_tokens", "cached_tokens", "output_tokens")
+# the states a finalizer may end a batch from (``completed`` only after its own ``finalizing``)
+FROM = {
+    states.COMPLETED: {states.FINALIZING},
+    states.CANCELLED: {states.CANCELLING},
+    states.EXPIRED: {states.IN_PROGRESS, states.FINALIZING},
+}
 
 
 def output_key(batch_id: str) -> str:
@@ -78,9 +84,6 @@ def _merge_and_end(jobs: Jobs, batch_id: str, project_id: str, target: str) -> s
         ).all()
     out_size = jobs.storage.put_chunks(output_key(batch_id), _concat(jobs, [s.output_key for s in shards]))
     err_size = jobs.storage.put_chunks(error_key(batch_id), _concat(jobs, [s.error_key for s in shards]))
-    sources = {states.CANCELLING} if target == states.CANCELLED else {states.FINALIZING}
-    if target == states.EXPIRED:
-        sources = {states.IN_PROGRESS, states.FINALIZING}
     with session_scope(jobs.sessions) as session:
         files = {}
         for name, key, size in (("output", output_key(batch_id), out_size), ("errors", error_key(batch_id), err_size)):
@@ -91,7 +94,7 @@ def _merge_and_end(jobs: Jobs, batch_id: str, project_id: str, target: str) -> s
             select(*(func.coalesce(func.sum(getattr(Shard, c)), 0) for c in SUMMED)).where(Shard.batch_id == batch_id)
         ).one()
         moved = states.transition(
-            session, batch_id, target, sources=sources,
+            session, batch_id, target, sources=FROM[target],
             output_file_id=files.get("output"), error_file_id=files.get("errors"),
             **{column: int(value) for column, value in zip(BATCH_COLUMNS, sums, strict=True)},
         )
