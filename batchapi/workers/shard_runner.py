@@ -228,7 +228,10 @@ class ShardRunner:
             return
         log.info("shard %s done: %d ok, %d failed%s", shard.id, rendered.outcome.completed,
                  rendered.outcome.failed, f" ({work.reason})" if work.reason else "")
-        finalize_batch(self.jobs, shard.batch_id)
+        try:
+            finalize_batch(self.jobs, shard.batch_id)
+        except TRANSIENT:
+            log.warning("could not finalize batch %s now; the sweeper will", shard.batch_id, exc_info=True)
 
     # ---- monitor ----
 
