@@ -25,7 +25,7 @@ from sqlalchemy.exc import OperationalError
 from batchapi.engine import EngineFront, GenerationResult
 from batchapi.jobs import states
 from batchapi.jobs.context import Jobs
-from batchapi.jobs.errors import StorageError
+from batchapi.jobs.errors import NotFound, StorageError
 from batchapi.jobs.ids import now
 from batchapi.jobs.models import Batch
 from batchapi.jobs.request_body import BodyError
@@ -161,6 +161,10 @@ class ShardRunner:
         except TRANSIENT:
             log.warning("could not read shard %s; giving it back", claimed.id, exc_info=True)
             leases.release(self.jobs, [claimed.id], self.owner)
+            return None
+        except NotFound:
+            # never renewed, so the lease runs out and the attempts run up to shard_failed
+            log.error("the input of shard %s is gone from storage", claimed.id)
             return None
         work = ShardWork(claimed, lines)
         requests = []

@@ -19,6 +19,7 @@ from sqlalchemy import exists, select
 
 from batchapi.jobs import states
 from batchapi.jobs.context import Jobs
+from batchapi.jobs.errors import NotFound
 from batchapi.jobs.ids import now
 from batchapi.jobs.models import Batch, Shard
 from batchapi.jobs.storage import shard_error_key, shard_output_key
@@ -116,7 +117,11 @@ def close_shard(jobs: Jobs, shard_id: str, reason: str) -> bool:
     claimed = leases.claim_for_closing(jobs, shard_id, OWNER)
     if claimed is None:
         return False
-    custom_ids = read_custom_ids(jobs.storage, claimed)
+    try:
+        custom_ids = read_custom_ids(jobs.storage, claimed)
+    except NotFound:  # the input object is gone: nothing left to name in the error file
+        log.error("the input of shard %s is gone from storage; closing it empty", shard_id)
+        custom_ids = []
     out_key = shard_output_key(claimed.batch_id, claimed.index)
     err_key = shard_error_key(claimed.batch_id, claimed.index)
     jobs.storage.put_chunks(out_key, [b""])
