@@ -194,9 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     worker = sub.add_parser("worker", help="a Celery GPU worker (one per GPU)")
     worker.add_argument("-n", "--name", default=None, help="Celery node name")
     worker.set_defaults(func=cmd_worker)
-    sub.add_parser("beat", help="the sweeper: re-queue lost shards, expire and cancel batches").set_defaults(
-        func=cmd_beat
-    )
+    sub.add_parser(
+        "beat", help="the sweeper on Celery beat: re-queue lost shards, expire and cancel batches"
+    ).set_defaults(func=cmd_beat)
 
     db = sub.add_parser("db", help="database migrations").add_subparsers(dest="action", required=True)
     up = db.add_parser("upgrade", help="migrate the database to the latest schema")

@@ -123,6 +123,11 @@ class Settings(BaseSettings):
         return self.storage_url or f"file://{(self.data_dir / 'storage').resolve()}"
 
     @property
+    def sweep_queue(self) -> str:
+        """The beat's own queue, so a sweep never waits behind the shard queue's long tasks."""
+        return f"{self.celery_queue}-sweep"
+
+    @property
     def embedded(self) -> bool:
         return not self.broker_url
 

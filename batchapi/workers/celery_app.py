@@ -1,7 +1,7 @@
 """The Celery app for long GPU work, built from settings (never at import).
 
-Only ``batchapi worker`` registers the task bodies (``tasks.register``); the API and the beat
-send tasks by name and never load the engine.
+Only ``batchapi worker`` registers the shard task (``tasks.register``) and only ``batchapi beat``
+the sweep (``beat.register``); the API sends tasks by name and never loads the engine.
 
 Tasks carry shard ids only; the database is the source of truth and a message is a wake-up.
 - ``task_acks_late`` + ``task_reject_on_worker_lost``: a message is acknowledged only after its
@@ -9,7 +9,8 @@ Tasks carry shard ids only; the database is the source of truth and a message is
 - ``worker_prefetch_multiplier=1``: a worker never hoards messages it cannot start;
 - the Redis visibility timeout is longer than any shard, so a slow shard's message is not
   handed to a second worker while the first still runs it (were it so, the claim refuses it);
-- shard tasks go to their own queue (``BATCHAPI_CELERY_QUEUE``, default ``gpu``).
+- shard tasks go to their own queue (``BATCHAPI_CELERY_QUEUE``, default ``gpu``), sweeps to
+  another (``<that queue>-sweep``), so a sweep never waits behind a long shard.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from batchapi.config import Settings
 log = logging.getLogger(__name__)
 
 RUN_SHARD = "batchapi.run_shard"
+SWEEP = "batchapi.sweep"
 
 
 def make_celery(settings: Settings) -> Celery:
@@ -36,12 +38,14 @@ def make_celery(settings: Settings) -> Celery:
         broker_transport_options={"visibility_timeout": settings.visibility_timeout_seconds},
         broker_connection_retry_on_startup=True,
         broker_connection_max_retries=None,  # a Redis restart is waited out, not fatal
-        task_queues=[Queue(settings.celery_queue)],
+        # each queue its own routing key: by default they would share one and both get every task
+        task_queues=[Queue(name, routing_key=name) for name in (settings.celery_queue, settings.sweep_queue)],
         task_default_queue=settings.celery_queue,
-        task_routes={RUN_SHARD: {"queue": settings.celery_queue}},
+        task_routes={RUN_SHARD: {"queue": settings.celery_queue}, SWEEP: {"queue": settings.sweep_queue}},
         task_serializer="json",
         accept_content=["json"],
         task_ignore_result=True,
+        result_expires=None,  # no result backend, so beat schedules no daily backend cleanup task
         worker_hijack_root_logger=False,
         worker_cancel_long_running_tasks_on_connection_loss=False,
     )

@@ -4,16 +4,11 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
-
-from kombu.exceptions import OperationalError as BrokerError
-from sqlalchemy.exc import OperationalError
 
 from batchapi.config import Settings
 from batchapi.jobs.context import open_jobs
-from batchapi.jobs.errors import StorageError
-from batchapi.workers.celery_app import make_celery, send_shards
-from batchapi.workers.sweeper import sweep
+from batchapi.workers import beat
+from batchapi.workers.celery_app import make_celery
 
 log = logging.getLogger(__name__)
 
@@ -42,19 +37,24 @@ def run_worker(settings: Settings, name: str | None = None) -> None:
         jobs.close()
 
 
-def run_beat(settings: Settings, stop: threading.Event | None = None) -> None:
-    """The sweeper: every ``sweep_seconds``, sweep and send tasks for re-queued shards."""
-    stop = stop or threading.Event()
+def run_beat(settings: Settings) -> None:
+    """The sweeper as Celery beat: the scheduler sends a ``sweep`` task every ``sweep_seconds``
+    to the sweep queue, and this process's solo worker, consuming only that queue, runs it."""
     jobs = open_jobs(settings)
     app = make_celery(settings)
+    beat.register(app, jobs)
+    beat.schedule(app, settings)
+    # a sweep's own log says what it did; Celery's lines for each send, receipt and success
+    # would repeat every few seconds
+    for name in ("celery.beat", "celery.worker.strategy", "celery.app.trace"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    scheduler = beat.start_scheduler(app)
     try:
-        while True:
-            try:
-                report = sweep(jobs)
-                send_shards(app, settings.celery_queue, report.requeued)
-            except (OperationalError, BrokerError, StorageError, OSError):
-                log.warning("sweep failed; the next one retries", exc_info=True)
-            if stop.wait(settings.sweep_seconds):
-                return
+        app.worker_main([
+            "worker", "--pool=solo", "--concurrency=1", "-Q", settings.sweep_queue,
+            "-n", f"batchapi-beat-{os.getpid()}@%h", "--without-gossip", "--without-mingle",
+            "--loglevel=INFO",
+        ])
     finally:
+        scheduler.stop()
         jobs.close()

@@ -1,4 +1,4 @@
-"""The API process (with a broker) and the beat send tasks by name: they never load the engine."""
+"""The API process (with a broker) and the beat never load the engine: only `batchapi worker` does."""
 
 import subprocess
 import sys
@@ -6,7 +6,8 @@ import sys
 
 def test_dispatcher_and_sweeper_load_no_torch():
     code = (
-        "import sys, batchapi.workers.celery_app, batchapi.workers.processes, batchapi.workers.sweeper; "
+        "import sys, batchapi.workers.celery_app, batchapi.workers.processes, batchapi.workers.beat, "
+        "batchapi.workers.sweeper; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

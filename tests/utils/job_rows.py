@@ -1,0 +1,42 @@
+"""Job rows written straight into the database, for tests of what runs after the API:
+a project, its input file row and a batch of one-request shards (no input object in storage)."""
+
+from __future__ import annotations
+
+import uuid
+from decimal import Decimal
+
+from batchapi.jobs.context import Jobs
+from batchapi.jobs.db import session_scope
+from batchapi.jobs.ids import now
+from batchapi.jobs.models import Batch, File, Project, Shard
+
+
+def make_batch(jobs: Jobs, shards: int, status: str = "in_progress", expires_in: int = 3600) -> tuple[str, list[str]]:
+    t, tag = now(), uuid.uuid4().hex[:12]
+    with session_scope(jobs.sessions) as session:
+        project = Project(id=f"proj_{tag}", name=f"p-{tag}", created_at=t)
+        session.add(project)
+        session.flush()  # no ORM relationships: rows go in foreign-key order by hand
+        file = File(id=f"file-{project.id}", project_id=project.id, filename="in.jsonl", purpose="batch", bytes=0,
+                    storage_key="files/none", created_at=t)
+        batch = Batch(
+            id=f"batch_{project.id}", project_id=project.id, endpoint="/v1/chat/completions", input_file_id=file.id,
+            completion_window="24h", status=status, created_at=t, expires_at=t + expires_in, request_total=shards,
+            price_input=Decimal(1), price_cached_input=Decimal(1), price_output=Decimal(1),
+            discount_percent=Decimal(50),
+        )
+        session.add_all([file, batch])
+        session.flush()
+        ids = [f"{batch.id}_{i:05d}" for i in range(shards)]
+        session.add_all(
+            Shard(id=sid, batch_id=batch.id, index=i, first_line=i + 1, last_line=i + 1, start_byte=0, end_byte=0,
+                  request_count=1, prompt_token_counts=[1], created_at=t)
+            for i, sid in enumerate(ids)
+        )
+    return batch.id, ids
+
+
+def shard(jobs: Jobs, shard_id: str) -> Shard:
+    with jobs.sessions() as session:
+        return session.get(Shard, shard_id)
