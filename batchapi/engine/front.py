@@ -59,6 +59,10 @@ class EngineFront:
             self._aborts.append(request_id)
             self._wake.notify()
 
+    def is_alive(self) -> bool:
+        """Whether the engine thread is running (a worker stops claiming work when it is not)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def num_waiting(self) -> int:
         return self.engine.num_waiting() + len(self._inbox)
 
@@ -103,13 +107,24 @@ class EngineFront:
                 inbox, self._inbox = self._inbox, []
                 aborts, self._aborts = self._aborts, []
             for request, _, _ in inbox:
-                engine.add_request(request)
+                self._add(request)
             for request_id in aborts:
                 result = engine.abort(request_id)
                 if result is not None:
                     self._deliver(result)
             if engine.has_unfinished():
                 self._step()
+
+    def _add(self, request: GenerationRequest) -> None:
+        # a malformed request (wrong types, a duplicate id) fails its own future, never the thread
+        known = request.request_id in self.engine.requests
+        try:
+            self.engine.add_request(request)
+        except (AssertionError, TypeError, ValueError) as exc:
+            log.warning("request %s refused: %s", request.request_id, exc)
+            if not known:
+                self.engine.requests.pop(request.request_id, None)
+            self._fail(request.request_id, exc)
 
     def _step(self) -> None:
         try:

@@ -60,3 +60,13 @@ def test_abort_resolves_the_future_with_an_error(front):
     result = blocker.result(timeout=60)
     assert result.error == "aborted" and result.outputs[0].finish_reason == "error"
     assert front.submit(request("after")).result(timeout=60).error is None
+
+
+def test_a_malformed_request_fails_alone_and_the_engine_keeps_serving(front):
+    broken = GenerationRequest("broken", None, SamplingParams(max_tokens=4, temperature=0.0))
+    failed = front.submit(broken)
+    with pytest.raises(TypeError):
+        failed.result(timeout=60)
+    assert front.is_alive()
+    after = front.submit(request("after-broken", max_tokens=3)).result(timeout=60)
+    assert after.completion_tokens == 3 and after.error is None
