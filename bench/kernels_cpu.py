@@ -1,7 +1,7 @@
 """CPU micro-benchmark of decode-attention twin variants (SmolLM2-135M shapes by default).
 
 Prints ms per call for each variant and its ratio to the first (the plain gather + einsum).
-Usage: .venv/bin/python bench/kernels_cpu.py [--batch 96] [--ctx 300] [--dtype bf16] [--only a,b]
+Usage: .venv/bin/python bench/kernels_cpu.py [--batch 96] [--ctx 300] [--spread 50] [--dtype bf16] [--only a,b]
         [--no-mallopt]  (by default glibc keeps freed buffers mapped, as the engine sets it on CPU)
 
 Seen 2026-11-29 on this project's 2-core machine, shared with four other sessions (so noisy;
@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 
 
-def make_inputs(batch, ctx, hq, hkv, d, block_size, dtype, seed=0):
+def make_inputs(batch, ctx, hq, hkv, d, block_size, dtype, seed=0, spread=50):
     g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(ctx - 50, ctx + 50, (batch,), generator=g).int()
+    lens = torch.randint(ctx - spread, ctx + spread, (batch,), generator=g).int()
     max_blocks = int((lens.max() + block_size - 1) // block_size)
     num_blocks = batch * max_blocks + 7
     perm = torch.randperm(num_blocks, generator=g)[: batch * max_blocks].view(batch, max_blocks).int()
@@ -249,6 +249,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=96)
     ap.add_argument("--ctx", type=int, default=300)
+    ap.add_argument("--spread", type=int, default=50, help="contexts uniform in ctx +- spread")
     ap.add_argument("--hq", type=int, default=9)
     ap.add_argument("--hkv", type=int, default=3)
     ap.add_argument("--dim", type=int, default=64)
@@ -262,10 +263,10 @@ def main():
 
         keep_freed_memory()
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
-    q, kc, vc, tables, lens = make_inputs(a.batch, a.ctx, a.hq, a.hkv, a.dim, 16, dtype)
+    q, kc, vc, tables, lens = make_inputs(a.batch, a.ctx, a.hq, a.hkv, a.dim, 16, dtype, spread=a.spread)
     args = (q, kc, vc, tables, lens, a.dim**-0.5)
     ref = v_float(*args).float()
-    print(f"decode B={a.batch} ctx~{a.ctx} Hq={a.hq} Hkv={a.hkv} D={a.dim} {a.dtype} threads={torch.get_num_threads()}")
+    print(f"decode B={a.batch} ctx {a.ctx}+-{a.spread} Hq={a.hq} Hkv={a.hkv} D={a.dim} {a.dtype} threads={torch.get_num_threads()}")
     fns, errs = [], {}
     for fn in VARIANTS:
         if a.only and fn.__name__ not in a.only.split(","):

@@ -1,8 +1,9 @@
 """Pure-torch paged attention: the CPU path of the engine and the oracle of the Triton kernel.
 
-Decode sequences (one query token) go through one batched SDPA over their block tables gathered
-at once, padded to the longest context and masked; longer query runs (prefill, chunked prefill,
-prefill on a cached prefix) go through one SDPA each with a bottom-right causal mask.
+Decode sequences (one query token) go through batched SDPAs over their block tables gathered at
+once, one per bucket of similar context lengths, padded to the bucket's longest context and
+masked; longer query runs (prefill, chunked prefill, prefill on a cached prefix) go through one
+SDPA each with a bottom-right causal mask.
 Masked slots are read and weighted by zero, so the unwritten tail slots of a sequence's last
 block must hold finite numbers: allocate the caches zeroed (torch.zeros), not with torch.empty.
 On a small CPU the gather's memory traffic costs as much as the matmuls: bench/kernels_cpu.py
@@ -24,11 +25,15 @@ def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor, num_tokens: int) -
     return kv[:, :num_tokens].transpose(1, 2)
 
 
-def _decode(q, k_cache, v_cache, tables, context_lens, scale):
+# a decode bucket costs about this many padded key slots (one sequence, one position) in fixed
+# overhead on CPU: split a bucket where the slots saved outnumber it
+BUCKET_COST_SLOTS = 1024
+
+
+def _decode_padded(q, k_cache, v_cache, tables, context_lens, max_len, scale):
     # q [B, Hq, D]; one query token per sequence, at the last position of its context
     num_seqs, hq, d = q.shape
     bs = k_cache.shape[1]
-    max_len = int(context_lens.max())
     tables = tables[:, : (max_len + bs - 1) // bs]
     k = _gather_blocks(k_cache, tables, max_len)  # [B, Hkv, L, D]
     v = _gather_blocks(v_cache, tables, max_len)
@@ -36,6 +41,35 @@ def _decode(q, k_cache, v_cache, tables, context_lens, scale):
     valid = (pos[None, :] < context_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
     out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=valid, scale=scale, enable_gqa=True)
     return out.view(num_seqs, hq, d)  # [B, Hq, D]
+
+
+def _bucket_bounds(sorted_lens: list[int]) -> list[int]:
+    """Start indices (and the end) of buckets of descending context lengths; every bucket is padded
+    to its first (longest) member, and a new one starts where that saves more than it costs."""
+    bounds = [0]
+    for rank, n in enumerate(sorted_lens[1:], start=1):
+        saved = (sorted_lens[bounds[-1]] - n) * (len(sorted_lens) - rank)  # if it and all after split off
+        if saved > BUCKET_COST_SLOTS:
+            bounds.append(rank)
+    return bounds + [len(sorted_lens)]
+
+
+def _decode(q, k_cache, v_cache, tables, context_lens, scale):
+    # padding every sequence to the step's longest context would gather and attend over up to
+    # 10x the keys when contexts differ; buckets of similar length keep the waste bounded
+    lens = context_lens.tolist()
+    order = sorted(range(len(lens)), key=lens.__getitem__, reverse=True)
+    sorted_lens = [lens[i] for i in order]
+    bounds = _bucket_bounds(sorted_lens)
+    if len(bounds) == 2:
+        return _decode_padded(q, k_cache, v_cache, tables, context_lens, sorted_lens[0], scale)
+    perm = torch.tensor(order, device=q.device)
+    q, tables, context_lens = q[perm], tables[perm], context_lens[perm]  # longest context first
+    parts = [_decode_padded(q[a:b], k_cache, v_cache, tables[a:b], context_lens[a:b], sorted_lens[a], scale)
+             for a, b in zip(bounds[:-1], bounds[1:])]
+    out = torch.empty_like(q)  # [B, Hq, D]
+    out[perm] = torch.cat(parts)
+    return out
 
 
 def _prefill_one(q, k_cache, v_cache, table, context_len, scale):

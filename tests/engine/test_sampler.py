@@ -9,6 +9,7 @@ from batchapi.engine.sampler import (
     SampleRow,
     _apply_penalties,
     _keep_thresholds,
+    first_argmax,
     seeded_uniform,
 )
 from batchapi.engine.sampling_params import SamplingParams
@@ -39,6 +40,16 @@ def test_greedy_is_argmax(dtype):
     logits = torch.randn(64, VOCAB, generator=torch.Generator().manual_seed(0)).to(dtype)
     out = tokens(Sampler(seed=0), logits, rows_of(SamplingParams(temperature=0), 64))
     assert out == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_first_argmax_is_argmax_with_ties_nan_and_inf(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(-3, 3, (16, 4096), generator=g).to(dtype)  # many ties across chunks
+    x[3, 2000] = x[3, 100] = float("nan")
+    x[5] = float("-inf")
+    x[6, 4095] = 10
+    assert first_argmax(x).tolist() == x.argmax(-1).tolist()
 
 
 def test_greedy_rows_stay_argmax_in_a_mixed_batch():

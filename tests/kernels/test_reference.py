@@ -44,6 +44,17 @@ def test_paged_attention_twin_all_decode_and_huge_block_ids():
     torch.testing.assert_close(out, dense_attention(case), atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_twin_decode_in_length_buckets(dtype):
+    # contexts 1..600 split into several buckets, each padded to its own longest context
+    rng = random.Random(7)
+    ctx_lens = [rng.randint(1, 600) for _ in range(40)]
+    assert len(attention_ref._bucket_bounds(sorted(ctx_lens, reverse=True))) > 3
+    case = make_case([1] * len(ctx_lens), ctx_lens, 6, 2, 64, dtype=dtype, seed=7)
+    out = attention_ref.paged_attention(*case.args(), case.scale)
+    torch.testing.assert_close(out, dense_attention(case), atol=TOL[dtype], rtol=TOL[dtype])
+
+
 def test_store_kvcache_skips_negative_slots():
     k_cache = torch.zeros(4, 4, 2, 8)
     v_cache = torch.zeros(4, 4, 2, 8)
