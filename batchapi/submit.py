@@ -47,7 +47,8 @@ def submit(
     batch = client.batches.create(
         input_file_id=uploaded.id, endpoint=endpoint or _first_url(path), completion_window="24h"
     )
-    console.print(f"uploaded {uploaded.id} ({uploaded.bytes} bytes); batch [bold]{batch.id}[/bold]")
+    console.print(f"uploaded {uploaded.id} ({uploaded.bytes} bytes); batch [bold]{batch.id}[/bold]",
+                  soft_wrap=True)
     if not wait:
         return 0
     batch = _follow(client, batch.id, console)
@@ -85,9 +86,11 @@ def _report(client, batch, show: int, console: Console) -> None:
             console.print(f"  line {err.line}: {err.code}: {err.message}")
     if batch.output_file_id:
         lines = client.files.content(batch.output_file_id).text.splitlines()
-        for raw in lines[:show]:
+        # spread over the file, so a mixed batch shows each kind of request
+        for raw in lines[:: max(1, len(lines) // max(show, 1))][:show]:
             record = json.loads(raw)
-            console.print(f"  [cyan]{record['custom_id']}[/cyan]: {_answer(record['response']['body'])!r}")
+            console.print(f"  [cyan]{record['custom_id']}[/cyan]: {_answer(record['response']['body'])!r}",
+                          soft_wrap=True)
     usage = getattr(batch, "usage", None)
     if usage:
         console.print(f"usage: {usage.input_tokens} input ({usage.input_tokens_details.cached_tokens} cached), "
