@@ -125,21 +125,21 @@ def _hf_batches(model, tokenizer, prompts, max_tokens: int, batch: int, eos: set
 # ---- roofline ----
 
 def matmul_roofline(engine: LLMEngine, tokens_per_step: int, repeats: int = 5) -> float:
-    """Tokens/s if a step of ``tokens_per_step`` tokens ran only the model's matmuls."""
+    """Tokens/s if a step of ``tokens_per_step`` tokens ran only the model's matmuls, called
+    through the model's own linear layers (on CPU in bf16: with their weights packed for oneDNN)."""
     model = engine.runner.model
-    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    x = torch.randn(tokens_per_step, model.cfg.hidden_size, dtype=engine.runner.dtype)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    weights = [m.weight for m in linears]
     inputs = [torch.randn(tokens_per_step, w.shape[1], dtype=w.dtype) for w in weights]
     with torch.inference_mode():
-        for a, w in zip(inputs, weights, strict=True):
-            torch.nn.functional.linear(a, w)
+        for a, m in zip(inputs, linears, strict=True):
+            m(a)
         best = float("inf")
         for _ in range(repeats):
             with Clock() as clock:
-                for a, w in zip(inputs, weights, strict=True):
-                    torch.nn.functional.linear(a, w)
+                for a, m in zip(inputs, linears, strict=True):
+                    m(a)
             best = min(best, clock.cpu)
-    del x
     flops = sum(2 * w.numel() for w in weights) * tokens_per_step
     print(f"  matmul FLOP/s at {tokens_per_step} tokens a step: {flops / best / 1e9:.0f} GFLOP/s "
           f"({sum(w.numel() for w in weights) / 1e6:.1f}M matmul parameters)")

@@ -10,6 +10,7 @@ import torch
 from batchapi.engine.config import EngineConfig
 from batchapi.engine.loader import ModelConfig, load_config, load_weights
 from batchapi.engine.model import AttentionMetadata, CausalLM
+from batchapi.engine.packed_linear import pack_linears
 from batchapi.engine.sampler import Sampler, SampleRow
 from batchapi.engine.scheduler import ScheduledBatch
 from batchapi.engine.sequence import Sequence
@@ -70,7 +71,11 @@ class ModelRunner:
         max_pos = self.config.max_model_len or cfg.max_position_embeddings
         model.cos_sin = self.ops.build_rope_cache(cfg.head_dim, max_pos, cfg.rope_theta, cfg.rope_scaling,
                                                   self.device, self.dtype)  # [max_pos, D]
-        return model.eval().requires_grad_(False)
+        model = model.eval().requires_grad_(False)
+        if self.device.type == "cpu":
+            packed = pack_linears(model, batch_hint=self.config.max_num_seqs)
+            log.info("packed %d linear layers for oneDNN", packed)
+        return model
 
     def _kv_bytes_per_block(self) -> int:
         cfg = self.model_config
