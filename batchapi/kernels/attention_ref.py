@@ -10,16 +10,23 @@ On a small CPU the gather's memory traffic costs as much as the matmuls: bench/k
 measures the variants this file chose between.
 """
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 
-def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor, num_tokens: int) -> torch.Tensor:
+def _gather_index(tables: torch.Tensor) -> torch.Tensor:
+    # padding (-1) reads the sequence's own first block, never another's, which may hold NaN garbage
+    return torch.where(tables >= 0, tables, tables[:, :1]).reshape(-1).long()  # [B * nb]
+
+
+def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor, num_tokens: int,
+                   flat: torch.Tensor | None = None) -> torch.Tensor:
     # cache [num_blocks, bs, Hkv, D], tables [B, nb] -> [B, Hkv, num_tokens, D] (a strided view)
     num_seqs, num_tables = tables.shape
     bs, hkv, d = cache.shape[1:]
-    # padding (-1) reads the sequence's own first block, never another's, which may hold NaN garbage
-    flat = torch.where(tables >= 0, tables, tables[:, :1]).reshape(-1).long()
+    flat = _gather_index(tables) if flat is None else flat
     # index_select on a 2-D view copies whole rows; on the 4-D cache it is ~5x slower on CPU
     kv = cache.view(cache.shape[0], -1).index_select(0, flat).view(num_seqs, num_tables * bs, hkv, d)
     return kv[:, :num_tokens].transpose(1, 2)
@@ -28,19 +35,6 @@ def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor, num_tokens: int) -
 # a decode bucket costs about this many padded key slots (one sequence, one position) in fixed
 # overhead on CPU: split a bucket where the slots saved outnumber it
 BUCKET_COST_SLOTS = 1024
-
-
-def _decode_padded(q, k_cache, v_cache, tables, context_lens, max_len, scale):
-    # q [B, Hq, D]; one query token per sequence, at the last position of its context
-    num_seqs, hq, d = q.shape
-    bs = k_cache.shape[1]
-    tables = tables[:, : (max_len + bs - 1) // bs]
-    k = _gather_blocks(k_cache, tables, max_len)  # [B, Hkv, L, D]
-    v = _gather_blocks(v_cache, tables, max_len)
-    pos = torch.arange(max_len, device=q.device)
-    valid = (pos[None, :] < context_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
-    out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=valid, scale=scale, enable_gqa=True)
-    return out.view(num_seqs, hq, d)  # [B, Hq, D]
 
 
 def _bucket_bounds(sorted_lens: list[int]) -> list[int]:
@@ -54,22 +48,76 @@ def _bucket_bounds(sorted_lens: list[int]) -> list[int]:
     return bounds + [len(sorted_lens)]
 
 
-def _decode(q, k_cache, v_cache, tables, context_lens, scale):
+@dataclass
+class _Bucket:
+    rows: slice  # of the plan's decode tokens
+    tables: torch.Tensor  # [b, nb] int32, trimmed to the bucket's longest context
+    flat: torch.Tensor  # [b * nb] int64, blocks to gather
+    max_len: int
+    bias: torch.Tensor  # [b, 1, 1, L] 0 / -inf in q's dtype: what SDPA makes of a bool mask
+
+
+@dataclass
+class _Plan:
+    """What every layer of a step derives alike from the step's metadata tensors."""
+
+    key: tuple  # the metadata tensors themselves (held, so their ids stay theirs) and q's dtype
+    num_tokens: int
+    decode_tokens: torch.Tensor | None  # [Bd] token of each decode sequence, longest context first
+    buckets: list[_Bucket]
+    prefills: list[tuple[int, int, int, int]]  # (sequence, first token, tokens, context length)
+
+
+_last_plan: _Plan | None = None
+
+
+def _make_plan(key, q_dtype, block_tables, cu_seqlens_q, context_lens, block_size) -> _Plan:
+    starts, ctx = cu_seqlens_q.tolist(), context_lens.tolist()
+    q_lens = [e - s for s, e in zip(starts[:-1], starts[1:], strict=True)]
+    decode = sorted((b for b, n in enumerate(q_lens) if n == 1), key=ctx.__getitem__, reverse=True)
+    prefills = [(b, starts[b], n, ctx[b]) for b, n in enumerate(q_lens) if n > 1]
+    device = block_tables.device
+    buckets, tokens = [], None
+    if decode:
+        tokens = torch.tensor([starts[b] for b in decode], device=device)
+        rows = torch.tensor(decode, device=device)
+        tables, lens = block_tables[rows], context_lens[rows]  # longest context first
+        sorted_lens = [ctx[b] for b in decode]
+        bounds = _bucket_bounds(sorted_lens)
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            max_len = sorted_lens[a]
+            t = tables[a:b, : (max_len + block_size - 1) // block_size]
+            valid = torch.arange(max_len, device=device)[None, :] < lens[a:b, None]  # [b, L]
+            bias = torch.zeros(valid.shape, dtype=q_dtype, device=device).masked_fill_(~valid, float("-inf"))
+            buckets.append(_Bucket(slice(a, b), t, _gather_index(t), max_len, bias[:, None, None, :]))
+    return _Plan(key, starts[-1], tokens, buckets, prefills)
+
+
+def _plan(q, block_tables, cu_seqlens_q, context_lens, block_size) -> _Plan:
+    # the layers of a step pass the same metadata tensors: plan once, on the first layer
+    global _last_plan
+    plan = _last_plan
+    key = (block_tables, cu_seqlens_q, context_lens, q.dtype, block_size)
+    if plan is None or len(plan.key) != len(key) or any(a is not b for a, b in zip(plan.key, key)):
+        plan = _last_plan = _make_plan(key, q.dtype, block_tables, cu_seqlens_q, context_lens, block_size)
+    return plan
+
+
+def _decode_bucket(q, k_cache, v_cache, bucket: _Bucket, scale):
+    # q [b, Hq, D]; one query token per sequence, at the last position of its context
+    k = _gather_blocks(k_cache, bucket.tables, bucket.max_len, bucket.flat)  # [b, Hkv, L, D]
+    v = _gather_blocks(v_cache, bucket.tables, bucket.max_len, bucket.flat)
+    out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=bucket.bias, scale=scale,
+                                         enable_gqa=True)
+    return out.view(q.shape)  # [b, Hq, D]
+
+
+def _decode(q, k_cache, v_cache, plan: _Plan, scale):
     # padding every sequence to the step's longest context would gather and attend over up to
     # 10x the keys when contexts differ; buckets of similar length keep the waste bounded
-    lens = context_lens.tolist()
-    order = sorted(range(len(lens)), key=lens.__getitem__, reverse=True)
-    sorted_lens = [lens[i] for i in order]
-    bounds = _bucket_bounds(sorted_lens)
-    if len(bounds) == 2:
-        return _decode_padded(q, k_cache, v_cache, tables, context_lens, sorted_lens[0], scale)
-    perm = torch.tensor(order, device=q.device)
-    q, tables, context_lens = q[perm], tables[perm], context_lens[perm]  # longest context first
-    parts = [_decode_padded(q[a:b], k_cache, v_cache, tables[a:b], context_lens[a:b], sorted_lens[a], scale)
-             for a, b in zip(bounds[:-1], bounds[1:])]
-    out = torch.empty_like(q)  # [B, Hq, D]
-    out[perm] = torch.cat(parts)
-    return out
+    qd = q.index_select(0, plan.decode_tokens)  # [Bd, Hq, D], longest context first
+    parts = [_decode_bucket(qd[b.rows], k_cache, v_cache, b, scale) for b in plan.buckets]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _prefill_one(q, k_cache, v_cache, table, context_len, scale):
@@ -100,23 +148,18 @@ def paged_attention(
     **hints,
 ) -> torch.Tensor:
     """See docs/CONTRACTS.md. hints (max_seqlen_q, max_context_len, num_splits) are the Triton
-    launcher's and are accepted here so that the engine calls both alike."""
+    launcher's and are accepted here so that the engine calls both alike.
+
+    The metadata tensors must not be changed in place between calls: what is derived from them
+    is kept for the next call that passes the same tensor objects (the next layer of the step)."""
     assert q.shape[1] % k_cache.shape[2] == 0, f"Hq={q.shape[1]} not a multiple of Hkv={k_cache.shape[2]}"
-    starts = cu_seqlens_q.tolist()
-    q_lens = [e - s for s, e in zip(starts[:-1], starts[1:], strict=True)]
     out = torch.empty_like(q)  # [T, Hq, D]
-    if not q_lens or q.shape[0] == 0:
+    if q.shape[0] == 0 or cu_seqlens_q.shape[0] < 2:
         return out
-    decode = [b for b, n in enumerate(q_lens) if n == 1]
-    if len(decode) == len(q_lens):
-        return _decode(q, k_cache, v_cache, block_tables, context_lens, scale)
-    if decode:
-        rows = torch.tensor(decode, device=q.device)
-        tokens = torch.tensor([starts[b] for b in decode], device=q.device)
-        out[tokens] = _decode(q[tokens], k_cache, v_cache, block_tables[rows], context_lens[rows], scale)
-    ctx = context_lens.tolist()
-    for b, n in enumerate(q_lens):
-        if n > 1:
-            s = starts[b]
-            out[s : s + n] = _prefill_one(q[s : s + n], k_cache, v_cache, block_tables[b], ctx[b], scale)
+    plan = _plan(q, block_tables, cu_seqlens_q, context_lens, k_cache.shape[1])
+    assert plan.num_tokens == q.shape[0], f"cu_seqlens_q ends at {plan.num_tokens}, q has {q.shape[0]} tokens"
+    if plan.buckets:
+        out[plan.decode_tokens] = _decode(q, k_cache, v_cache, plan, scale)
+    for b, s, n, ctx in plan.prefills:
+        out[s : s + n] = _prefill_one(q[s : s + n], k_cache, v_cache, block_tables[b], ctx, scale)
     return out
