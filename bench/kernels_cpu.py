@@ -12,6 +12,9 @@ v_library / v_gqa_bool 3-5x, v_sdpa 1.5-2.3x, zeroing masked slots (v_gqa_bool_c
 chunking the batch (v_chunk*) lose their gain, one SDPA per sequence (v_loop) 0.3-0.6x.
 Later, best of 25 at lower load: v_einsum 11.8, v_gqa_bool 5.1, v_gqa_bool_2d 4.9, v_library 4.9
 (the 2-D-view gather of v_gqa_bool_2d is what v_library now does).
+With contexts 60..600 (--ctx 330 --spread 270), best of 10 under load: v_gqa_bool 15.0-15.8,
+v_library 10.8-12.3 (it now runs one SDPA per bucket of similar context lengths, x1.2-1.5); at
+the default +-50 spread the two are within noise.
 """
 
 import argparse
