@@ -84,7 +84,7 @@ def _make_plan(key, q_dtype, block_tables, cu_seqlens_q, context_lens, block_siz
         tables, lens = block_tables[rows], context_lens[rows]  # longest context first
         sorted_lens = [ctx[b] for b in decode]
         bounds = _bucket_bounds(sorted_lens)
-        for a, b in zip(bounds[:-1], bounds[1:]):
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
             max_len = sorted_lens[a]
             t = tables[a:b, : (max_len + block_size - 1) // block_size]
             valid = torch.arange(max_len, device=device)[None, :] < lens[a:b, None]  # [b, L]
@@ -98,7 +98,7 @@ def _plan(q, block_tables, cu_seqlens_q, context_lens, block_size) -> _Plan:
     global _last_plan
     plan = _last_plan
     key = (block_tables, cu_seqlens_q, context_lens, q.dtype, block_size)
-    if plan is None or len(plan.key) != len(key) or any(a is not b for a, b in zip(plan.key, key)):
+    if plan is None or len(plan.key) != len(key) or any(a is not b for a, b in zip(plan.key, key, strict=True)):
         plan = _last_plan = _make_plan(key, q.dtype, block_tables, cu_seqlens_q, context_lens, block_size)
     return plan
 
