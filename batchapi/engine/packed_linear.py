@@ -30,8 +30,16 @@ class PackedLinear(nn.Linear):
 
 def can_pack(module: nn.Module) -> bool:
     return (type(module) is nn.Linear and module.weight.device.type == "cpu"
-            and module.weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+            and module.weight.dtype == torch.bfloat16 and _packing_available())
+
+
+def _packing_available() -> bool:
+    # private oneDNN ops: a torch build without them keeps plain nn.Linear
+    ops = torch.ops.mkldnn
+    return (torch.backends.mkldnn.is_available()
+            and all(hasattr(ops, name) for name in ("_reorder_linear_weight", "_linear_pointwise",
+                                                    "_is_mkldnn_bf16_supported"))
+            and ops._is_mkldnn_bf16_supported())
 
 
 def pack_linears(model: nn.Module, batch_hint: int) -> int:
