@@ -26,7 +26,16 @@ class FileObject(BaseModel):
         return cls(id=row.id, bytes=row.bytes, created_at=row.created_at, filename=row.filename, purpose=row.purpose)
 
 
-class FileList(BaseModel):
+class _Page:
+    """``of`` for the cursor-paged lists: ``first_id`` and ``last_id`` come from ``data``."""
+
+    @classmethod
+    def of(cls, data: list, has_more: bool):
+        return cls(data=data, first_id=data[0].id if data else None,
+                   last_id=data[-1].id if data else None, has_more=has_more)
+
+
+class FileList(_Page, BaseModel):
     object: Literal["list"] = "list"
     data: list[FileObject]
     first_id: str | None
@@ -105,7 +114,7 @@ class BatchObject(BaseModel):
         )
 
 
-class BatchList(BaseModel):
+class BatchList(_Page, BaseModel):
     object: Literal["list"] = "list"
     data: list[BatchObject]
     first_id: str | None

@@ -20,7 +20,7 @@ from batchapi.jobs.files import get_file_row
 from batchapi.jobs.ids import batch_id as new_batch_id
 from batchapi.jobs.ids import now
 from batchapi.jobs.models import Batch, Shard
-from batchapi.jobs.paging import after_cursor
+from batchapi.jobs.paging import page
 from batchapi.jobs.pricing import price_for
 from batchapi.jobs.request_body import ENDPOINTS
 from batchapi.jobs.served_model import served_model_id
@@ -134,13 +134,9 @@ def get_batch(jobs: Jobs, project_id: str, bid: str) -> Batch:
 def list_batches(jobs: Jobs, project_id: str, limit: int, after: str | None) -> tuple[list[Batch], bool]:
     """Newest first; up to ``limit`` batches after the cursor ``after``, and whether more follow."""
     with jobs.sessions() as session:
+        cursor = get_batch_row(session, project_id, after) if after else None
         query = select(Batch).where(Batch.project_id == project_id)
-        if after:
-            cursor = get_batch_row(session, project_id, after)
-            query = query.where(after_cursor(Batch, cursor.created_at, cursor.id, newest_first=True))
-        query = query.order_by(Batch.created_at.desc(), Batch.id.desc()).limit(limit + 1)
-        rows = list(session.scalars(query))
-    return rows[:limit], len(rows) > limit
+        return page(session, query, Batch, cursor, limit, newest_first=True)
 
 
 def cancel_batch(jobs: Jobs, project_id: str, bid: str) -> Batch:

@@ -13,7 +13,7 @@ from batchapi.jobs.db import session_scope
 from batchapi.jobs.errors import InvalidRequest, NotFound
 from batchapi.jobs.ids import file_id, now
 from batchapi.jobs.models import Batch, File
-from batchapi.jobs.paging import after_cursor
+from batchapi.jobs.paging import page
 from batchapi.jobs.states import ACTIVE
 from batchapi.jobs.storage import file_key
 
@@ -83,17 +83,12 @@ def list_files(
     jobs: Jobs, project_id: str, limit: int, after: str | None, order: str, purpose: str | None
 ) -> tuple[list[File], bool]:
     """Up to ``limit`` files after the cursor ``after`` (a file id), and whether more follow."""
-    newest_first = order == "desc"
     with jobs.sessions() as session:
+        cursor = get_file_row(session, project_id, after) if after else None
         query = select(File).where(File.project_id == project_id, File.deleted_at.is_(None))
         if purpose:
             query = query.where(File.purpose == purpose)
-        if after:
-            cursor = get_file_row(session, project_id, after)
-            query = query.where(after_cursor(File, cursor.created_at, cursor.id, newest_first))
-        keys = (File.created_at.desc(), File.id.desc()) if newest_first else (File.created_at, File.id)
-        rows = list(session.scalars(query.order_by(*keys).limit(limit + 1)))
-    return rows[:limit], len(rows) > limit
+        return page(session, query, File, cursor, limit, newest_first=order == "desc")
 
 
 def open_content(jobs: Jobs, project_id: str, fid: str) -> tuple[File, Iterator[bytes]]:

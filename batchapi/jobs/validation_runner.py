@@ -30,12 +30,16 @@ from batchapi.jobs.validation import Limits, LineError, Scanner, ScanResult
 log = logging.getLogger(__name__)
 
 
+def _lease_expired(t: int):
+    return or_(Batch.validation_lease_expires_at.is_(None), Batch.validation_lease_expires_at < t)
+
+
 def claim(jobs: Jobs, batch_id: str, *, stale_only: bool) -> bool:
     """Take the validation lease of ``batch_id``; with ``stale_only``, only an expired one."""
     t = now()
     query = update(Batch).where(Batch.id == batch_id, Batch.status == states.VALIDATING)
     if stale_only:
-        query = query.where(or_(Batch.validation_lease_expires_at.is_(None), Batch.validation_lease_expires_at < t))
+        query = query.where(_lease_expired(t))
     with session_scope(jobs.sessions) as session:
         result = session.execute(query.values(validation_lease_expires_at=t + jobs.settings.validation_lease_seconds))
         return result.rowcount == 1
@@ -139,7 +143,7 @@ def resume_stale(jobs: Jobs) -> list[str]:
     """Validate every batch whose validator died; settle cancels that came during validation."""
     t = now()
     with jobs.sessions() as session:
-        stale = or_(Batch.validation_lease_expires_at.is_(None), Batch.validation_lease_expires_at < t)
+        stale = _lease_expired(t)
         validating = list(session.scalars(select(Batch.id).where(Batch.status == states.VALIDATING, stale)))
         cancelling = list(
             session.scalars(

@@ -30,9 +30,7 @@ def list_batches(
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> BatchList:
     rows, has_more = batches.list_batches(jobs, project_id, limit, after)
-    data = [BatchObject.of(r) for r in rows]
-    return BatchList(data=data, first_id=data[0].id if data else None,
-                     last_id=data[-1].id if data else None, has_more=has_more)
+    return BatchList.of([BatchObject.of(r) for r in rows], has_more)
 
 
 @router.get("/{batch_id}")

@@ -28,9 +28,7 @@ def list_files(
     purpose: str | None = None,
 ) -> FileList:
     rows, has_more = files.list_files(jobs, project_id, limit, after, order, purpose)
-    data = [FileObject.of(r) for r in rows]
-    return FileList(data=data, first_id=data[0].id if data else None,
-                    last_id=data[-1].id if data else None, has_more=has_more)
+    return FileList.of([FileObject.of(r) for r in rows], has_more)
 
 
 @router.get("/{file_id}")
