@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 from batchapi.engine.block_manager import BlockManager
 from batchapi.engine.config import EngineConfig
 from batchapi.engine.detokenizer import IncrementalDetokenizer, StopChecker
-from batchapi.engine.model_runner import ModelRunner, sample_rows
+from batchapi.engine.model_runner import ModelRunner
 from batchapi.engine.request import CompletionOutput, GenerationRequest, GenerationResult, TokenLogprob
 from batchapi.engine.scheduler import Scheduler
 from batchapi.engine.sequence import Sequence
@@ -101,8 +101,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not len(batch):
             return finished
-        samples = self.runner.execute(batch)
-        rows = sample_rows(batch)
+        rows, samples = self.runner.execute(batch)
         self.scheduler.postprocess(batch)
         for (seq, index), sample in zip(rows, samples, strict=True):
             target = seq if index == seq.sample_index else self._fork(seq, index)

@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from batchapi.kernels.rope import rope_type
+
 SUPPORTED = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -50,7 +52,7 @@ def _rope(raw: dict) -> tuple[float, dict | None]:
     theta = raw.get("rope_theta") or params.get("rope_theta") or 10000.0
     scaling = raw.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
     if scaling is not None:
-        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        kind = rope_type(scaling)
         if kind not in ("default", "llama3"):
             raise UnsupportedModelError(f"rope scaling {kind!r} is not supported (default and llama3 are)")
     return float(theta), scaling

@@ -138,15 +138,15 @@ class ModelRunner:
         return tensor(input_ids, torch.int64), tensor(positions, torch.int64), meta, tensor(logit_rows, torch.int64)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> list:
-        """Run one step; return a sample per (seq, sample index) in ``sample_rows(batch)`` order."""
+    def execute(self, batch: ScheduledBatch) -> tuple[list[tuple[Sequence, int]], list]:
+        """Run one step; return ``sample_rows(batch)`` and a sample for each of those rows."""
         input_ids, positions, meta, logit_rows = self._prepare(batch)
         logits = self.model(input_ids, positions, meta, logit_rows)  # [S, V] fp32
         rows = sample_rows(batch)
         if len(rows) != logits.shape[0]:  # n > 1: a finished prompt is sampled once per child
             repeat = torch.tensor([1 + seq.num_forks for seq, _ in _sampled(batch)], device=logits.device)
             logits = logits.repeat_interleave(repeat, dim=0)
-        return self.sampler(logits, [SampleRow(seq.params, seq.output_token_ids, index) for seq, index in rows])
+        return rows, self.sampler(logits, [SampleRow(seq.params, seq.output_token_ids, index) for seq, index in rows])
 
 
 def _sampled(batch: ScheduledBatch) -> list[tuple[Sequence, int]]:

@@ -221,13 +221,12 @@ class Scheduler:
         self.running.append(child)
 
     def postprocess(self, batch: ScheduledBatch) -> None:
-        """Advance the computed counts of a step's sequences and release finished ones."""
+        """Advance the computed counts of a step's sequences; ``release_finished`` follows the update."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             if seq.status is SequenceStatus.WAITING:
                 continue  # aborted or preempted meanwhile
             seq.num_computed_tokens += n
             self.bm.cache_full_blocks(seq)
-        self.release_finished()
 
     def release_finished(self) -> None:
         done = [s for s in self.running if s.is_finished]
