@@ -94,8 +94,7 @@ class ShardRunner:
 
     def abort_batch(self, batch_id: str, reason: str) -> int:
         """Cut the batch's shards short now (the embedded API calls this on cancel)."""
-        with self._lock:
-            works = [w for w in self._inflight.values() if w.shard.batch_id == batch_id]
+        works = [w for w in self._held() if w.shard.batch_id == batch_id]
         for work in works:
             self._close(work, reason)
         return len(works)
@@ -106,8 +105,7 @@ class ShardRunner:
         self._wake.set()
         for thread in self._threads:
             thread.join(timeout=10)
-        with self._lock:
-            works = list(self._inflight.values())
+        works = self._held()
         for work in works:
             work.close(None, lost=True)
             work.stored.set()
@@ -116,6 +114,10 @@ class ShardRunner:
             log.info("gave %d shards back to the queue", released)
         self._finisher.shutdown(wait=True)
         self.front.shutdown()
+
+    def _held(self) -> list[ShardWork]:
+        with self._lock:
+            return list(self._inflight.values())
 
     # ---- feeder ----
 
@@ -252,8 +254,7 @@ class ShardRunner:
                 log.warning("database unavailable in the monitor; retrying", exc_info=True)
 
     def _check_batches(self) -> None:
-        with self._lock:
-            works = list(self._inflight.values())
+        works = self._held()
         if not works:
             return
         with self.jobs.sessions() as session:
@@ -273,8 +274,7 @@ class ShardRunner:
                 self._close(work, "batch_expired")
 
     def _beat(self) -> None:
-        with self._lock:
-            works = list(self._inflight.values())
+        works = self._held()
         if works and self._stalled():
             log.error("the engine returned nothing for %ds; leaving %d shards' leases to run out",
                       self.settings.lease_seconds, len(works))

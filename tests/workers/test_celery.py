@@ -37,6 +37,17 @@ def model(cluster) -> str:
     return cluster.server.app.state.model.id
 
 
+def wait_completed(http, batch_id: str, lines: list[dict], timeout: float) -> tuple[dict, list[dict]]:
+    """Waits for the batch to complete with no errors, each line answered once and usage that adds up."""
+    batch = wait_done(http, batch_id, timeout=timeout)
+    assert batch["status"] == "completed", batch
+    output, errors = results(http, batch)
+    assert errors == []
+    assert_each_once(lines, output, errors)
+    assert_usage_matches(batch, output)
+    return batch, output
+
+
 def shards_of(cluster, batch_id: str) -> list[Shard]:
     with cluster.jobs.sessions() as session:
         return list(session.scalars(select(Shard).where(Shard.batch_id == batch_id).order_by(Shard.index)))
@@ -46,12 +57,7 @@ def test_happy_path_two_workers_share_one_batch(cluster, two_workers, model):
     lines = lines_for(model, 120, max_tokens=6)
     with cluster.http() as http:
         batch_id = submit(http, lines)
-        batch = wait_done(http, batch_id, timeout=180)
-        assert batch["status"] == "completed", batch
-        output, errors = results(http, batch)
-    assert errors == []
-    assert_each_once(lines, output, errors)
-    assert_usage_matches(batch, output)
+        batch, _ = wait_completed(http, batch_id, lines, timeout=180)
     assert batch["request_counts"] == {"total": 120, "completed": 120, "failed": 0}
     shards = shards_of(cluster, batch_id)
     assert len(shards) == 12 and {s.status for s in shards} == {"succeeded"}
@@ -137,12 +143,7 @@ def test_redis_restart_mid_batch(cluster, two_workers, model):
         # the shards' messages go with the broker; the database still knows the work
         cluster.redis.restart(down_seconds=1.0)
         assert get(http, batch_id)["status"] == "in_progress"
-        batch = wait_done(http, batch_id, timeout=180)
-        assert batch["status"] == "completed", batch
-        output, errors = results(http, batch)
-    assert errors == []
-    assert_each_once(lines, output, errors)
-    assert_usage_matches(batch, output)
+        wait_completed(http, batch_id, lines, timeout=180)
     for name in two_workers:
         assert cluster.workers[name].poll() is None, cluster.worker_log(name)
     # and the restarted broker carries new work
@@ -166,12 +167,7 @@ def test_kill_9_of_a_worker_mid_batch(cluster, two_workers, model):
 
         wait_for(http, batch_id, victim_busy, 120, "the victim to hold a shard")
         cluster.kill_worker(victim)
-        batch = wait_done(http, batch_id, timeout=240)
-        assert batch["status"] == "completed", batch
-        output, errors = results(http, batch)
-    assert errors == []
-    assert_each_once(lines, output, errors)
-    assert_usage_matches(batch, output)
+        wait_completed(http, batch_id, lines, timeout=240)
     shards = shards_of(cluster, batch_id)
     assert max(s.attempts for s in shards) >= 2, "no shard was run again"
     assert all(s.lease_owner.split(":")[1] != victim_pid for s in shards if s.status == "succeeded" and s.attempts > 1)

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,17 @@ def contents(client: OpenAI, file_id: str | None) -> list[dict]:
     if file_id is None:
         return []
     return [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
+
+
+@contextmanager
+def without_worker(settings, prefix: str, n: int):
+    """A service with no worker, holding one batch of n lines that has reached in_progress."""
+    upgrade(settings)
+    with live_server(settings) as server:
+        client = OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+        lines = lines_for(server.app.state.model.id, n, prefix=prefix)
+        batch = wait(client, run(client, lines).id, lambda b: b.status == "in_progress")
+        yield server, client, lines, batch
 
 
 def test_upload_to_results_with_the_openai_sdk(client, embedded):
@@ -133,11 +145,7 @@ def test_cancel_aborts_in_flight_requests(client, embedded):
 def test_a_shard_out_of_attempts_fails_and_the_batch_completes(tmp_path, tiny_llama_dir):
     """No worker here: the test plays a worker that keeps dying, and runs the sweeper itself."""
     settings = service_settings(tmp_path, tiny_llama_dir, **{**EMBEDDED, "max_shard_attempts": 2})
-    upgrade(settings)
-    with live_server(settings) as server:
-        client = OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
-        lines = lines_for(server.app.state.model.id, 10, prefix="doomed")
-        batch = wait(client, run(client, lines).id, lambda b: b.status == "in_progress")
+    with without_worker(settings, "doomed", 10) as (server, client, lines, batch):
         jobs = server.jobs
         with jobs.sessions() as session:
             shard_ids = list(session.scalars(select(Shard.id).where(Shard.batch_id == batch.id)))
@@ -164,11 +172,7 @@ def test_a_stuck_engine_lets_its_leases_run_out(tmp_path, tiny_llama_dir):
     from batchapi.workers.shard_runner import ShardRunner
 
     settings = service_settings(tmp_path, tiny_llama_dir, **{**EMBEDDED, "lease_seconds": 5})
-    upgrade(settings)
-    with live_server(settings) as server:
-        client = OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
-        lines = lines_for(server.app.state.model.id, 4, prefix="stuck")
-        batch = wait(client, run(client, lines).id, lambda b: b.status == "in_progress")
+    with without_worker(settings, "stuck", 4) as (server, _, _, batch):
         front = EngineFront(engine_config_from(settings))  # never started: nothing ever comes back
         runner = ShardRunner(server.jobs, front, Codec(front.tokenizer, "tiny"), "stuck-worker").start()
         try:
