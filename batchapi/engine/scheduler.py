@@ -55,11 +55,6 @@ class WaitingQueue:
         self.front.appendleft(seq)
         self.size += 1
 
-    def peek(self) -> Sequence:
-        if self.front:
-            return self.front[0]
-        return self.groups[next(iter(self.groups))][0]
-
     def pop(self) -> Sequence:
         self.size -= 1
         if self.front:
@@ -204,9 +199,9 @@ class Scheduler:
         batch.seqs.append(seq)
         batch.num_new_tokens.append(n)
 
-    def _has_seq_slot(self, seq: Sequence | None) -> bool:
-        extra = seq.num_forks if seq is not None else 0  # children forked later take slots too
-        return not self.running or len(self.running) + 1 + extra <= self.max_num_seqs
+    def _has_seq_slot(self, seq: Sequence) -> bool:
+        # children forked later take slots too
+        return not self.running or len(self.running) + 1 + seq.num_forks <= self.max_num_seqs
 
     def _preempt(self, seq: Sequence) -> None:
         self.bm.free_blocks(seq)
