@@ -54,35 +54,9 @@ def cmd_models_list(args: argparse.Namespace) -> int:
 # engine without a server
 
 
-def resolve_device(device: str) -> str:
-    if device != "auto":
-        return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def engine_config_from(settings: Settings, model: str | None = None):
-    """EngineConfig from settings: the one place a worker or the CLI builds it."""
-    from batchapi.engine import EngineConfig
-    from batchapi.model_store import resolve_model
-
-    path = resolve_model(model or settings.model, settings.model_cache)
-    return EngineConfig(
-        model_path=str(path),
-        device=resolve_device(settings.device),
-        dtype=settings.dtype,
-        kernels=settings.kernels,
-        max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        kv_cache_bytes=int(settings.kv_cache_gb * 2**30),
-        gpu_memory_utilization=settings.gpu_memory_utilization,
-        enable_prefix_caching=settings.enable_prefix_caching,
-    )
-
-
 def cmd_run_batch(args: argparse.Namespace) -> int:
     from batchapi.model_store import ModelNotFound
+    from batchapi.workers.engine_setup import engine_config_from
     from batchapi.workers.run_batch import run_batch
 
     settings = _settings()

@@ -141,11 +141,11 @@ def _healthy(http: httpx.Client) -> bool:
 
 
 def through_engine(args, lines: list[dict], warmup: list[dict]) -> tuple[float, float, int]:
-    from batchapi.cli import engine_config_from
     from batchapi.config import load_settings
     from batchapi.engine import EngineFront
     from batchapi.jobs.request_body import parse_body
     from batchapi.workers import openai_io
+    from batchapi.workers.engine_setup import engine_config_from
 
     settings = load_settings(model=args.model)
     with EngineFront(engine_config_from(settings)) as front:

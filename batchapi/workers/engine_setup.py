@@ -6,9 +6,13 @@ import os
 import socket
 import uuid
 
-from batchapi.engine import EngineFront
+import torch
+
+from batchapi.config import Settings
+from batchapi.engine import EngineConfig, EngineFront
 from batchapi.jobs.context import Jobs
 from batchapi.jobs.served_model import served_model_id
+from batchapi.model_store import resolve_model
 from batchapi.workers.codec import Codec
 from batchapi.workers.shard_runner import ShardRunner
 
@@ -20,8 +24,28 @@ def worker_owner() -> str:
 
 def start_runner(jobs: Jobs) -> ShardRunner:
     """Load the model, start the engine thread and the runner's threads."""
-    from batchapi.cli import engine_config_from  # the one place EngineConfig is built
-
     front = EngineFront(engine_config_from(jobs.settings)).start()
     codec = Codec(front.tokenizer, served_model_id(jobs.settings))
     return ShardRunner(jobs, front, codec, worker_owner()).start()
+
+
+def resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def engine_config_from(settings: Settings, model: str | None = None) -> EngineConfig:
+    """EngineConfig from settings: the one place a worker or the CLI builds it."""
+    path = resolve_model(model or settings.model, settings.model_cache)
+    return EngineConfig(
+        model_path=str(path),
+        device=resolve_device(settings.device),
+        dtype=settings.dtype,
+        kernels=settings.kernels,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        kv_cache_bytes=int(settings.kv_cache_gb * 2**30),
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        enable_prefix_caching=settings.enable_prefix_caching,
+    )

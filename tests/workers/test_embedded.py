@@ -166,9 +166,9 @@ def test_a_shard_out_of_attempts_fails_and_the_batch_completes(tmp_path, tiny_ll
 
 def test_a_stuck_engine_lets_its_leases_run_out(tmp_path, tiny_llama_dir):
     """An engine whose thread never runs: the runner stops renewing, the sweeper re-queues."""
-    from batchapi.cli import engine_config_from
     from batchapi.engine import EngineFront
     from batchapi.workers.codec import Codec
+    from batchapi.workers.engine_setup import engine_config_from
     from batchapi.workers.shard_runner import ShardRunner
 
     settings = service_settings(tmp_path, tiny_llama_dir, **{**EMBEDDED, "lease_seconds": 5})
