@@ -198,8 +198,8 @@ def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32, device=like.device)
 
 
-def _apply_logit_bias(x: torch.Tensor, rows: list[SampleRow], scale: torch.Tensor | None = None) -> None:
-    """Add each row's logit_bias (times its ``scale`` [B], if given) to x [B, V]."""
+def _apply_logit_bias(x: torch.Tensor, rows: list[SampleRow], scale: torch.Tensor) -> None:
+    """Add each row's logit_bias times its ``scale`` [B] to x [B, V]."""
     row_ids, token_ids, biases = [], [], []
     for i, r in enumerate(rows):
         for token, bias in r.params.logit_bias.items():
@@ -212,7 +212,7 @@ def _apply_logit_bias(x: torch.Tensor, rows: list[SampleRow], scale: torch.Tenso
     if not row_ids:
         return
     row_ids = _index(row_ids, x.device)
-    biases = _column(biases, x) if scale is None else _column(biases, x) * scale[row_ids]
+    biases = _column(biases, x) * scale[row_ids]
     x.index_put_((row_ids, _index(token_ids, x.device)), biases, accumulate=True)
 
 
