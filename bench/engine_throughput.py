@@ -151,7 +151,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=96)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--hf-batch-sizes", default="1,16,32,64,128")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="auto: what the engine picks on this machine")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--mixed-prompts", type=int, default=64)
@@ -165,10 +165,11 @@ def main() -> None:
     config = EngineConfig(model_path=model_dir, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=4096, kv_cache_bytes=2 << 30)
     engine = LLMEngine(config)
+    dtype = engine.runner.dtype  # HF runs in the same dtype
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = chat_prompts(tokenizer, args.prompts)
     greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    print(f"SmolLM2-135M-Instruct, {args.dtype}, {torch.get_num_threads()} threads, {len(prompts)} chat prompts "
+    print(f"SmolLM2-135M-Instruct, {str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads, {len(prompts)} chat prompts "
           f"({sum(map(len, prompts)) / len(prompts):.0f} tokens avg), max_tokens {args.max_tokens}, greedy")
 
     run_engine(engine, prompts[:4], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
@@ -185,7 +186,7 @@ def main() -> None:
 
     best_hf, best_batch = None, min(len(prompts), 64)
     if "hf" not in skip:
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval()
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
         tokenizer.padding_side = "left"
         eos = set(engine.eos_token_ids)
         for batch in [int(b) for b in args.hf_batch_sizes.split(",")]:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import time
 
 import torch
 
 from batchapi.engine.config import EngineConfig
 from batchapi.engine.loader import ModelConfig, load_config, load_weights
 from batchapi.engine.model import AttentionMetadata, CausalLM
-from batchapi.engine.packed_linear import pack_linears
+from batchapi.engine.packed_linear import PackedLinear, can_pack, pack_linears
 from batchapi.engine.sampler import Sampler, SampleRow
 from batchapi.engine.scheduler import ScheduledBatch
 from batchapi.engine.sequence import Sequence
@@ -35,24 +36,57 @@ def keep_freed_memory() -> None:
     libc.mallopt(m_trim_threshold, 1 << 30)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, hidden_size: int = 1024) -> torch.dtype:
     if name != "auto":
         return DTYPES[name]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16
+    return fastest_cpu_dtype(hidden_size)
+
+
+_cpu_dtype_choice: dict[int, torch.dtype] = {}
+
+
+def fastest_cpu_dtype(hidden_size: int) -> torch.dtype:
+    """bfloat16 where this CPU's bf16 matmuls beat fp32 ones, else float32 (both are exact enough).
+
+    Measured, not guessed from CPU flags: with AMX or AVX512-BF16 a packed bf16 matmul runs about
+    3x fp32, but where oneDNN has no bf16 kernel (AVX2 only) it runs about 8x slower than fp32."""
+    if hidden_size not in _cpu_dtype_choice:
+        times = {dtype: _linear_seconds(hidden_size, dtype) for dtype in (torch.float32, torch.bfloat16)}
+        _cpu_dtype_choice[hidden_size] = min(times, key=times.get)
+        log.info("dtype auto on CPU: %s (linear [64, %d] x [%d, %d]: %s)", _cpu_dtype_choice[hidden_size],
+                 hidden_size, hidden_size, 4 * hidden_size,
+                 ", ".join(f"{d}: {t * 1e3:.2f} ms" for d, t in times.items()))
+    return _cpu_dtype_choice[hidden_size]
+
+
+def _linear_seconds(hidden_size: int, dtype: torch.dtype, rows: int = 64, repeats: int = 3) -> float:
+    """Best time of the matmul a decode step is made of, the way the engine would run it."""
+    linear = torch.nn.Linear(hidden_size, 4 * hidden_size, bias=False).to(dtype).requires_grad_(False)
+    if can_pack(linear):
+        linear = PackedLinear.from_linear(linear, batch_hint=rows)
+    x = torch.randn(rows, hidden_size, dtype=dtype)
+    best = float("inf")
+    with torch.inference_mode():
+        linear(x)  # first call: oneDNN picks and caches its kernel
+        for _ in range(repeats):
+            start = time.perf_counter()
+            linear(x)
+            best = min(best, time.perf_counter() - start)
+    return best
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = torch.device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
         if self.device.type == "cpu":
             keep_freed_memory()
             if config.num_threads:
                 torch.set_num_threads(config.num_threads)
         self.model_config: ModelConfig = load_config(config.model_path)
+        self.dtype = resolve_dtype(config.dtype, self.device, self.model_config.hidden_size)
         self.ops = get_ops(config.kernels, self.device)
         self.model = self._load_model()
         self.block_size = config.block_size
