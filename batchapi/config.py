@@ -39,7 +39,7 @@ class Settings(BaseSettings):
     model_cache: Path = Path("~/.cache/batchapi")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    kernels: Literal["auto", "triton", "torch"] = "auto"
+    kernels: Literal["auto", "triton", "cpu", "torch"] = "auto"
     max_num_seqs: int = Field(default=128, ge=1)
     max_num_batched_tokens: int = Field(default=2048, ge=16)
     kv_cache_gb: float = Field(default=2.0, gt=0)  # CPU pool size

@@ -4,7 +4,8 @@
 
 Prints output tokens/s for (1) this engine with continuous batching, (2) HF `generate` with
 static batches (best of --hf-batch-sizes), (3) this engine forced to static batches of HF's
-best size; the ratios; and the fraction of the roofline: tokens/s if a step did nothing but
+best size (static batching as HF does it: a batch runs until its longest request is done, see
+run_engine); the ratios; and the fraction of the roofline: tokens/s if a step did nothing but
 the model's matmuls, measured here in the same dtype at the step's shape. Then a workload with
 output lengths 16..512 (continuous vs static) and one with a shared 1,000-token prefix
 (prefix caching on vs off). Printed, never asserted: timings are noisy on a shared CPU.
@@ -19,7 +20,7 @@ from __future__ import annotations
 import argparse
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -84,18 +85,39 @@ class Clock:
 # ---- this engine ----
 
 def run_engine(engine: LLMEngine, prompts, params, static_batch: int | None = None) -> Timed:
-    """Output tokens and time; static_batch: admit the next batch only when the last one is done."""
+    """Output tokens and time, from a cold prefix cache.
+
+    Continuous (static_batch None): every request is queued at once; the engine admits them as
+    slots free and retires each the step it finishes. Static batching (static_batch k), as HF
+    `generate` does it: k requests start together and the batch runs until its longest is done,
+    a finished request keeping its slot (it runs on with ignore_eos up to the batch's largest
+    max_tokens); only each request's own tokens, up to its own EOS or max_tokens, are counted.
+    """
     params = params if isinstance(params, list) else [params] * len(prompts)
+    engine.block_manager.reset_prefix_cache()
     chunk = static_batch or len(prompts)
     tokens = 0
     with Clock() as clock:
         for lo in range(0, len(prompts), chunk):
-            for i in range(lo, min(lo + chunk, len(prompts))):
-                engine.add_request(GenerationRequest(f"r{i}", prompts[i], params[i]))
+            group = range(lo, min(lo + chunk, len(prompts)))
+            longest = max(params[i].max_tokens for i in group)
+            for i in group:
+                run_as = params[i] if static_batch is None else replace(params[i], max_tokens=longest,
+                                                                          ignore_eos=True)
+                engine.add_request(GenerationRequest(str(i), prompts[i], run_as))
             while engine.has_unfinished():
                 for result in engine.step():
-                    tokens += result.completion_tokens
+                    tokens += _own_tokens(result.outputs[0].token_ids, params[int(result.request_id)],
+                                          engine.eos_token_ids)
     return Timed(tokens, clock.wall, clock.cpu)
+
+
+def _own_tokens(token_ids: list[int], params: SamplingParams, eos: set[int]) -> int:
+    """Tokens the request would have produced on its own: up to its first EOS or its max_tokens."""
+    ids = token_ids[: params.max_tokens]
+    if not params.ignore_eos:
+        ids = ids[: next((i + 1 for i, t in enumerate(ids) if t in eos), len(ids))]
+    return len(ids)
 
 
 # ---- Hugging Face ----
@@ -154,7 +176,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="auto: what the engine picks on this machine")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--mixed-prompts", type=int, default=64)
+    ap.add_argument("--mixed-prompts", type=int, default=48)
     ap.add_argument("--mixed-slots", type=int, default=16)
     ap.add_argument("--skip", default="", help="comma list of: hf,static,mixed,prefix")
     args = ap.parse_args()
@@ -172,7 +194,7 @@ def main() -> None:
     print(f"SmolLM2-135M-Instruct, {str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads, {len(prompts)} chat prompts "
           f"({sum(map(len, prompts)) / len(prompts):.0f} tokens avg), max_tokens {args.max_tokens}, greedy")
 
-    run_engine(engine, prompts[:4], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    run_engine(engine, prompts[:32], SamplingParams(max_tokens=16, temperature=0.0))  # warm-up
     batch_shape = min(len(prompts), args.max_num_seqs)
     roof = matmul_roofline(engine, batch_shape)
     preemptions = engine.scheduler.num_preemptions

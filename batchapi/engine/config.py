@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-KERNELS = ("auto", "triton", "torch")
+KERNELS = ("auto", "triton", "cpu", "torch")
 
 
 @dataclass
@@ -14,7 +14,7 @@ class EngineConfig:
     model_path: str | Path
     device: str = "cpu"
     dtype: str = "auto"  # auto: CUDA bfloat16 (else float16); CPU the faster of bfloat16 and float32, measured
-    kernels: str = "auto"  # auto: triton on CUDA, torch twins elsewhere
+    kernels: str = "auto"  # auto: triton on CUDA, cpu (C decode attention + twins) elsewhere
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096
     kv_cache_bytes: int = 1 << 30  # CPU pool size; CUDA sizes from gpu_memory_utilization

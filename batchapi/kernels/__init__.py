@@ -4,6 +4,8 @@
 - reference.py, attention_ref.py, rope.py: the twins and the rotary cache; torch only.
 - attention.py, kvcache.py, norm.py, rotary_embedding.py, activation.py: Triton kernels with
   their launchers (shape, dtype and stride checks); imported only when Triton ops are asked for.
+- native.py, csrc/paged_decode.c, attention_cpu.py: decode attention in C for the CPU path,
+  compiled on first use (ctypes, no torch headers); the twin's SDPA keeps the prefill runs.
 - launch.py: what the launchers share: `jit` for the kernels, and running them under Triton's
   interpreter when the tensors are on CPU (the tests).
 KV caches must be allocated zeroed: the twin reads the unwritten tail slots of a sequence's last
@@ -11,11 +13,12 @@ block (with zero weight), and NaN garbage there would leak through.
 """
 
 from batchapi.kernels.attention_ref import paged_attention
-from batchapi.kernels.ops import MODES, TORCH_OPS, Ops, get_ops
+from batchapi.kernels.ops import CPU_OPS, MODES, TORCH_OPS, Ops, get_ops
 from batchapi.kernels.reference import fused_add_rms_norm, rms_norm, rotary, silu_and_mul, store_kvcache
 from batchapi.kernels.rope import build_rope_cache
 
 __all__ = [
+    "CPU_OPS",
     "MODES",
     "TORCH_OPS",
     "Ops",

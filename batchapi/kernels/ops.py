@@ -1,15 +1,15 @@
-"""Choose the kernel set: Triton kernels on CUDA, their pure-torch twins elsewhere."""
+"""Choose the kernel set: Triton kernels on CUDA; on CPU the C decode attention with the torch twins."""
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from batchapi.kernels import attention_ref, reference
+from batchapi.kernels import attention_cpu, attention_ref, native, reference
 from batchapi.kernels.rope import build_rope_cache
 
-MODES = ("auto", "triton", "torch")
+MODES = ("auto", "triton", "cpu", "torch")
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,9 @@ TORCH_OPS = Ops(
     silu_and_mul=reference.silu_and_mul,
 )
 
+# the torch twins, but decode attention reads the KV blocks in place in C (attention_cpu.py)
+CPU_OPS = replace(TORCH_OPS, name="cpu", paged_attention=attention_cpu.paged_attention)
+
 
 def _triton_ops() -> Ops:
     # imported here so that nothing imports triton (or reads TRITON_INTERPRET) until asked
@@ -56,9 +59,14 @@ def _triton_ops() -> Ops:
 
 
 def get_ops(mode: str = "auto", device: str | torch.device = "cpu") -> Ops:
-    """mode auto: Triton on CUDA, torch twins elsewhere. mode triton on CPU needs TRITON_INTERPRET=1."""
+    """mode auto: Triton on CUDA; elsewhere cpu, or torch where the C kernel cannot be built.
+    mode triton on CPU needs TRITON_INTERPRET=1; mode cpu is for CPU tensors only."""
     assert mode in MODES, f"kernel mode must be one of {MODES}, got {mode!r}"
     device = torch.device(device)
     if mode == "auto":
-        mode = "triton" if device.type == "cuda" else "torch"
+        mode = "triton" if device.type == "cuda" else "cpu" if native.load() is not None else "torch"
+    if mode == "cpu":
+        assert device.type == "cpu", f"kernel mode cpu runs on CPU tensors, not {device}"
+        assert native.load() is not None, "kernel mode cpu needs a C compiler (cc, gcc or $CC); see the log"
+        return CPU_OPS
     return _triton_ops() if mode == "triton" else TORCH_OPS

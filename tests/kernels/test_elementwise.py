@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from batchapi.kernels import TORCH_OPS, build_rope_cache, get_ops
+from batchapi.kernels import CPU_OPS, TORCH_OPS, build_rope_cache, get_ops
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3}
 
@@ -20,7 +20,9 @@ def triton_ops():
 
 
 def test_get_ops_modes(triton_ops):
-    assert get_ops("auto", "cpu") is TORCH_OPS and get_ops("torch", "cuda") is TORCH_OPS
+    assert get_ops("auto", "cpu") is CPU_OPS and get_ops("torch", "cuda") is TORCH_OPS
+    with pytest.raises(AssertionError, match="kernel mode cpu runs on CPU tensors"):
+        get_ops("cpu", "cuda")
     assert triton_ops.name == "triton"
     with pytest.raises(AssertionError, match="kernel mode"):
         get_ops("cuda", "cpu")

@@ -1,0 +1,77 @@
+"""Paged attention on CPU: decode tokens through the C kernel (native.py), the rest through the twin.
+
+The torch twin gathers every decode sequence's blocks into a padded copy before its SDPA; on a
+small CPU that copy and SDPA's per-head overhead cost a quarter of a decode step at 100 tokens
+of context, more at longer ones. The C kernel reads the blocks where they lie, once, for all
+query heads of a KV head. Prefill runs (more than one query token) keep the twin's SDPA, which
+is efficient there. Tensors the kernel does not take (fp16) go to the twin whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from batchapi.kernels import attention_ref, native
+
+
+@dataclass
+class _Plan:
+    key: tuple  # the step's metadata tensors (held, so their ids stay theirs)
+    num_tokens: int
+    decode_seqs: torch.Tensor  # [Bd] int32
+    prefills: list[tuple[int, int, int, int]]  # (sequence, first token, tokens, context length)
+    tables: torch.Tensor  # block_tables as int32, contiguous
+    cu_seqlens_q: torch.Tensor
+    context_lens: torch.Tensor
+
+
+_last_plan: _Plan | None = None
+
+
+def _plan(block_tables, cu_seqlens_q, context_lens) -> _Plan:
+    # every layer of a step passes the same metadata tensors: plan once, on the first layer
+    global _last_plan
+    key = (block_tables, cu_seqlens_q, context_lens)
+    plan = _last_plan
+    if plan is None or any(a is not b for a, b in zip(plan.key, key, strict=True)):
+        starts, ctx = cu_seqlens_q.tolist(), context_lens.tolist()
+        q_lens = [e - s for s, e in zip(starts[:-1], starts[1:], strict=True)]
+        decode = [b for b, n in enumerate(q_lens) if n == 1]
+        prefills = [(b, starts[b], n, ctx[b]) for b, n in enumerate(q_lens) if n > 1]
+
+        def int32(t):
+            return t.to(torch.int32).contiguous()
+
+        plan = _last_plan = _Plan(key, starts[-1], torch.tensor(decode, dtype=torch.int32), prefills,
+                                  int32(block_tables), int32(cu_seqlens_q), int32(context_lens))
+    return plan
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32, pad -1
+    cu_seqlens_q: torch.Tensor,  # [B+1] int32
+    context_lens: torch.Tensor,  # [B] int32, KV length including this step's tokens
+    scale: float,
+    **hints,
+) -> torch.Tensor:
+    """Same contract as attention_ref.paged_attention (docs/CONTRACTS.md)."""
+    assert q.shape[1] % k_cache.shape[2] == 0, f"Hq={q.shape[1]} not a multiple of Hkv={k_cache.shape[2]}"
+    if (q.shape[0] == 0 or cu_seqlens_q.shape[0] < 2 or native.load() is None
+            or not native.supports(q, k_cache) or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+        return attention_ref.paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+                                             scale, **hints)
+    plan = _plan(block_tables, cu_seqlens_q, context_lens)
+    assert plan.num_tokens == q.shape[0], f"cu_seqlens_q ends at {plan.num_tokens}, q has {q.shape[0]} tokens"
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    if plan.decode_seqs.numel():
+        native.paged_decode(q, k_cache, v_cache, plan.tables, plan.cu_seqlens_q, plan.context_lens,
+                            plan.decode_seqs, out, scale)
+    for b, s, n, ctx in plan.prefills:
+        out[s : s + n] = attention_ref._prefill_one(q[s : s + n], k_cache, v_cache, block_tables[b], ctx, scale)
+    return out
