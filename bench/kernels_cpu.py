@@ -12,6 +12,7 @@ v_library / v_gqa_bool 3-5x, v_sdpa 1.5-2.3x, zeroing masked slots (v_gqa_bool_c
 chunking the batch (v_chunk*) lose their gain, one SDPA per sequence (v_loop) 0.3-0.6x.
 Later, best of 25 at lower load: v_einsum 11.8, v_gqa_bool 5.1, v_gqa_bool_2d 4.9, v_library 4.9
 (the 2-D-view gather of v_gqa_bool_2d is what v_library now does).
+v_native is the C kernel the engine now uses on CPU (kernels/csrc/paged_decode.c).
 With contexts 60..600 (--ctx 330 --spread 270), best of 10 under load: v_gqa_bool 15.0-15.8,
 v_library 10.8-12.3 (it now runs one SDPA per bucket of similar context lengths, x1.2-1.5); at
 the default +-50 spread the two are within noise.
@@ -228,9 +229,17 @@ def v_library(q, kc, vc, tables, lens, scale):
     return paged_attention(q, kc, vc, tables, cu, lens, scale)
 
 
+def v_native(q, kc, vc, tables, lens, scale):
+    # the engine's CPU default: decode attention in C reading the blocks in place (kernels/native.py)
+    from batchapi.kernels.attention_cpu import paged_attention
+
+    cu = torch.arange(q.shape[0] + 1, dtype=torch.int32)
+    return paged_attention(q, kc, vc, tables, cu, lens, scale)
+
+
 VARIANTS = [
     v_einsum, v_sdpa, v_sdpa_contig, v_sdpa_trim, v_float, v_loop, v_gqa_bool, v_gqa_bool_2d, v_gqa_bool_clean,
-    v_gqa_bool_inplace, v_group_bias, v_fp32_gqa_bias, v_chunk8, v_chunk24, v_library,
+    v_gqa_bool_inplace, v_group_bias, v_fp32_gqa_bias, v_chunk8, v_chunk24, v_library, v_native,
 ]
 
 
