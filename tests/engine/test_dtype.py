@@ -1,9 +1,15 @@
-"""dtype auto picks the faster of bf16 and fp32 on CPU, by measuring, so AVX2-only CPUs get fp32."""
+"""dtype auto: bf16 on CPU only where oneDNN has bf16 kernels and they measure faster than fp32."""
 
+import pytest
 import torch
 
 from batchapi.engine import model_runner
 from batchapi.engine.model_runner import fastest_cpu_dtype, resolve_dtype
+
+
+@pytest.fixture(autouse=True)
+def fresh_choice(monkeypatch):
+    monkeypatch.setattr(model_runner, "_cpu_dtype_choice", {})
 
 
 def test_named_dtypes_are_taken_as_given():
@@ -13,19 +19,37 @@ def test_named_dtypes_are_taken_as_given():
     assert resolve_dtype("float16", cpu) is torch.float16
 
 
-def test_auto_on_cpu_is_bf16_only_where_onednn_has_bf16_kernels(monkeypatch):
-    monkeypatch.setattr(model_runner, "_cpu_dtype_choice", {})
-    # without AVX512-BF16/AMX a bf16 matmul runs several times slower than fp32; with them, faster
-    expected = torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
-    assert fastest_cpu_dtype(576) is expected
-    assert resolve_dtype("auto", torch.device("cpu"), 576) is expected
+def test_without_bf16_kernels_auto_is_float32_unmeasured(monkeypatch):
+    monkeypatch.setattr(model_runner, "_has_bf16_matmul_kernels", lambda: False)
+    monkeypatch.setattr(model_runner, "_race", lambda *a, **k: pytest.fail("measured needlessly"))
+    assert resolve_dtype("auto", torch.device("cpu"), 576) is torch.float32
 
 
-def test_auto_measures_once_per_hidden_size(monkeypatch):
+@pytest.mark.parametrize(("fp32_s", "bf16_s", "expected"), [(1.0, 0.4, torch.bfloat16), (1.0, 2.0, torch.float32)])
+def test_with_bf16_kernels_the_faster_is_taken_and_measured_once(monkeypatch, fp32_s, bf16_s, expected):
     calls = []
-    monkeypatch.setattr(model_runner, "_cpu_dtype_choice", {})
-    monkeypatch.setattr(model_runner, "_linear_seconds",
-                        lambda hidden, dtype: calls.append((hidden, dtype)) or (1.0 if dtype is torch.float32 else 2.0))
-    assert fastest_cpu_dtype(64) is torch.float32
-    assert fastest_cpu_dtype(64) is torch.float32
-    assert len(calls) == 2  # fp32 and bf16, measured once
+    monkeypatch.setattr(model_runner, "_has_bf16_matmul_kernels", lambda: True)
+
+    def race(hidden, dtypes):
+        calls.append(hidden)
+        return {torch.float32: fp32_s, torch.bfloat16: bf16_s}
+
+    monkeypatch.setattr(model_runner, "_race", race)
+    assert fastest_cpu_dtype(64) is expected
+    assert fastest_cpu_dtype(64) is expected
+    assert calls == [64]
+
+
+def test_this_machine():
+    # on an AVX2-only CPU (no oneDNN bf16 kernels) auto must give float32
+    choice = resolve_dtype("auto", torch.device("cpu"), 576)
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        assert choice is torch.float32
+    else:
+        assert choice in (torch.float32, torch.bfloat16)
+
+
+def test_race_times_each_dtype_through_the_engines_own_layers():
+    times = model_runner._race(64, (torch.float32, torch.bfloat16), rows=4, rounds=2)
+    assert set(times) == {torch.float32, torch.bfloat16}
+    assert all(0 < t < 10 for t in times.values())
