@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import logging
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
 
 from rich.console import Console
@@ -133,6 +136,42 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
     return 0
 
 
+def _date(timestamp: int | None) -> str:
+    return "" if timestamp is None else datetime.fromtimestamp(timestamp, UTC).strftime("%Y-%m-%d")
+
+
+def cmd_keys_list(args: argparse.Namespace) -> int:
+    from batchapi.jobs.keys import list_keys
+
+    keys = list_keys(_settings(), args.project)
+    if args.json:
+        print(json.dumps([dataclasses.asdict(key) for key in keys], indent=2))
+        return 0
+    # fits 80 columns: ids are copied into `keys revoke` whole, so only the project name may wrap
+    table = Table(box=None, pad_edge=False)
+    table.add_column("id", no_wrap=True)
+    table.add_column("project", overflow="fold")
+    for name in ("key", "created", "revoked"):
+        table.add_column(name, no_wrap=True)
+    for key in keys:
+        table.add_row(key.id, key.project, key.prefix + "…", _date(key.created_at), _date(key.revoked_at))
+    console.print(table)
+    return 0
+
+
+def cmd_keys_revoke(args: argparse.Namespace) -> int:
+    from batchapi.jobs.errors import NotFound
+    from batchapi.jobs.keys import revoke_key
+
+    try:
+        revoked = revoke_key(_settings(), args.key_id)
+    except NotFound as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        return 1
+    console.print(f"{args.key_id} revoked" if revoked else f"{args.key_id} was already revoked")
+    return 0
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
     from batchapi.submit import submit
 
@@ -180,6 +219,13 @@ def build_parser() -> argparse.ArgumentParser:
     create = keys.add_parser("create", help="create an API key for a project")
     create.add_argument("--project", required=True)
     create.set_defaults(func=cmd_keys_create)
+    listing = keys.add_parser("list", help="API keys (never the secrets), oldest first")
+    listing.add_argument("--project", default=None, help="only this project's keys")
+    listing.add_argument("--json", action="store_true", help="JSON instead of a table")
+    listing.set_defaults(func=cmd_keys_list)
+    revoke = keys.add_parser("revoke", help="refuse an API key from now on")
+    revoke.add_argument("key_id", help="the key's id, from `batchapi keys list`")
+    revoke.set_defaults(func=cmd_keys_revoke)
 
     submit = sub.add_parser("submit", help="upload a JSONL file to a running server and create a batch")
     submit.add_argument("file")

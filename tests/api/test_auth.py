@@ -7,6 +7,7 @@ import io
 import httpx
 import pytest
 
+from batchapi.jobs.keys import list_keys, revoke_key
 from tests.api.conftest import new_key
 from tests.utils.batch_service import jsonl, request_line, wait_until
 
@@ -29,6 +30,19 @@ def test_every_endpoint_needs_a_valid_key(pg_server, headers):
             assert error["type"] == "invalid_request_error"
             assert error["code"] in ("invalid_api_key", "missing_api_key")
             assert "wrong" not in error["message"] or "sk-batch…" in error["message"]
+
+
+def test_a_revoked_key_gets_401(pg_server):
+    key = new_key(pg_server, "revoked-key-project")
+    with httpx.Client(base_url=pg_server.base_url, headers={"Authorization": f"Bearer {key}"}) as http:
+        assert http.get("/v1/files").status_code == 200
+        [info] = list_keys(pg_server.jobs.settings, "revoked-key-project")
+        assert revoke_key(pg_server.jobs.settings, info.id)
+        response = http.get("/v1/files")
+    assert response.status_code == 401
+    assert response.headers["www-authenticate"] == "Bearer"
+    assert response.json() == {"error": {"message": f"Incorrect API key provided: {key[:8]}….",
+                                         "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}
 
 
 def test_health_needs_no_key(pg_server):
