@@ -19,6 +19,7 @@ from batchapi.kernels import attention_ref, native
 @dataclass
 class _Plan:
     key: tuple  # the step's metadata tensors (held, so their ids stay theirs)
+    pool: tuple[int, int]  # (num_blocks, block_size) of the caches the tables were checked against
     num_tokens: int
     decode_seqs: torch.Tensor  # [Bd] int32
     prefills: list[tuple[int, int, int, int]]  # (sequence, first token, tokens, context length)
@@ -30,23 +31,42 @@ class _Plan:
 _last_plan: _Plan | None = None
 
 
-def _plan(block_tables, cu_seqlens_q, context_lens) -> _Plan:
+def _plan(block_tables, cu_seqlens_q, context_lens, num_blocks: int, block_size: int) -> _Plan:
     # every layer of a step passes the same metadata tensors: plan once, on the first layer
     global _last_plan
     key = (block_tables, cu_seqlens_q, context_lens)
     plan = _last_plan
-    if plan is None or any(a is not b for a, b in zip(plan.key, key, strict=True)):
+    if (plan is None or plan.pool != (num_blocks, block_size)
+            or any(a is not b for a, b in zip(plan.key, key, strict=True))):
         starts, ctx = cu_seqlens_q.tolist(), context_lens.tolist()
         q_lens = [e - s for s, e in zip(starts[:-1], starts[1:], strict=True)]
+        assert starts[0] == 0 and min(q_lens) >= 0, "cu_seqlens_q must start at 0 and never decrease"
         decode = [b for b, n in enumerate(q_lens) if n == 1]
         prefills = [(b, starts[b], n, ctx[b]) for b, n in enumerate(q_lens) if n > 1]
 
         def int32(t):
             return t.to(torch.int32).contiguous()
 
-        plan = _last_plan = _Plan(key, starts[-1], torch.tensor(decode, dtype=torch.int32), prefills,
-                                  int32(block_tables), int32(cu_seqlens_q), int32(context_lens))
+        plan = _Plan(key, (num_blocks, block_size), starts[-1], torch.tensor(decode, dtype=torch.int32),
+                     prefills, int32(block_tables), int32(cu_seqlens_q), int32(context_lens))
+        _check_tables(plan, num_blocks, block_size)
+        _last_plan = plan
     return plan
+
+
+def _check_tables(plan: _Plan, num_blocks: int, block_size: int) -> None:
+    """The C kernel trusts the block tables: a bad id would read outside the pool, so check the
+    blocks each decode sequence's context covers, once a step, before any layer reads them."""
+    if not plan.decode_seqs.numel():
+        return
+    seqs = plan.decode_seqs.long()
+    lens, tables = plan.context_lens[seqs], plan.tables[seqs]
+    assert int(lens.min()) >= 1, "a decode sequence has an empty context"
+    blocks = (lens + block_size - 1) // block_size  # [Bd] blocks each context covers
+    assert int(blocks.max()) <= tables.shape[1], "a block table is shorter than its context"
+    ids = tables[torch.arange(tables.shape[1])[None, :] < blocks[:, None]]
+    assert bool(((ids >= 0) & (ids < num_blocks)).all()), (
+        f"a block table holds an id outside the KV pool of {num_blocks} blocks within its context")
 
 
 def paged_attention(
@@ -65,7 +85,7 @@ def paged_attention(
             or not native.supports(q, k_cache) or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
         return attention_ref.paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
                                              scale, **hints)
-    plan = _plan(block_tables, cu_seqlens_q, context_lens)
+    plan = _plan(block_tables, cu_seqlens_q, context_lens, k_cache.shape[0], k_cache.shape[1])
     assert plan.num_tokens == q.shape[0], f"cu_seqlens_q ends at {plan.num_tokens}, q has {q.shape[0]} tokens"
     q = q.contiguous()
     out = torch.empty_like(q)

@@ -129,3 +129,25 @@ def test_a_broken_compiler_output_is_reported_not_raised(tmp_path, monkeypatch, 
     assert native._load() is None
     assert "unsupported option" in caplog.text
     assert not list((tmp_path / "cache").glob("*.so"))
+
+
+@pytest.mark.parametrize("bad", [-1, 10_000])
+def test_a_bad_block_id_is_refused_before_the_kernel_reads_it(bad):
+    case = make_case([1, 1], [40, 20], 4, 2, 64, seed=6)
+    tables = case.block_tables.clone()
+    tables[0, 1] = bad  # inside sequence 0's context (blocks 0..2)
+    with pytest.raises(AssertionError, match="outside the KV pool"):
+        attention_cpu.paged_attention(case.q, case.k_cache, case.v_cache, tables, case.cu_seqlens_q,
+                                      case.context_lens, case.scale)
+    tables = case.block_tables.clone()
+    tables[1, 2:] = bad  # past sequence 1's context (two blocks): padding, never read
+    out = attention_cpu.paged_attention(case.q, case.k_cache, case.v_cache, tables, case.cu_seqlens_q,
+                                        case.context_lens, case.scale)
+    torch.testing.assert_close(out, dense_attention(case), atol=2e-5, rtol=2e-5)
+
+
+def test_a_decreasing_cu_seqlens_is_refused():
+    case = make_case([1, 1], [4, 5], 4, 2, 64, seed=6)
+    with pytest.raises(AssertionError, match="never decrease"):
+        attention_cpu.paged_attention(case.q, case.k_cache, case.v_cache, case.block_tables,
+                                      torch.tensor([0, 2, 1], dtype=torch.int32), case.context_lens, case.scale)
