@@ -2,6 +2,9 @@
 
 No broker: the API's dispatcher calls straight into the runner (wake up for new shards,
 abort a cancelled batch's requests now), and the timer runs the same sweep as ``batchapi beat``.
+Should the engine thread die, the whole ``batchapi serve`` process shuts down (SIGTERM to itself),
+as vLLM's API server does when its engine is dead, rather than take batches it can never run: its
+supervisor restarts it, and the shards it gave back run then.
 """
 
 from __future__ import annotations

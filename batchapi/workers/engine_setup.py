@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import uuid
 
@@ -23,10 +24,19 @@ def worker_owner() -> str:
 
 
 def start_runner(jobs: Jobs) -> ShardRunner:
-    """Load the model, start the engine thread and the runner's threads."""
+    """Load the model, start the engine thread and the runner's threads. Should the engine
+    thread die, the runner gives its shards back and this process stops (``stop_this_process``)."""
     front = EngineFront(engine_config_from(jobs.settings)).start()
     codec = Codec(front.tokenizer, served_model_id(jobs.settings))
-    return ShardRunner(jobs, front, codec, worker_owner()).start()
+    return ShardRunner(jobs, front, codec, worker_owner(), on_engine_death=stop_this_process).start()
+
+
+def stop_this_process() -> None:
+    """A worker whose engine thread died can run nothing until it is restarted: SIGTERM to
+    ourselves starts the graceful shutdown a supervisor would (Celery's warm shutdown in
+    ``batchapi worker``, uvicorn's in ``batchapi serve``), and the supervisor (systemd, Docker,
+    Kubernetes) starts a fresh process with a fresh engine."""
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def resolve_device(device: str) -> str:

@@ -16,7 +16,9 @@ log = logging.getLogger(__name__)
 def run_worker(settings: Settings, name: str | None = None) -> None:
     """One Celery worker per GPU: the engine is loaded here, once, before consuming. The solo
     pool runs one task at a time in this process; the runner's feeder keeps more shards in
-    the engine, and a message whose shard it already took finds nothing to do."""
+    the engine, and a message whose shard it already took finds nothing to do. Should the
+    engine thread die, the worker gives its shards back, shuts down and exits with status 1,
+    so that its supervisor restarts it."""
     from batchapi.workers import tasks  # the engine's imports: only a worker process pays for them
     from batchapi.workers.engine_setup import start_runner
 
@@ -35,6 +37,8 @@ def run_worker(settings: Settings, name: str | None = None) -> None:
         tasks.install(None)
         runner.shutdown()
         jobs.close()
+    if runner.engine_dead.is_set():
+        raise SystemExit("batchapi worker: the engine thread died; exiting so that the supervisor restarts it")
 
 
 def run_beat(settings: Settings) -> None:

@@ -10,6 +10,13 @@ Three threads besides the engine's own:
 - the finisher writes a finished shard's objects to their fixed keys, completes it and
   finalizes the batch when it was the last shard.
 Celery tasks and the embedded worker share this class; the broker only wakes the feeder.
+
+A dead engine thread (a BaseException escaped it) is final: within a second the monitor stops
+claiming, gives the unfinished shards back to the queue (their results so far are dropped, so
+each request still ends up in the results once, from whoever runs the shard next), lets the
+finished ones be stored, and calls ``on_engine_death``, whose host stops the process so its
+supervisor restarts it with a fresh engine. An engine thread that lives but hangs is noticed
+later, by ``_stalled``.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from sqlalchemy import select
@@ -48,12 +56,15 @@ def engine_failure(request_id: str, exc: BaseException) -> GenerationResult:
 
 
 class ShardRunner:
-    def __init__(self, jobs: Jobs, front: EngineFront, codec: Codec, owner: str):
+    def __init__(self, jobs: Jobs, front: EngineFront, codec: Codec, owner: str,
+                 on_engine_death: Callable[[], None] | None = None):
         self.jobs = jobs
         self.settings = jobs.settings
         self.front = front
         self.codec = codec
         self.owner = owner
+        self.on_engine_death = on_engine_death  # called once, on the monitor thread
+        self.engine_dead = threading.Event()  # set under _lock, so _start never adds work after it
         self._inflight: dict[str, ShardWork] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -80,8 +91,10 @@ class ShardRunner:
     def run_shard(self, shard_id: str, timeout: float | None = None) -> str:
         """Claim ``shard_id`` and wait until it is finished (a Celery task's body). A shard that
         someone else holds or already finished is left alone: duplicated messages do nothing."""
-        while not self._has_room() and not self._stop.is_set():
+        while not self._has_room() and not self._stop.is_set() and not self.engine_dead.is_set():
             time.sleep(0.1)  # the feeder may claim this very shard meanwhile: then it is skipped
+        if self.engine_dead.is_set():
+            return "skipped"  # left queued: a live worker's feeder finds it
         claimed = leases.claim(self.jobs, shard_id, self.owner)
         if claimed is None:
             self.wake()
@@ -90,7 +103,7 @@ class ShardRunner:
         if work is None:
             return "released"
         work.stored.wait(timeout)  # acknowledged only once its results are in storage
-        return work.reason or "done"
+        return "released" if work.lost else work.reason or "done"
 
     def abort_batch(self, batch_id: str, reason: str) -> int:
         """Cut the batch's shards short now (the embedded API calls this on cancel)."""
@@ -122,6 +135,8 @@ class ShardRunner:
     # ---- feeder ----
 
     def _has_room(self) -> bool:
+        if not self.front.is_alive():
+            return False
         with self._lock:
             held = len(self._inflight)
         if held and self._stalled():
@@ -130,8 +145,8 @@ class ShardRunner:
 
     def _stalled(self) -> bool:
         """The engine's queues and KV cache have not moved for a whole lease while requests are
-        in flight: its thread died or hangs. Its leases are then left to run out, so other
-        workers take the shards over."""
+        in flight: its thread hangs (a dead one is noticed at once, by ``_give_up_engine``). Its
+        leases are then left to run out, so other workers take the shards over."""
         return time.monotonic() - self._last_progress > self.settings.lease_seconds
 
     def _watch_engine(self) -> None:
@@ -177,9 +192,14 @@ class ShardRunner:
                 line.parsed, line.error = None, BodyError(str(exc))
         work.expect([r.request_id for r in requests])
         with self._lock:
-            if not self._inflight:
-                self._last_progress = time.monotonic()
-            self._inflight[claimed.id] = work
+            dead = self.engine_dead.is_set()
+            if not dead:
+                if not self._inflight:
+                    self._last_progress = time.monotonic()
+                self._inflight[claimed.id] = work
+        if dead:  # claimed while the engine died: straight back
+            leases.release(self.jobs, [claimed.id], self.owner)
+            return None
         log.info("shard %s (attempt %d): %d requests", claimed.id, claimed.attempts, len(requests))
         if work.done.is_set():  # nothing to run: every line was rejected
             self._finish(work)
@@ -244,6 +264,8 @@ class ShardRunner:
     def _monitor_loop(self) -> None:
         last_beat = time.monotonic()
         while not self._stop.wait(MONITOR_SECONDS):
+            if not self.engine_dead.is_set() and not self.front.is_alive():
+                self._give_up_engine()
             self._watch_engine()
             try:
                 self._check_batches()
@@ -284,6 +306,26 @@ class ShardRunner:
             if work.shard.id not in held and not work.done.is_set():
                 log.warning("lease of shard %s was taken away; dropping it", work.shard.id)
                 self._close(work, None, lost=True)
+
+    def _give_up_engine(self) -> None:
+        """The engine thread is gone and nothing it held will come back: give the unfinished
+        shards back to the queue now instead of heartbeating them until a stall shows. A shard
+        that already has all its results is still stored by the finisher."""
+        with self._lock:
+            self.engine_dead.set()
+            works = list(self._inflight.values())
+        unfinished = [w for w in works if w.close(None, lost=True)]  # lost: this worker writes nothing
+        try:
+            released = leases.release(self.jobs, [w.shard.id for w in unfinished], self.owner)
+        except OperationalError:
+            released = 0  # no longer renewed, so they come back when their leases run out
+            log.warning("database unavailable while giving shards back", exc_info=True)
+        log.error("the engine thread died; gave %d of %d unfinished shards back to the queue and stopped "
+                  "claiming", released, len(unfinished))
+        for work in unfinished:
+            self._finish(work)
+        if self.on_engine_death is not None:
+            self.on_engine_death()
 
     def _close(self, work: ShardWork, reason: str | None, lost: bool = False) -> None:
         aborted = work.close(reason, lost)

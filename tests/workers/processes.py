@@ -56,10 +56,14 @@ def env_of(settings: Settings) -> dict[str, str]:
     return env
 
 
-def spawn(args: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
-    """``batchapi ARGS`` in a session of its own (so ``stop`` reaches its children), logging to a file."""
+def spawn(args: list[str], env: dict[str, str], log_path: Path, prelude: str | None = None) -> subprocess.Popen:
+    """``batchapi ARGS`` in a session of its own (so ``stop`` reaches its children), logging to a file.
+    ``prelude`` is Python run first in that process (a test injecting a fault into our own code)."""
+    command = [BATCHAPI]
+    if prelude is not None:
+        command = [sys.executable, "-c", f"{prelude}\nimport sys\nfrom batchapi.cli import main\nsys.exit(main(sys.argv[1:]))"]
     with open(log_path, "wb") as log:
-        return subprocess.Popen([BATCHAPI, *args], env=env, stdout=log, stderr=subprocess.STDOUT,
+        return subprocess.Popen([*command, *args], env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
 
 

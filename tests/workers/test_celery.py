@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -171,3 +172,41 @@ def test_kill_9_of_a_worker_mid_batch(cluster, two_workers, model):
     shards = shards_of(cluster, batch_id)
     assert max(s.attempts for s in shards) >= 2, "no shard was run again"
     assert all(s.lease_owner.split(":")[1] != victim_pid for s in shards if s.status == "succeeded" and s.attempts > 1)
+
+
+# run in a worker process before `batchapi worker`: its engine thread dies at its 20th step
+ENGINE_DIES = """
+import itertools
+from batchapi.engine.engine import LLMEngine
+
+class EngineKilled(BaseException):  # not an Exception: it escapes EngineFront's guard and ends the thread
+    pass
+
+real_step, steps = LLMEngine.step, itertools.count()
+
+def step(self):
+    if next(steps) == 20:
+        raise EngineKilled()
+    return real_step(self)
+
+LLMEngine.step = step
+"""
+
+
+def test_a_worker_whose_engine_dies_gives_its_shards_back_and_exits(cluster, two_workers, model):
+    doomed = cluster.start_worker(prelude=ENGINE_DIES)
+    cluster.wait_ready(doomed)
+    proc = cluster.workers[doomed]
+    lines = long_lines(model, "dead-engine", n=120)
+    with cluster.http() as http:
+        batch_id = submit(http, lines)
+        assert proc.wait(timeout=120) == 1, cluster.worker_log(doomed)
+        wait_completed(http, batch_id, lines, timeout=240)
+    log = cluster.worker_log(doomed)
+    given_back = re.search(r"the engine thread died; gave (\d+) of (\d+) unfinished shards back", log)
+    assert given_back and given_back[1] == given_back[2] != "0", log
+    assert "exiting so that the supervisor restarts it" in log
+    shards = shards_of(cluster, batch_id)
+    assert max(s.attempts for s in shards) >= 2, "no shard was run again"
+    for name in set(two_workers) & set(cluster.workers):  # the others (one may have been killed) run on
+        assert cluster.workers[name].poll() is None, cluster.worker_log(name)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -164,16 +166,36 @@ def test_a_shard_out_of_attempts_fails_and_the_batch_completes(tmp_path, tiny_ll
         assert {e["error"]["code"] for e in errors} == {"shard_failed"}
 
 
-def test_a_stuck_engine_lets_its_leases_run_out(tmp_path, tiny_llama_dir):
-    """An engine whose thread never runs: the runner stops renewing, the sweeper re-queues."""
+class EngineKilled(BaseException):
+    """Not an Exception: it escapes EngineFront's guard around ``step`` and ends the engine thread."""
+
+
+def started_front(settings, monkeypatch, step):
+    """A running EngineFront whose engine steps with ``step(real_step)`` instead."""
     from batchapi.engine import EngineFront
-    from batchapi.workers.codec import Codec
     from batchapi.workers.engine_setup import engine_config_from
+
+    front = EngineFront(engine_config_from(settings))
+    real = front.engine.step
+    monkeypatch.setattr(front.engine, "step", lambda: step(real))
+    return front.start()
+
+
+def shards_of(jobs, batch_id: str) -> list[Shard]:
+    with jobs.sessions() as session:
+        return list(session.scalars(select(Shard).where(Shard.batch_id == batch_id).order_by(Shard.index)))
+
+
+def test_a_stuck_engine_lets_its_leases_run_out(tmp_path, tiny_llama_dir, monkeypatch):
+    """An engine thread that lives but never returns from a step: the runner stops renewing,
+    the sweeper re-queues."""
+    from batchapi.workers.codec import Codec
     from batchapi.workers.shard_runner import ShardRunner
 
     settings = service_settings(tmp_path, tiny_llama_dir, **{**EMBEDDED, "lease_seconds": 5})
+    unstuck = threading.Event()
     with without_worker(settings, "stuck", 4) as (server, _, _, batch):
-        front = EngineFront(engine_config_from(settings))  # never started: nothing ever comes back
+        front = started_front(settings, monkeypatch, lambda real: unstuck.wait() and [])
         runner = ShardRunner(server.jobs, front, Codec(front.tokenizer, "tiny"), "stuck-worker").start()
         try:
             deadline = time.monotonic() + 30
@@ -184,8 +206,61 @@ def test_a_stuck_engine_lets_its_leases_run_out(tmp_path, tiny_llama_dir):
                 assert time.monotonic() < deadline, "the stuck runner kept its lease"
                 time.sleep(0.5)
             time.sleep(2)  # the stuck runner does not take it back
-            with server.jobs.sessions() as session:
-                (shard,) = session.scalars(select(Shard).where(Shard.batch_id == batch.id))
+            (shard,) = shards_of(server.jobs, batch.id)
             assert (shard.status, shard.attempts, shard.lease_owner) == ("queued", 1, None)
+            assert front.is_alive() and not runner.engine_dead.is_set()
         finally:
+            unstuck.set()
             runner.shutdown()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_dead_engine_gives_its_shards_back_at_once(tmp_path, tiny_llama_dir, monkeypatch):
+    """The engine thread dies with shards in flight: they are back in the queue within seconds,
+    not a lease later, and a healthy worker then runs the batch, each request once."""
+    from batchapi.workers.codec import Codec
+    from batchapi.workers.shard_runner import ShardRunner
+
+    steps = itertools.count()
+
+    def dies_on_the_third_step(real):
+        if next(steps) == 2:  # no request has finished yet (each needs a prefill and 3 decodes)
+            raise EngineKilled()
+        return real()
+
+    settings = service_settings(tmp_path, tiny_llama_dir, **{**EMBEDDED, "lease_seconds": 600})
+    with without_worker(settings, "dead", 24) as (server, client, lines, batch):
+        jobs, deaths = server.jobs, []
+        front = started_front(settings, monkeypatch, dies_on_the_third_step)
+        doomed = ShardRunner(jobs, front, Codec(front.tokenizer, "tiny"), "doomed-worker",
+                             on_engine_death=lambda: deaths.append(time.monotonic())).start()
+        try:
+            deadline = time.monotonic() + 60
+            while front.is_alive():
+                assert time.monotonic() < deadline, "the engine never took a third step"
+                time.sleep(0.05)
+            died = time.monotonic()
+            while not deaths or any(s.status == "running" for s in shards_of(jobs, batch.id)):
+                assert time.monotonic() - died < 10, f"shards still held: {shards_of(jobs, batch.id)}"
+                time.sleep(0.1)
+            assert len(deaths) == 1 and doomed._held() == []
+            shards = shards_of(jobs, batch.id)
+            assert {s.status for s in shards} == {"queued"} and {s.lease_owner for s in shards} == {None}
+            assert 1 in {s.attempts for s in shards}  # some were claimed, and given back
+            assert doomed.run_shard(shards[0].id) == "skipped"  # a dead engine claims nothing more
+            time.sleep(2)
+            assert all(s.lease_owner is None for s in shards_of(jobs, batch.id))
+        finally:
+            doomed.shutdown()
+        front = started_front(settings, monkeypatch, lambda real: real())
+        healthy = ShardRunner(jobs, front, Codec(front.tokenizer, "tiny"), "healthy-worker").start()
+        try:
+            done = wait(client, batch.id, timeout=120)
+        finally:
+            healthy.shutdown()
+        assert done.status == "completed" and done.request_counts.completed == 24, done
+        output, errors = contents(client, done.output_file_id), contents(client, done.error_file_id)
+        assert errors == []
+        assert_each_once(lines, output, errors)
+        assert_usage_matches(done.model_dump(), output)
+        assert {(s.status, s.lease_owner) for s in shards_of(jobs, batch.id)} == {("succeeded", "healthy-worker")}
