@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 import time
 
 import torch
@@ -45,6 +46,7 @@ def resolve_dtype(name: str, device: torch.device, hidden_size: int = 1024) -> t
 
 
 _cpu_dtype_choice: dict[int, torch.dtype] = {}
+_cpu_dtype_lock = threading.Lock()  # engines starting at once must not time each other's matmuls
 
 
 def fastest_cpu_dtype(hidden_size: int) -> torch.dtype:
@@ -53,17 +55,21 @@ def fastest_cpu_dtype(hidden_size: int) -> torch.dtype:
     Where oneDNN has no bf16 kernels for the CPU (AVX2 only) a bf16 matmul falls back to loops
     about 6x slower than fp32: float32, without measuring. Where it has them (AVX512-BF16, AMX)
     a packed bf16 matmul usually runs 2-3x fp32, but that is measured, not assumed."""
-    if hidden_size not in _cpu_dtype_choice:
-        if not _has_bf16_matmul_kernels():
-            _cpu_dtype_choice[hidden_size] = torch.float32
-            log.info("dtype auto on CPU: float32 (oneDNN has no bf16 matmul kernels for this CPU)")
-        else:
-            times = _race(hidden_size, (torch.float32, torch.bfloat16))
-            _cpu_dtype_choice[hidden_size] = min(times, key=times.get)
-            log.info("dtype auto on CPU: %s (linear [64, %d] x [%d, %d], best of 5: %s)",
-                     _cpu_dtype_choice[hidden_size], hidden_size, hidden_size, 4 * hidden_size,
-                     ", ".join(f"{d}: {t * 1e3:.2f} ms" for d, t in times.items()))
-    return _cpu_dtype_choice[hidden_size]
+    with _cpu_dtype_lock:
+        if hidden_size not in _cpu_dtype_choice:
+            _cpu_dtype_choice[hidden_size] = _choose_cpu_dtype(hidden_size)
+        return _cpu_dtype_choice[hidden_size]
+
+
+def _choose_cpu_dtype(hidden_size: int) -> torch.dtype:
+    if not _has_bf16_matmul_kernels():
+        log.info("dtype auto on CPU: float32 (oneDNN has no bf16 matmul kernels for this CPU)")
+        return torch.float32
+    times = _race(hidden_size, (torch.float32, torch.bfloat16))
+    choice = min(times, key=times.get)
+    log.info("dtype auto on CPU: %s (linear [64, %d] x [%d, %d], best of 5: %s)", choice, hidden_size,
+             hidden_size, 4 * hidden_size, ", ".join(f"{d}: {t * 1e3:.2f} ms" for d, t in times.items()))
+    return choice
 
 
 def _has_bf16_matmul_kernels() -> bool:

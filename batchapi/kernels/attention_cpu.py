@@ -4,7 +4,8 @@ The torch twin gathers every decode sequence's blocks into a padded copy before 
 small CPU that copy and SDPA's per-head overhead cost a quarter of a decode step at 100 tokens
 of context, more at longer ones. The C kernel reads the blocks where they lie, once, for all
 query heads of a KV head. Prefill runs (more than one query token) keep the twin's SDPA, which
-is efficient there. Tensors the kernel does not take (fp16) go to the twin whole.
+is efficient there. Tensors the kernel does not take (fp16, block size over 32, more than 16
+query heads a KV head, head size over 256) go to the twin whole.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def _plan(block_tables, cu_seqlens_q, context_lens, num_blocks: int, block_size:
             or any(a is not b for a, b in zip(plan.key, key, strict=True))):
         starts, ctx = cu_seqlens_q.tolist(), context_lens.tolist()
         q_lens = [e - s for s, e in zip(starts[:-1], starts[1:], strict=True)]
-        assert starts[0] == 0 and min(q_lens) >= 0, "cu_seqlens_q must start at 0 and never decrease"
+        if starts[0] != 0 or min(q_lens) < 0:
+            raise ValueError("cu_seqlens_q must start at 0 and never decrease")
         decode = [b for b, n in enumerate(q_lens) if n == 1]
         prefills = [(b, starts[b], n, ctx[b]) for b, n in enumerate(q_lens) if n > 1]
 
@@ -56,17 +58,20 @@ def _plan(block_tables, cu_seqlens_q, context_lens, num_blocks: int, block_size:
 
 def _check_tables(plan: _Plan, num_blocks: int, block_size: int) -> None:
     """The C kernel trusts the block tables: a bad id would read outside the pool, so check the
-    blocks each decode sequence's context covers, once a step, before any layer reads them."""
+    blocks each decode sequence's context covers, once a step, before any layer reads them.
+    Raised, not asserted, so that ``python -O`` keeps the check."""
     if not plan.decode_seqs.numel():
         return
     seqs = plan.decode_seqs.long()
-    lens, tables = plan.context_lens[seqs], plan.tables[seqs]
-    assert int(lens.min()) >= 1, "a decode sequence has an empty context"
+    lens, tables = plan.context_lens[seqs].long(), plan.tables[seqs]  # int64: no wrap near 2^31
+    if int(lens.min()) < 1:
+        raise ValueError("a decode sequence has an empty context")
     blocks = (lens + block_size - 1) // block_size  # [Bd] blocks each context covers
-    assert int(blocks.max()) <= tables.shape[1], "a block table is shorter than its context"
+    if int(blocks.max()) > tables.shape[1]:
+        raise ValueError("a block table is shorter than its context")
     ids = tables[torch.arange(tables.shape[1])[None, :] < blocks[:, None]]
-    assert bool(((ids >= 0) & (ids < num_blocks)).all()), (
-        f"a block table holds an id outside the KV pool of {num_blocks} blocks within its context")
+    if not bool(((ids >= 0) & (ids < num_blocks)).all()):
+        raise ValueError(f"a block table holds an id outside the KV pool of {num_blocks} blocks within its context")
 
 
 def paged_attention(
@@ -81,8 +86,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """Same contract as attention_ref.paged_attention (docs/CONTRACTS.md)."""
     assert q.shape[1] % k_cache.shape[2] == 0, f"Hq={q.shape[1]} not a multiple of Hkv={k_cache.shape[2]}"
-    if (q.shape[0] == 0 or cu_seqlens_q.shape[0] < 2 or native.load() is None
-            or not native.supports(q, k_cache) or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+    if q.shape[0] == 0 or cu_seqlens_q.shape[0] < 2 or native.load() is None or not native.supports(q, k_cache,
+                                                                                                    v_cache):
         return attention_ref.paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
                                              scale, **hints)
     plan = _plan(block_tables, cu_seqlens_q, context_lens, k_cache.shape[0], k_cache.shape[1])

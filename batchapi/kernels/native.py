@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 32  # as in csrc/paged_decode.c
 
 _lock = threading.Lock()
 _state: dict[str, ctypes.CDLL | None] = {}
@@ -61,6 +62,9 @@ def _build(compiler: str, target: Path) -> None:
     try:
         subprocess.run([compiler, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"], check=True, capture_output=True,
                        text=True, timeout=120)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o755 & ~umask)  # mkstemp made it 0600: others sharing the directory must load it
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -80,12 +84,12 @@ def _load() -> ctypes.CDLL | None:
     if compiler is None:
         log.warning("no C compiler (cc, gcc or $CC): CPU decode attention stays on the torch twin")
         return None
-    target = library_path(compiler)
     try:
+        target = library_path(compiler)
         if not target.exists():
             _build(compiler, target)
         lib = ctypes.CDLL(str(target))
-    except (OSError, subprocess.SubprocessError) as exc:
+    except Exception as exc:  # no home directory, a read-only cache, a failing compiler: the twin it is
         detail = getattr(exc, "stderr", "") or exc
         log.warning("building %s failed, CPU decode attention stays on the torch twin: %s", SOURCE.name, detail)
         return None
@@ -97,11 +101,15 @@ def _load() -> ctypes.CDLL | None:
     return lib
 
 
-def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether the native decode kernel takes these tensors (else: the torch twin)."""
-    return (q.device.type == "cpu" and q.dtype in DTYPES and k_cache.dtype == q.dtype
-            and q.shape[1] % k_cache.shape[2] == 0 and q.shape[1] // k_cache.shape[2] <= 16
-            and q.shape[2] <= 256)
+    _, hq, d = q.shape
+    _, bs, hkv, cache_d = k_cache.shape
+    return (q.device.type == "cpu" and k_cache.device.type == "cpu" and q.dtype in DTYPES
+            and k_cache.dtype == q.dtype and v_cache.dtype == q.dtype and v_cache.shape == k_cache.shape
+            and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and hkv > 0 and hq % hkv == 0 and hq // hkv <= MAX_GROUP
+            and 0 < d <= MAX_HEAD_DIM and cache_d == d and 0 < bs <= MAX_BLOCK)
 
 
 def paged_decode(
@@ -115,20 +123,33 @@ def paged_decode(
     out: torch.Tensor,  # [T, Hq, D]: the rows of those tokens are written
     scale: float,
 ) -> None:
+    """Attention of the decode tokens of ``seq_ids``; the caller has checked that every block id
+    their contexts cover lies in the pool (attention_cpu does, once a step): the kernel trusts them.
+    Errors are raised, not asserted, so that ``python -O`` keeps them: this reads raw memory."""
     lib = load()
-    assert lib is not None, "native kernels are not built: check load() first"
-    assert supports(q, k_cache), f"native decode takes fp32/bf16 CPU tensors, got {q.dtype} on {q.device}"
-    for name, t, dtype in [("q", q, q.dtype), ("k_cache", k_cache, q.dtype), ("v_cache", v_cache, q.dtype),
-                           ("out", out, q.dtype), ("block_tables", block_tables, torch.int32),
+    if lib is None:
+        raise RuntimeError("native kernels are not built: check load() first")
+    if not supports(q, k_cache, v_cache):
+        raise ValueError(f"native decode does not take q {q.dtype} {tuple(q.shape)} with caches "
+                         f"{k_cache.dtype} {tuple(k_cache.shape)} (see supports())")
+    for name, t, dtype in [("q", q, q.dtype), ("out", out, q.dtype), ("block_tables", block_tables, torch.int32),
                            ("cu_seqlens_q", cu_seqlens_q, torch.int32), ("context_lens", context_lens, torch.int32),
                            ("seq_ids", seq_ids, torch.int32)]:
-        assert t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu", (
-            f"{name} must be a contiguous CPU {dtype} tensor, got {t.dtype}, strides {t.stride()}")
-    assert out.shape == q.shape and v_cache.shape == k_cache.shape, "out must match q, v_cache k_cache"
+        if not (t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu"):
+            raise ValueError(f"{name} must be a contiguous CPU {dtype} tensor, got {t.dtype}, strides {t.stride()}")
+    num_seqs = context_lens.shape[0]
+    if out.shape != q.shape or cu_seqlens_q.shape[0] != num_seqs + 1 or block_tables.shape[0] != num_seqs:
+        raise ValueError("out must match q, and cu_seqlens_q, block_tables and context_lens cover the same sequences")
+    if seq_ids.numel() and not (0 <= int(seq_ids.min()) and int(seq_ids.max()) < num_seqs):
+        raise ValueError(f"seq_ids must index the {num_seqs} sequences")
+    rows = cu_seqlens_q.long()[seq_ids.long()]
+    if seq_ids.numel() and not (0 <= int(rows.min()) and int(rows.max()) < q.shape[0]):
+        raise ValueError("a decode sequence's token lies outside q")
     _, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     fn = getattr(lib, f"paged_decode_{DTYPES[q.dtype]}")
     rc = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
             context_lens.data_ptr(), cu_seqlens_q.data_ptr(), seq_ids.data_ptr(), seq_ids.numel(), out.data_ptr(),
             hq, hkv, d, bs, scale, torch.get_num_threads())
-    assert rc == 0, f"native decode refused Hq={hq} Hkv={hkv} D={d}"
+    if rc != 0:
+        raise RuntimeError(f"native decode refused Hq={hq} Hkv={hkv} D={d} block size {bs}")

@@ -16,9 +16,20 @@ def built():
     assert native.load() is not None, "the test machine has a C compiler: the kernel must build"
 
 
+@pytest.fixture
+def c_only(monkeypatch):
+    """Decode rows must go to the C kernel: the twin's own decode path fails the test, and the
+    calls into C are counted."""
+    calls = []
+    real = native.paged_decode
+    monkeypatch.setattr(native, "paged_decode", lambda *a, **k: calls.append(a[6].numel()) or real(*a, **k))
+    monkeypatch.setattr(attention_ref, "_decode", lambda *a, **k: pytest.fail("decode rows went to the twin"))
+    return calls
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seed", range(6))
-def test_decode_matches_dense(seed, dtype):
+def test_decode_matches_dense(seed, dtype, c_only):
     rng = random.Random(seed)
     hkv, group = rng.choice([(1, 1), (3, 3), (2, 4), (1, 8), (4, 2), (1, 16)])
     d = rng.choice([64, 128, 32, 36])  # 36: not a multiple of the vector width, the plain loops
@@ -29,29 +40,53 @@ def test_decode_matches_dense(seed, dtype):
     out = attention_cpu.paged_attention(*case.args(), case.scale)
     assert not out.isnan().any(), "a block no sequence owns (NaN) was read"
     torch.testing.assert_close(out, dense_attention(case), atol=TOL[dtype], rtol=TOL[dtype])
+    assert c_only == [len(ctx_lens)]
+
+
+# the edges the random draws may miss: the widest group, head sizes that are a multiple of 8 but
+# not of 16 (the vector loop's half tail), the largest head and the largest block the kernel takes
+@pytest.mark.parametrize(("hkv", "group", "d", "block_size"),
+                         [(1, 16, 64, 16), (2, 4, 24, 16), (1, 2, 40, 8), (2, 3, 72, 32), (1, 4, 256, 32),
+                          (2, 2, 8, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_edges_match_dense(hkv, group, d, block_size, dtype, c_only):
+    ctx_lens = [1, block_size, block_size + 1, 3 * block_size - 1, 97]
+    case = make_case([1] * 5, ctx_lens, hkv * group, hkv, d, block_size=block_size, dtype=dtype, seed=d)
+    out = attention_cpu.paged_attention(*case.args(), case.scale)
+    torch.testing.assert_close(out, dense_attention(case), atol=TOL[dtype], rtol=TOL[dtype])
+    assert c_only == [5]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mixed_step_decode_in_c_prefill_in_the_twin(dtype):
+def test_mixed_step_decode_in_c_prefill_in_the_twin(dtype, c_only):
     # decode rows, a whole prompt, a chunk on a cached prefix: one step, as the engine sends it
     q_lens, ctx_lens = [1, 20, 1, 7, 1], [50, 20, 1, 40, 129]
     case = make_case(q_lens, ctx_lens, 6, 2, 64, dtype=dtype, seed=3)
     out = attention_cpu.paged_attention(*case.args(), case.scale)
     torch.testing.assert_close(out, dense_attention(case), atol=TOL[dtype], rtol=TOL[dtype])
-    twin = attention_ref.paged_attention(*case.args(), case.scale)
-    torch.testing.assert_close(out, twin, atol=TOL[dtype], rtol=TOL[dtype])
+    assert c_only == [3]
 
 
-def test_long_context_with_large_logits_and_huge_block_ids():
-    # scores spanning hundreds: the online softmax rescales many times and must not overflow;
-    # block ids near 2^31 / (block elements) push element offsets past int32
-    case = make_case([1, 1, 1], [1500, 977, 3], 4, 2, 64, seed=5, num_blocks=2_200_000)
+def test_long_context_with_large_logits(c_only):
+    # scores spanning hundreds: the online softmax rescales many times and must not overflow
+    case = make_case([1, 1, 1], [1500, 977, 3], 4, 2, 64, seed=5)
     case.q.mul_(40.0)
     out = attention_cpu.paged_attention(*case.args(), case.scale)
     torch.testing.assert_close(out, dense_attention(case), atol=1e-4, rtol=1e-4)
+    assert c_only == [3]
 
 
-def test_threads_split_the_work_without_changing_it():
+def test_block_ids_whose_element_offsets_pass_int32(c_only):
+    # 1.1M blocks of 16 x 1 x 128 elements: the top ids start past 2^31 elements (2.3 GB in bf16,
+    # left untouched but for the blocks the sequences own)
+    case = make_case([1, 1, 1], [40, 17, 3], 4, 1, 128, dtype=torch.bfloat16, seed=8, num_blocks=1_100_000)
+    assert int(case.block_tables.max()) * 16 * 128 > 2**31
+    out = attention_cpu.paged_attention(*case.args(), case.scale)
+    torch.testing.assert_close(out, dense_attention(case), atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
+    assert c_only == [3]
+
+
+def test_threads_split_the_work_without_changing_it(c_only):
     case = make_case([1] * 24, [random.Random(i).randint(1, 200) for i in range(24)], 9, 3, 64, seed=9)
     threads = torch.get_num_threads()
     try:
@@ -62,29 +97,47 @@ def test_threads_split_the_work_without_changing_it():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)  # each (sequence, head) is one task: no cross-thread sums
+    assert c_only == [24, 24]
 
 
-def test_fp16_and_over_wide_groups_go_to_the_twin_whole():
-    case = make_case([1, 3], [10, 30], 4, 1, 64, dtype=torch.float16, seed=2)
-    assert not native.supports(case.q, case.k_cache)
+@pytest.mark.parametrize(("hq", "hkv", "d", "block_size", "dtype"), [
+    (4, 1, 64, 16, torch.float16),  # no fp16 in the kernel
+    (32, 1, 64, 16, torch.float32),  # 32 query heads on one kv head: over 16
+    (4, 2, 64, 64, torch.float32),  # blocks over 32 tokens
+    (4, 2, 64, 128, torch.bfloat16),
+    (2, 1, 320, 16, torch.float32),  # heads over 256
+])
+def test_what_the_kernel_does_not_take_goes_to_the_twin_whole(hq, hkv, d, block_size, dtype, monkeypatch):
+    monkeypatch.setattr(native, "paged_decode", lambda *a, **k: pytest.fail("sent to the C kernel"))
+    case = make_case([1, 3, 1], [10, 30, 70], hq, hkv, d, block_size=block_size, dtype=dtype, seed=2)
+    assert not native.supports(case.q, case.k_cache, case.v_cache)
     out = attention_cpu.paged_attention(*case.args(), case.scale)
-    torch.testing.assert_close(out, dense_attention(case), atol=2e-3, rtol=2e-3)
-    wide = make_case([1], [10], 32, 1, 64, seed=2)  # 32 query heads on one kv head: over 16
-    assert not native.supports(wide.q, wide.k_cache)
-    torch.testing.assert_close(attention_cpu.paged_attention(*wide.args(), wide.scale), dense_attention(wide),
-                               atol=2e-5, rtol=2e-5)
+    tol = {torch.float16: 2e-3, torch.float32: 2e-5, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(out, dense_attention(case), atol=tol, rtol=tol)
 
 
-def test_launcher_refuses_wrong_dtypes_and_strides():
+def test_launcher_refuses_what_would_read_outside_its_tensors():
     case = make_case([1, 1], [10, 20], 4, 2, 64, seed=1)
     out = torch.empty_like(case.q)
     ids = torch.tensor([0, 1], dtype=torch.int32)
-    with pytest.raises(AssertionError, match="seq_ids must be a contiguous CPU torch.int32"):
-        native.paged_decode(case.q, case.k_cache, case.v_cache, case.block_tables, case.cu_seqlens_q,
-                            case.context_lens, ids.long(), out, case.scale)
-    with pytest.raises(AssertionError, match="block_tables must be"):
-        native.paged_decode(case.q, case.k_cache, case.v_cache, case.block_tables.t().contiguous().t(),
-                            case.cu_seqlens_q, case.context_lens, ids, out, case.scale)
+
+    def call(**changes):
+        args = dict(q=case.q, k_cache=case.k_cache, v_cache=case.v_cache, block_tables=case.block_tables,
+                    cu_seqlens_q=case.cu_seqlens_q, context_lens=case.context_lens, seq_ids=ids, out=out)
+        native.paged_decode(**(args | changes), scale=case.scale)
+
+    with pytest.raises(ValueError, match="seq_ids must be a contiguous CPU torch.int32"):
+        call(seq_ids=ids.long())
+    with pytest.raises(ValueError, match="block_tables must be"):
+        call(block_tables=case.block_tables.t().contiguous().t())
+    with pytest.raises(ValueError, match="does not take"):  # the cache's head size is not q's
+        call(k_cache=case.k_cache[..., :32].contiguous(), v_cache=case.v_cache[..., :32].contiguous())
+    with pytest.raises(ValueError, match="seq_ids must index the 2 sequences"):
+        call(seq_ids=torch.tensor([0, 2], dtype=torch.int32))
+    with pytest.raises(ValueError, match="token lies outside q"):
+        call(cu_seqlens_q=torch.tensor([0, 7, 8], dtype=torch.int32))
+    call()
+    torch.testing.assert_close(out, dense_attention(case), atol=2e-5, rtol=2e-5)
 
 
 def test_auto_picks_the_c_kernel_on_cpu_and_torch_stays_pure():
@@ -104,6 +157,15 @@ def test_build_is_cached_per_source_and_cpu(tmp_path, monkeypatch):
     assert native._load() is not None
     assert built[0].stat().st_mtime_ns == mtime, "a second load rebuilt the library"
     assert [p.name for p in tmp_path.iterdir()] == [built[0].name], "a temporary file was left behind"
+    assert built[0].stat().st_mode & 0o044 == 0o044, "others sharing the directory could not load it"
+
+
+def test_no_home_directory_means_the_twin_not_a_crash(monkeypatch, caplog):
+    monkeypatch.delenv("BATCHAPI_NATIVE_DIR", raising=False)
+    monkeypatch.setattr(native.Path, "home", classmethod(lambda cls: (_ for _ in ()).throw(
+        RuntimeError("Could not determine home directory"))))
+    assert native._load() is None
+    assert "Could not determine home directory" in caplog.text
 
 
 def test_without_a_compiler_auto_falls_back_to_the_twins(tmp_path, monkeypatch, caplog):
@@ -136,7 +198,7 @@ def test_a_bad_block_id_is_refused_before_the_kernel_reads_it(bad):
     case = make_case([1, 1], [40, 20], 4, 2, 64, seed=6)
     tables = case.block_tables.clone()
     tables[0, 1] = bad  # inside sequence 0's context (blocks 0..2)
-    with pytest.raises(AssertionError, match="outside the KV pool"):
+    with pytest.raises(ValueError, match="outside the KV pool"):
         attention_cpu.paged_attention(case.q, case.k_cache, case.v_cache, tables, case.cu_seqlens_q,
                                       case.context_lens, case.scale)
     tables = case.block_tables.clone()
@@ -146,8 +208,16 @@ def test_a_bad_block_id_is_refused_before_the_kernel_reads_it(bad):
     torch.testing.assert_close(out, dense_attention(case), atol=2e-5, rtol=2e-5)
 
 
+def test_a_context_length_near_2_31_does_not_wrap_the_check():
+    case = make_case([1, 1], [10, 20], 4, 2, 64, seed=6)
+    lens = torch.tensor([2**31 - 1, 20], dtype=torch.int32)
+    with pytest.raises(ValueError, match="shorter than its context"):
+        attention_cpu.paged_attention(case.q, case.k_cache, case.v_cache, case.block_tables, case.cu_seqlens_q,
+                                      lens, case.scale)
+
+
 def test_a_decreasing_cu_seqlens_is_refused():
     case = make_case([1, 1], [4, 5], 4, 2, 64, seed=6)
-    with pytest.raises(AssertionError, match="never decrease"):
+    with pytest.raises(ValueError, match="never decrease"):
         attention_cpu.paged_attention(case.q, case.k_cache, case.v_cache, case.block_tables,
                                       torch.tensor([0, 2, 1], dtype=torch.int32), case.context_lens, case.scale)

@@ -15,7 +15,7 @@
 
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
-#define MAX_BLOCK 64
+#define MAX_BLOCK 32 /* the per-task arrays live on the stack: about 70 KB at these maxima */
 #define INLINE static inline __attribute__((always_inline))
 
 INLINE float bf16_to_f32(uint16_t x) {
@@ -61,7 +61,7 @@ INLINE float exp_nonpos(float x) {
     p = p * f + 1.0f;
     int32_t bits;
     memcpy(&bits, &p, sizeof bits);
-    bits += (int32_t)n << 23;
+    bits = (int32_t)((uint32_t)bits + ((uint32_t)(int32_t)n << 23)); /* n in [-126, 0]: a normal float */
     memcpy(&p, &bits, sizeof p);
     return p;
 }
@@ -206,7 +206,7 @@ INLINE int run(const void *q, const void *k_cache, const void *v_cache, const in
                int64_t table_stride, const int32_t *context_lens, const int32_t *cu_seqlens_q,
                const int32_t *seq_ids, int num_seqs, void *out, int hq, int hkv, int d, int bs, float scale,
                int num_threads, int bf16) {
-    if (hkv <= 0 || hq % hkv || hq / hkv > MAX_GROUP || d > MAX_HEAD_DIM || bs > MAX_BLOCK) return 1;
+    if (hkv <= 0 || hq % hkv || hq / hkv > MAX_GROUP || d <= 0 || d > MAX_HEAD_DIM || bs <= 0 || bs > MAX_BLOCK) return 1;
     const int64_t tasks = (int64_t)num_seqs * hkv;
 #pragma omp parallel for schedule(dynamic, 4) num_threads(num_threads)
     for (int64_t t = 0; t < tasks; t++) {
