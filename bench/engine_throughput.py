@@ -168,6 +168,22 @@ def matmul_roofline(engine: LLMEngine, tokens_per_step: int, repeats: int = 5) -
     return tokens_per_step / best
 
 
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise")
+
+
+def matmul_share(engine: LLMEngine, prompts, params) -> tuple[float, float]:
+    """Fraction of the wall time of one continuous run spent inside the model's matmuls: the
+    part no scheduling can remove, so it bounds what continuous batching can gain over a peer
+    that runs the same matmuls at the same speed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with Clock() as clock:
+            run_engine(engine, prompts, params)
+    spent = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in MATMUL_OPS) / 1e6
+    return spent / torch.get_num_threads() / clock.wall, clock.wall
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=96)
@@ -178,7 +194,7 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--mixed-prompts", type=int, default=48)
     ap.add_argument("--mixed-slots", type=int, default=16)
-    ap.add_argument("--skip", default="", help="comma list of: hf,static,mixed,prefix")
+    ap.add_argument("--skip", default="", help="comma list of: profile,hf,static,mixed,prefix")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     if args.threads:
@@ -206,6 +222,10 @@ def main() -> None:
           f"{cont.rate / roof:.0%} of it in output tokens, {(cont.tokens + prompt_tokens) / cont.cpu / roof:.0%} "
           f"counting the prompt tokens it also ran through the matmuls")
 
+    if "profile" not in skip:
+        share, wall = matmul_share(engine, prompts, greedy)
+        print(f"matmul share of the engine's time (the same run again under torch.profiler): {share:.0%} "
+              f"of {wall:.1f} s")
     best_hf, best_batch = None, min(len(prompts), 64)
     if "hf" not in skip:
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
