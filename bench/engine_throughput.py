@@ -63,6 +63,7 @@ class Timed:
     tokens: int
     wall: float
     cpu: float  # process CPU seconds / threads
+    rows: int = 0  # token rows run through the model's matmuls: prompts (padded in HF) and decode steps
 
     @property
     def rate(self) -> float:  # output tokens per CPU second: stable on a shared machine
@@ -96,7 +97,7 @@ def run_engine(engine: LLMEngine, prompts, params, static_batch: int | None = No
     params = params if isinstance(params, list) else [params] * len(prompts)
     engine.block_manager.reset_prefix_cache()
     chunk = static_batch or len(prompts)
-    tokens = 0
+    tokens = rows = 0
     with Clock() as clock:
         for lo in range(0, len(prompts), chunk):
             group = range(lo, min(lo + chunk, len(prompts)))
@@ -107,9 +108,10 @@ def run_engine(engine: LLMEngine, prompts, params, static_batch: int | None = No
                 engine.add_request(GenerationRequest(str(i), prompts[i], run_as))
             while engine.has_unfinished():
                 for result in engine.step():
-                    tokens += _own_tokens(result.outputs[0].token_ids, params[int(result.request_id)],
-                                          engine.eos_token_ids)
-    return Timed(tokens, clock.wall, clock.cpu)
+                    generated = result.outputs[0].token_ids
+                    tokens += _own_tokens(generated, params[int(result.request_id)], engine.eos_token_ids)
+                    rows += result.prompt_tokens - result.cached_tokens + max(len(generated) - 1, 0)
+    return Timed(tokens, clock.wall, clock.cpu, rows)
 
 
 def _own_tokens(token_ids: list[int], params: SamplingParams, eos: set[int]) -> int:
@@ -124,12 +126,12 @@ def _own_tokens(token_ids: list[int], params: SamplingParams, eos: set[int]) -> 
 
 def run_hf(model, tokenizer, prompts, max_tokens: int, batch: int, eos: set[int]) -> Timed:
     with Clock() as clock:
-        tokens = _hf_batches(model, tokenizer, prompts, max_tokens, batch, eos)
-    return Timed(tokens, clock.wall, clock.cpu)
+        tokens, rows = _hf_batches(model, tokenizer, prompts, max_tokens, batch, eos)
+    return Timed(tokens, clock.wall, clock.cpu, rows)
 
 
-def _hf_batches(model, tokenizer, prompts, max_tokens: int, batch: int, eos: set[int]) -> int:
-    tokens = 0
+def _hf_batches(model, tokenizer, prompts, max_tokens: int, batch: int, eos: set[int]) -> tuple[int, int]:
+    tokens = rows = 0
     for lo in range(0, len(prompts), batch):
         group = prompts[lo : lo + batch]
         width = max(len(p) for p in group)
@@ -141,7 +143,8 @@ def _hf_batches(model, tokenizer, prompts, max_tokens: int, batch: int, eos: set
         for row in out[:, width:].tolist():
             n = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
             tokens += n
-    return tokens
+        rows += len(group) * (width + out.shape[1] - width - 1)  # padded prompts, then one row a step each
+    return tokens, rows
 
 
 # ---- roofline ----
@@ -238,7 +241,8 @@ def main() -> None:
             if best_hf is None or timed.rate > best_hf.rate:
                 best_hf, best_batch = timed, batch
         del hf
-        print(f"engine / best HF static (batch {best_batch}): {cont.rate / best_hf.rate:.2f}x")
+        print(f"engine / best HF static (batch {best_batch}): {cont.rate / best_hf.rate:.2f}x; token rows through "
+              f"the matmuls: engine {cont.rows}, HF {best_hf.rows} ({best_hf.rows / cont.rows:.2f}x as many)")
     if "static" not in skip:
         static = run_engine(engine, prompts, greedy, static_batch=best_batch)
         print(f"engine, static batches of {best_batch}:     {static}; continuous / static "
