@@ -39,18 +39,13 @@ def _plan(block_tables, cu_seqlens_q, context_lens, num_blocks: int, block_size:
     plan = _last_plan
     if (plan is None or plan.pool != (num_blocks, block_size)
             or any(a is not b for a, b in zip(plan.key, key, strict=True))):
-        starts, ctx = cu_seqlens_q.tolist(), context_lens.tolist()
-        q_lens = [e - s for s, e in zip(starts[:-1], starts[1:], strict=True)]
-        if starts[0] != 0 or min(q_lens) < 0:
-            raise ValueError("cu_seqlens_q must start at 0 and never decrease")
-        decode = [b for b, n in enumerate(q_lens) if n == 1]
-        prefills = [(b, starts[b], n, ctx[b]) for b, n in enumerate(q_lens) if n > 1]
+        layout = attention_ref.step_layout(cu_seqlens_q, context_lens)
 
         def int32(t):
             return t.to(torch.int32).contiguous()
 
-        plan = _Plan(key, (num_blocks, block_size), starts[-1], torch.tensor(decode, dtype=torch.int32),
-                     prefills, int32(block_tables), int32(cu_seqlens_q), int32(context_lens))
+        plan = _Plan(key, (num_blocks, block_size), layout.starts[-1], torch.tensor(layout.decode, dtype=torch.int32),
+                     layout.prefills, int32(block_tables), int32(cu_seqlens_q), int32(context_lens))
         _check_tables(plan, num_blocks, block_size)
         _last_plan = plan
     return plan

@@ -71,11 +71,30 @@ class _Plan:
 _last_plan: _Plan | None = None
 
 
-def _make_plan(key, q_dtype, block_tables, cu_seqlens_q, context_lens, block_size) -> _Plan:
+@dataclass
+class StepLayout:
+    """How a step's tokens divide into sequences, read once from its metadata tensors."""
+
+    starts: list[int]  # cu_seqlens_q: first token of each sequence, then the token count
+    context_lens: list[int]
+    decode: list[int]  # sequences with one query token
+    prefills: list[tuple[int, int, int, int]]  # (sequence, first token, tokens, context length)
+
+
+def step_layout(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor) -> StepLayout:
     starts, ctx = cu_seqlens_q.tolist(), context_lens.tolist()
     q_lens = [e - s for s, e in zip(starts[:-1], starts[1:], strict=True)]
-    decode = sorted((b for b, n in enumerate(q_lens) if n == 1), key=ctx.__getitem__, reverse=True)
+    if starts[0] != 0 or min(q_lens) < 0:
+        raise ValueError("cu_seqlens_q must start at 0 and never decrease")
+    decode = [b for b, n in enumerate(q_lens) if n == 1]
     prefills = [(b, starts[b], n, ctx[b]) for b, n in enumerate(q_lens) if n > 1]
+    return StepLayout(starts, ctx, decode, prefills)
+
+
+def _make_plan(key, q_dtype, block_tables, cu_seqlens_q, context_lens, block_size) -> _Plan:
+    layout = step_layout(cu_seqlens_q, context_lens)
+    starts, ctx, prefills = layout.starts, layout.context_lens, layout.prefills
+    decode = sorted(layout.decode, key=ctx.__getitem__, reverse=True)
     device = block_tables.device
     buckets, tokens = [], None
     if decode:
