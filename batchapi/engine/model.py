@@ -7,7 +7,7 @@ into one matmul each (the loader concatenates the checkpoint's weights).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -23,6 +23,8 @@ class AttentionMetadata:
     context_lens: torch.Tensor  # [B] int32, KV length including this step's tokens
     max_seqlen_q: int  # host-side maxima, so the kernels need not read them from the device
     max_context_len: int
+    # KV slots copied in each layer after the store, wave by wave: [(src [C] int64, dst [C] int64)]
+    kv_copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 class Attention(nn.Module):
@@ -47,6 +49,10 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self.ops.rotary(q, k, positions, cos_sin)
         self.ops.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        for src, dst in meta.kv_copies:  # prefix reuse inside a block (scheduler.KVCopy)
+            for cache in (self.k_cache, self.v_cache):
+                flat = cache.view(-1, self.num_kv_heads, self.head_dim)  # [num_slots, Hkv, D]
+                flat[dst] = flat[src]
         out = self.ops.paged_attention(q, self.k_cache, self.v_cache, meta.block_tables,
                                        meta.cu_seqlens_q, meta.context_lens, self.scale,
                                        max_seqlen_q=meta.max_seqlen_q,

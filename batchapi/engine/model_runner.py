@@ -183,6 +183,11 @@ class ModelRunner:
         def tensor(values, dtype):
             return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
+        waves: dict[int, tuple[list[int], list[int]]] = {}
+        for copy in batch.kv_copies:
+            src, dst = waves.setdefault(copy.wave, ([], []))
+            src.extend(range(copy.src * bs, copy.src * bs + copy.num_tokens))
+            dst.extend(range(copy.dst * bs, copy.dst * bs + copy.num_tokens))
         meta = AttentionMetadata(
             slot_mapping=tensor(slots, torch.int64),
             block_tables=tensor(tables, torch.int32),
@@ -190,6 +195,7 @@ class ModelRunner:
             context_lens=tensor(context_lens, torch.int32),
             max_seqlen_q=max(batch.num_new_tokens),
             max_context_len=max(context_lens),
+            kv_copies=[(tensor(src, torch.int64), tensor(dst, torch.int64)) for _, (src, dst) in sorted(waves.items())],
         )
         return tensor(input_ids, torch.int64), tensor(positions, torch.int64), meta, tensor(logit_rows, torch.int64)
 

@@ -5,6 +5,12 @@ catches up with its ``num_tokens`` under a per-step token budget. A prompt is a 
 behind (chunked if the budget is short), a decode is one token behind, and both mix in one
 step. Running sequences go first, then waiting ones; when blocks run out the most recently
 admitted sequence is preempted and later recomputed.
+
+Prefix reuse is token-exact, not only block-exact: after the full cached blocks a new sequence
+reuses, the start of its next block is copied from a running sequence holding the same tokens
+there (a shared system prompt rarely ends on a block boundary). The copy is a ``KVCopy`` the
+model runs in every layer after storing the step's keys and values and before attention, so
+the donor may be computing those tokens in the same step.
 """
 
 from __future__ import annotations
@@ -17,10 +23,24 @@ from batchapi.engine.block_manager import BlockManager, chain_hash
 from batchapi.engine.sequence import Sequence, SequenceStatus
 
 
+@dataclass(frozen=True)
+class KVCopy:
+    """Copy the KV of the first ``num_tokens`` slots of block ``src`` into block ``dst``.
+
+    Copies of a higher ``wave`` run after those of lower ones: a wave-1 copy reads a block that
+    a wave-0 copy of the same step fills."""
+
+    src: int
+    dst: int
+    num_tokens: int
+    wave: int = 0
+
+
 @dataclass
 class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
+    kv_copies: list[KVCopy] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -166,11 +186,16 @@ class Scheduler:
                 if pending and group is not self.waiting.front and self._computed_now(seq, hashes, pending):
                     break  # its next blocks are being computed now: next step they are cache hits
                 num_cached = len(cached) * self.bm.block_size
-                n = min(seq.num_tokens - num_cached, budget)
-                if not self.bm.can_admit(cached, num_cached + n):
+                donor = self._find_donor(seq, num_cached, batch) if self.bm.enable_prefix_caching else None
+                copied = donor[1] if donor else 0
+                n = min(seq.num_tokens - num_cached - copied, budget)
+                if not self.bm.can_admit(cached, num_cached + copied + n):
                     full = True
                     break
-                self._admit(seq, cached, hashes, num_cached, n, batch)
+                self._admit(seq, cached, hashes, num_cached + copied, n, batch)
+                if donor:
+                    src, _, wave = donor
+                    batch.kv_copies.append(KVCopy(src, seq.block_table[len(cached)], copied, wave))
                 admitted.append(seq)
                 budget -= n
                 if self.bm.enable_prefix_caching:
@@ -179,6 +204,32 @@ class Scheduler:
                 break
         for seq in admitted:
             self.waiting.remove(seq)
+
+    def _find_donor(self, seq: Sequence, num_cached: int, batch: ScheduledBatch) -> tuple[int, int, int] | None:
+        """(block, tokens, wave) of the longest run of ``seq``'s next tokens that a running
+        sequence holds at the same place, or None. A donor's tokens count if computed before
+        this step or in it; tokens it received by a copy this step are read one wave later."""
+        bs = self.bm.block_size
+        start = num_cached  # a block boundary: the first token past the cache hits
+        limit = min(start + bs, seq.num_tokens - 1)  # leave a token to compute: its logits are needed
+        if limit <= start:
+            return None
+        want = seq.token_ids[start:limit]
+        scheduled = None
+        best, best_len = None, 0
+        for donor in self.running:
+            if donor.num_tokens <= start or donor.token_ids[start] != want[0] or len(donor.block_table) <= start // bs:
+                continue
+            if scheduled is None:
+                scheduled = dict(zip(batch.seqs, batch.num_new_tokens, strict=True))
+            have = donor.token_ids[start : min(donor.num_computed_tokens + scheduled.get(donor, 0), start + bs)]
+            m = next((i for i, (a, b) in enumerate(zip(have, want)) if a != b), min(len(have), len(want)))
+            if m > best_len and donor.token_ids[:start] == seq.token_ids[:start]:
+                best, best_len = donor.block_table[start // bs], m
+        if best is None:
+            return None
+        wave = next((copy.wave + 1 for copy in batch.kv_copies if copy.dst == best), 0)
+        return best, best_len, wave
 
     def _computed_now(self, seq: Sequence, hashes: list[int], pending: set[int]) -> bool:
         """Whether the first block of ``seq`` past its cache hits is one this step computes."""
@@ -191,7 +242,10 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, cached: list[int], hashes: list[int], num_cached: int, n: int,
                batch: ScheduledBatch) -> None:
+        """Admit ``seq`` with its first ``num_cached`` tokens reused: ``cached`` blocks, then any
+        tokens the caller copies into its next block."""
         self.bm.admit(seq, cached, hashes, num_cached + n)
+        seq.num_computed_tokens = num_cached
         if seq.num_output_tokens == 0:  # first admission, not a recompute after preemption
             seq.num_cached_tokens = num_cached
         seq.status = SequenceStatus.RUNNING

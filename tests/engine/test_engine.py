@@ -93,6 +93,29 @@ def test_prefix_caching_on_and_off_give_the_same_tokens(tiny_llama_dir):
     assert all(r.cached_tokens >= shared_blocks for r in on[1:])
 
 
+def test_prefix_reuse_inside_a_block_gives_the_same_tokens(tiny_llama_dir):
+    # b reuses 3 of a's tokens, c 5 of b's (3 of which b receives by a copy in the same step);
+    # d, added a step later, hits a's first block and copies 4 more tokens from it
+    long = list(range(100, 120))
+    prompts = [[5, 6, 7, 50, 51], [5, 6, 7, 8, 9, 60], [5, 6, 7, 8, 9, 61, 62], long + [70, 71],
+               long[:16] + [long[16], long[17], long[18], long[19], 80]]
+
+    def staged(engine):
+        for i in range(4):
+            engine.add_request(GenerationRequest(f"r{i}", prompts[i], greedy(8)))
+        results = {r.request_id: r for r in engine.step()}
+        engine.add_request(GenerationRequest("r4", prompts[4], greedy(8)))
+        while engine.has_unfinished():
+            results.update((r.request_id, r) for r in engine.step())
+        return [results[f"r{i}"] for i in range(len(prompts))]
+
+    off = staged(engine_for(tiny_llama_dir, enable_prefix_caching=False))
+    engine = engine_for(tiny_llama_dir, enable_prefix_caching=True)
+    on = staged(engine)
+    assert [r.outputs[0].token_ids for r in on] == [r.outputs[0].token_ids for r in off]
+    assert [r.cached_tokens for r in on] == [0, 3, 5, 0, 20]
+
+
 def test_small_kv_pool_preempts_and_still_matches(tiny_llama_dir):
     prompts = tokenize(tiny_llama_dir, PROMPTS)
     expected = run(engine_for(tiny_llama_dir), prompts, greedy(40))

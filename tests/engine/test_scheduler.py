@@ -105,3 +105,47 @@ def test_abort_frees_blocks():
     assert [s.request_id for s in sched.abort("a")] == ["a"]
     assert sched.bm.num_free_blocks == 14 and a not in sched.running
     assert [s.request_id for s in sched.abort("b")] == ["b"] and not sched.has_work()
+
+
+def test_partial_block_prefix_is_copied_from_a_sequence_admitted_in_the_same_step():
+    from batchapi.engine.scheduler import KVCopy
+
+    sched = make(block_size=4, budget=64, max_num_seqs=8)
+    a = add(sched, "a", [1, 9, 9])
+    b = add(sched, "b", [1, 2, 3, 5])
+    c = add(sched, "c", [1, 2, 3])
+    batch = sched.schedule()
+    # b reuses a's first token; c reuses b's first two, one of which b itself receives by a
+    # copy this step: c's copy runs in the next wave. Each leaves its last token to compute.
+    assert [(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)] == [
+        ("a", 3), ("b", 3), ("c", 1)]
+    assert (a.block_table, b.block_table, c.block_table) == ([0], [1], [2])
+    assert batch.kv_copies == [KVCopy(src=0, dst=1, num_tokens=1, wave=0), KVCopy(src=1, dst=2, num_tokens=2, wave=1)]
+    assert (b.num_computed_tokens, b.num_cached_tokens, c.num_computed_tokens, c.num_cached_tokens) == (1, 1, 2, 2)
+
+
+def test_partial_block_prefix_after_cached_blocks_comes_from_a_running_sequence():
+    from batchapi.engine.scheduler import KVCopy
+
+    sched = make(block_size=4, budget=64, max_num_seqs=8)
+    a = add(sched, "a", [1, 2, 3, 4, 5, 6, 7])
+    step(sched)  # a's prompt is computed and a token 7 appended: a = 1..7, 7
+    b = add(sched, "b", [1, 2, 3, 4, 5, 6, 8, 9])
+    d = add(sched, "d", [1, 2, 3, 4, 5, 6])
+    batch = sched.schedule()
+    # block 0 is a cache hit for both; block 1 starts with a's 5, 6 (a decodes its 7 there this
+    # step, so that one counts too); d's prompt lies wholly in a, but its last token is computed
+    assert [(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)] == [
+        ("a", 1), ("b", 2), ("d", 1)]
+    assert b.block_table[0] == d.block_table[0] == a.block_table[0]
+    assert batch.kv_copies == [KVCopy(a.block_table[1], b.block_table[1], 2), KVCopy(a.block_table[1], d.block_table[1], 1)]
+    assert (b.num_cached_tokens, d.num_cached_tokens) == (6, 5)
+
+
+def test_no_partial_copies_without_prefix_caching():
+    sched = make(block_size=4, budget=64, max_num_seqs=8, caching=False)
+    add(sched, "a", [1, 2, 3, 4, 5])
+    step(sched)
+    add(sched, "b", [1, 2, 3, 4, 5, 6])
+    batch = sched.schedule()
+    assert batch.kv_copies == [] and batch.num_new_tokens == [1, 6]
