@@ -3,9 +3,11 @@
 The torch twin gathers every decode sequence's blocks into a padded copy before its SDPA; on a
 small CPU that copy and SDPA's per-head overhead cost a quarter of a decode step at 100 tokens
 of context, more at longer ones. The C kernel reads the blocks where they lie, once, for all
-query heads of a KV head. Prefill runs (more than one query token) keep the twin's SDPA, which
-is efficient there. Tensors the kernel does not take (fp16, block size over 32, more than 16
-query heads a KV head, head size over 256) go to the twin whole.
+query heads of a KV head. A short prefill run (up to PREFILL_ROWS_IN_C query tokens: chat
+prompts past their cached prefix) goes to the same kernel as one row per token, each with its
+own causal context length; a longer one keeps the twin's SDPA, whose matmuls win there.
+Tensors the kernel does not take (fp16, block size over 32, more than 16 query heads a KV head,
+head size over 256) go to the twin whole.
 """
 
 from __future__ import annotations
@@ -16,17 +18,20 @@ import torch
 
 from batchapi.kernels import attention_ref, native
 
+PREFILL_ROWS_IN_C = 64  # longest prefill run sent to the C kernel; per row it costs a decode token's attention
+
 
 @dataclass
 class _Plan:
     key: tuple  # the step's metadata tensors (held, so their ids stay theirs)
     pool: tuple[int, int]  # (num_blocks, block_size) of the caches the tables were checked against
     num_tokens: int
-    decode_seqs: torch.Tensor  # [Bd] int32
-    prefills: list[tuple[int, int, int, int]]  # (sequence, first token, tokens, context length)
-    tables: torch.Tensor  # block_tables as int32, contiguous
-    cu_seqlens_q: torch.Tensor
-    context_lens: torch.Tensor
+    # the C kernel's rows: decode tokens and the tokens of short prefill runs, one query row each
+    rows: torch.Tensor  # [R] int32, 0..R-1
+    tables: torch.Tensor  # [R, max_blocks] int32: the block table of each row's sequence
+    q_rows: torch.Tensor  # [R + 1] int32: each row's token in q (its "cu_seqlens_q"), then T
+    context_lens: torch.Tensor  # [R] int32: the keys each row attends to (causal within a prefill)
+    prefills: list[tuple[int, int, int, int]]  # the twin's: (sequence, first token, tokens, context length)
 
 
 _last_plan: _Plan | None = None
@@ -40,12 +45,17 @@ def _plan(block_tables, cu_seqlens_q, context_lens, num_blocks: int, block_size:
     if (plan is None or plan.pool != (num_blocks, block_size)
             or any(a is not b for a, b in zip(plan.key, key, strict=True))):
         layout = attention_ref.step_layout(cu_seqlens_q, context_lens)
-
-        def int32(t):
-            return t.to(torch.int32).contiguous()
-
-        plan = _Plan(key, (num_blocks, block_size), layout.starts[-1], torch.tensor(layout.decode, dtype=torch.int32),
-                     layout.prefills, int32(block_tables), int32(cu_seqlens_q), int32(context_lens))
+        runs = [(b, layout.starts[b], 1, layout.context_lens[b]) for b in layout.decode]
+        runs += [run for run in layout.prefills if run[2] <= PREFILL_ROWS_IN_C]
+        prefills = [run for run in layout.prefills if run[2] > PREFILL_ROWS_IN_C]
+        seqs = [b for b, _, n, _ in runs for _ in range(n)]
+        q_rows = [row for _, start, n, _ in runs for row in range(start, start + n)]
+        lens = [length for _, _, n, ctx in runs for length in range(ctx - n + 1, ctx + 1)]
+        index = torch.tensor(seqs, dtype=torch.long)
+        plan = _Plan(key, (num_blocks, block_size), layout.starts[-1], torch.arange(len(seqs), dtype=torch.int32),
+                     block_tables.to(torch.int32)[index].contiguous(),
+                     torch.tensor(q_rows + [layout.starts[-1]], dtype=torch.int32),
+                     torch.tensor(lens, dtype=torch.int32), prefills)
         _check_tables(plan, num_blocks, block_size)
         _last_plan = plan
     return plan
@@ -53,15 +63,14 @@ def _plan(block_tables, cu_seqlens_q, context_lens, num_blocks: int, block_size:
 
 def _check_tables(plan: _Plan, num_blocks: int, block_size: int) -> None:
     """The C kernel trusts the block tables: a bad id would read outside the pool, so check the
-    blocks each decode sequence's context covers, once a step, before any layer reads them.
+    blocks each row's context covers, once a step, before any layer reads them.
     Raised, not asserted, so that ``python -O`` keeps the check."""
-    if not plan.decode_seqs.numel():
+    if not plan.rows.numel():
         return
-    seqs = plan.decode_seqs.long()
-    lens, tables = plan.context_lens[seqs].long(), plan.tables[seqs]  # int64: no wrap near 2^31
+    lens, tables = plan.context_lens.long(), plan.tables.long()  # int64: no wrap near 2^31
     if int(lens.min()) < 1:
-        raise ValueError("a decode sequence has an empty context")
-    blocks = (lens + block_size - 1) // block_size  # [Bd] blocks each context covers
+        raise ValueError("a query token has an empty context")
+    blocks = (lens + block_size - 1) // block_size  # [R] blocks each context covers
     if int(blocks.max()) > tables.shape[1]:
         raise ValueError("a block table is shorter than its context")
     ids = tables[torch.arange(tables.shape[1])[None, :] < blocks[:, None]]
@@ -89,9 +98,8 @@ def paged_attention(
     assert plan.num_tokens == q.shape[0], f"cu_seqlens_q ends at {plan.num_tokens}, q has {q.shape[0]} tokens"
     q = q.contiguous()
     out = torch.empty_like(q)
-    if plan.decode_seqs.numel():
-        native.paged_decode(q, k_cache, v_cache, plan.tables, plan.cu_seqlens_q, plan.context_lens,
-                            plan.decode_seqs, out, scale)
+    if plan.rows.numel():
+        native.paged_decode(q, k_cache, v_cache, plan.tables, plan.q_rows, plan.context_lens, plan.rows, out, scale)
     for b, s, n, ctx in plan.prefills:
         out[s : s + n] = attention_ref._prefill_one(q[s : s + n], k_cache, v_cache, block_tables[b], ctx, scale)
     return out

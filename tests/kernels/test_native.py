@@ -58,13 +58,14 @@ def test_decode_edges_match_dense(hkv, group, d, block_size, dtype, c_only):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mixed_step_decode_in_c_prefill_in_the_twin(dtype, c_only):
-    # decode rows, a whole prompt, a chunk on a cached prefix: one step, as the engine sends it
+def test_mixed_step_decode_and_short_prefills_in_c(dtype, c_only):
+    # decode rows, a whole prompt, a chunk on a cached prefix: one step, as the engine sends it;
+    # the prefills' tokens go to C as rows of their own (routing: test_attention_cpu.py)
     q_lens, ctx_lens = [1, 20, 1, 7, 1], [50, 20, 1, 40, 129]
     case = make_case(q_lens, ctx_lens, 6, 2, 64, dtype=dtype, seed=3)
     out = attention_cpu.paged_attention(*case.args(), case.scale)
     torch.testing.assert_close(out, dense_attention(case), atol=TOL[dtype], rtol=TOL[dtype])
-    assert c_only == [3]
+    assert c_only == [3 + 20 + 7]
 
 
 def test_long_context_with_large_logits(c_only):
