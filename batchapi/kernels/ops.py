@@ -1,8 +1,8 @@
-"""Choose the kernel set: Triton kernels on CUDA; on CPU the C decode attention with the torch twins."""
+"""Choose the kernel set: Triton kernels on CUDA; on CPU the C kernels, falling back to the torch twins."""
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -36,8 +36,18 @@ TORCH_OPS = Ops(
     silu_and_mul=reference.silu_and_mul,
 )
 
-# the torch twins, but decode attention reads the KV blocks in place in C (attention_cpu.py)
-CPU_OPS = replace(TORCH_OPS, name="cpu", paged_attention=attention_cpu.paged_attention)
+# C kernels (native.py): decode attention reads the KV blocks in place (attention_cpu.py); the
+# elementwise ops run fused, one pass each. Tensors they do not take, and every op whose library
+# failed to build, go to the torch twins.
+CPU_OPS = Ops(
+    name="cpu",
+    store_kvcache=native.store_kvcache,
+    paged_attention=attention_cpu.paged_attention,
+    rms_norm=native.rms_norm,
+    fused_add_rms_norm=native.fused_add_rms_norm,
+    rotary=native.rotary,
+    silu_and_mul=native.silu_and_mul,
+)
 
 
 def _triton_ops() -> Ops:

@@ -1,0 +1,247 @@
+"""The C elementwise kernels (kernels/native.py, csrc/elementwise.c) against their torch twins.
+
+fp32 matches the twin to rounding (the variance sum's order and the exp differ); bf16 matches it
+element for element but for rare one-ulp differences where such an fp32 difference lands on a
+bf16 rounding tie.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from batchapi.kernels import CPU_OPS, TORCH_OPS, get_ops, native
+from batchapi.kernels.rope import build_rope_cache
+
+TWIN = TORCH_OPS
+DTYPES = [torch.float32, torch.bfloat16]
+SHAPES = [(1, 8), (3, 72), (96, 576), (5, 100), (2, 1)]  # (rows, size): odd sizes take the masked tail
+ELEMENTWISE = ["rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul", "store_kvcache"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    assert native.load_elementwise() is not None, "the test machine has a C compiler: the kernels must build"
+
+
+@pytest.fixture
+def c_only(monkeypatch):
+    """A fall-back to a twin fails the test (the oracles, TWIN's, stay the real ones)."""
+    def fail(name):
+        return lambda *a, **k: pytest.fail(f"{name} went to the twin")
+
+    monkeypatch.setattr(native, "reference", SimpleNamespace(**{name: fail(name) for name in ELEMENTWISE}))
+
+
+def randn(*shape, dtype, scale=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+
+def assert_matches(out: torch.Tensor, twin: torch.Tensor) -> None:
+    assert out.dtype == twin.dtype and out.shape == twin.shape
+    assert torch.equal(out.isnan(), twin.isnan()), "NaN where the twin has none, or the reverse"
+    out, twin = out[~twin.isnan()], twin[~twin.isnan()]
+    if twin.dtype == torch.float32:
+        torch.testing.assert_close(out, twin, rtol=1e-6, atol=1e-30)
+        return
+    differ = out != twin
+    assert differ.float().mean() < 0.005, f"{int(differ.sum())} of {differ.numel()} elements differ"
+    ulps = (out[differ].view(torch.int16).int() - twin[differ].view(torch.int16).int()).abs()
+    assert ulps.numel() == 0 or int(ulps.max()) <= 1, f"a difference of {int(ulps.max())} bf16 ulps"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "hidden"), SHAPES)
+def test_norms_match_the_twin(rows, hidden, dtype, c_only):
+    x, residual = randn(rows, hidden, dtype=dtype, seed=1), randn(rows, hidden, dtype=dtype, scale=3, seed=2)
+    weight = randn(hidden, dtype=dtype, seed=3)
+    assert_matches(native.rms_norm(x, weight, 1e-6), TWIN.rms_norm(x, weight, 1e-6))
+    normed, summed = native.fused_add_rms_norm(x, residual, weight, 1e-5)
+    twin_normed, twin_summed = TWIN.fused_add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(summed, twin_summed), "one add, rounded once: no room for a difference"
+    assert_matches(normed, twin_normed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "inter"), SHAPES + [(96, 1536)])
+def test_silu_and_mul_matches_the_twin(rows, inter, dtype, c_only):
+    x = randn(rows, 2 * inter, dtype=dtype, scale=4, seed=inter)  # gates far into both tails of the exp
+    assert_matches(native.silu_and_mul(x), TWIN.silu_and_mul(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_at_the_edges_of_the_exp(dtype, c_only):
+    gates = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 20.0, -20.0, 88.0, -88.0, 89.0, -89.0, 104.0, -104.0, 200.0,
+                          -200.0, 3e38, -3e38, float("inf"), float("-inf"), float("nan"), 0.5, -0.5, 1.0])
+    up = torch.linspace(-3, 3, gates.numel())
+    x = torch.cat([gates, up])[None].to(dtype)  # [1, 2I]
+    assert_matches(native.silu_and_mul(x), TWIN.silu_and_mul(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norms_keep_nan_and_inf(dtype, c_only):
+    x = randn(4, 40, dtype=dtype, seed=5)
+    x[1, 3], x[2, 7], x[3, 0] = float("nan"), float("inf"), 1e30
+    residual, weight = randn(4, 40, dtype=dtype, seed=6), randn(40, dtype=dtype, seed=7)
+    assert_matches(native.rms_norm(x, weight, 1e-6), TWIN.rms_norm(x, weight, 1e-6))
+    for out, twin in zip(native.fused_add_rms_norm(x, residual, weight, 1e-6),
+                         TWIN.fused_add_rms_norm(x, residual, weight, 1e-6), strict=True):
+        assert_matches(out, twin)
+
+
+def qkv_views(rows, hq, hkv, d, dtype, seed=0):
+    """q, k, v as the engine makes them: column slices of one qkv matrix (rows dense, strided)."""
+    qkv = randn(rows, (hq + 2 * hkv) * d, dtype=dtype, scale=2, seed=seed)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    return q.view(rows, hq, d), k.view(rows, hkv, d), v.view(rows, hkv, d)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cache_dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "hq", "hkv", "d"), [(96, 9, 3, 64), (1, 4, 4, 8), (3, 2, 1, 72), (5, 3, 1, 100),
+                                                      (2, 1, 1, 2)])
+def test_rotary_matches_the_twin(rows, hq, hkv, d, dtype, cache_dtype, c_only):
+    q, k, _ = qkv_views(rows, hq, hkv, d, dtype, seed=d)
+    cos_sin = build_rope_cache(d, 4096, 10000.0, None, "cpu", cache_dtype)
+    positions = torch.randperm(4096, generator=torch.Generator().manual_seed(rows))[:rows]  # out of order
+    for out, twin in zip(native.rotary(q, k, positions, cos_sin), TWIN.rotary(q, k, positions, cos_sin),
+                         strict=True):
+        assert_matches(out, twin)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+def test_store_kvcache_matches_the_twin(dtype, slot_dtype, c_only):
+    _, k, v = qkv_views(7, 6, 2, 64, dtype)
+    slots = torch.tensor([5, -1, 63, 0, 17, -1, 40], dtype=slot_dtype)  # -1: skipped
+    caches = [torch.zeros(4, 16, 2, 64, dtype=dtype) for _ in range(4)]
+    native.store_kvcache(k, v, caches[0], caches[1], slots)
+    TWIN.store_kvcache(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+def test_non_contiguous_inputs_are_copied_not_misread(c_only):
+    x = randn(72, 5, dtype=torch.bfloat16, seed=8).t()  # [5, 72], columns dense: no row is
+    weight = randn(144, dtype=torch.bfloat16, seed=9)[::2]
+    assert_matches(native.rms_norm(x, weight, 1e-6), TWIN.rms_norm(x, weight, 1e-6))
+    gate_up = randn(64, 6, dtype=torch.float32, seed=10).t()
+    assert_matches(native.silu_and_mul(gate_up), TWIN.silu_and_mul(gate_up))
+    q = randn(3, 64, 4, dtype=torch.float32, seed=11).transpose(1, 2)  # [3, 4, 64], heads interleaved
+    k = randn(3, 2, 64, dtype=torch.float32, seed=12)
+    cos_sin = build_rope_cache(64, 16, 10000.0, None, "cpu", torch.float32)
+    positions = torch.tensor([3, 0, 15])
+    for out, twin in zip(native.rotary(q, k, positions, cos_sin), TWIN.rotary(q, k, positions, cos_sin),
+                         strict=True):
+        assert_matches(out, twin)
+
+
+def test_threads_split_rows_without_changing_them():
+    x, residual = randn(96, 576, dtype=torch.bfloat16, seed=13), randn(96, 576, dtype=torch.bfloat16, seed=14)
+    weight, gate_up = randn(576, dtype=torch.bfloat16, seed=15), randn(96, 3072, dtype=torch.bfloat16, seed=16)
+    q, k, _ = qkv_views(96, 9, 3, 64, torch.bfloat16)
+    cos_sin, positions = build_rope_cache(64, 512, 10000.0, None, "cpu", torch.bfloat16), torch.arange(96) * 5
+
+    def run():
+        return [*native.fused_add_rms_norm(x, residual, weight, 1e-5), native.silu_and_mul(gate_up),
+                *native.rotary(q, k, positions, cos_sin)]
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run()
+        torch.set_num_threads(2)
+        two = run()
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
+
+
+class _Untouchable:
+    def __getattr__(self, name):
+        pytest.fail(f"{name} was called in C")
+
+
+def test_what_c_does_not_take_goes_to_the_twin(monkeypatch):
+    monkeypatch.setattr(native, "load_elementwise", _Untouchable)
+    x16, w16 = randn(3, 64, dtype=torch.float16), randn(64, dtype=torch.float16)
+    assert torch.equal(native.rms_norm(x16, w16, 1e-6), TWIN.rms_norm(x16, w16, 1e-6))  # no fp16 in C
+    x = randn(3, 64, dtype=torch.bfloat16)
+    w32 = randn(64, dtype=torch.float32)  # the twin's weight * y promotes to fp32
+    assert torch.equal(native.rms_norm(x, w32, 1e-6), TWIN.rms_norm(x, w32, 1e-6))
+    assert torch.equal(native.fused_add_rms_norm(x, x.float(), w32, 1e-6)[0],
+                       TWIN.fused_add_rms_norm(x, x.float(), w32, 1e-6)[0])
+    x3 = randn(2, 3, 64, dtype=torch.bfloat16)  # not [N, H]
+    assert torch.equal(native.silu_and_mul(x3), TWIN.silu_and_mul(x3))
+    q, k, v = qkv_views(3, 2, 1, 64, torch.float16)
+    cos_sin = build_rope_cache(64, 8, 10000.0, None, "cpu", torch.float16)
+    assert all(torch.equal(a, b) for a, b in zip(native.rotary(q, k, torch.arange(3), cos_sin),
+                                                 TWIN.rotary(q, k, torch.arange(3), cos_sin), strict=True))
+    caches = [torch.zeros(2, 4, 1, 64, dtype=torch.bfloat16) for _ in range(4)]  # fp16 rows into bf16 caches
+    native.store_kvcache(k, v, caches[0], caches[1], torch.arange(3))
+    TWIN.store_kvcache(k, v, caches[2], caches[3], torch.arange(3))
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+@pytest.mark.parametrize("bad", [-1, 16])
+def test_a_position_outside_cos_sin_is_refused(bad):
+    q, k, _ = qkv_views(3, 2, 1, 64, torch.bfloat16)
+    cos_sin = build_rope_cache(64, 16, 10000.0, None, "cpu", torch.bfloat16)
+    with pytest.raises(ValueError, match=rf"positions \[{bad}\] lie outside cos_sin's 16 rows"):
+        native.rotary(q, k, torch.tensor([0, bad, 2]), cos_sin)
+
+
+def test_a_slot_past_the_caches_is_refused_before_anything_is_written():
+    _, k, v = qkv_views(3, 2, 1, 64, torch.float32)
+    k_cache, v_cache = torch.zeros(2, 4, 1, 64), torch.zeros(2, 4, 1, 64)
+    with pytest.raises(ValueError, match=r"slots \[8\] lie outside the KV caches' 8 slots"):
+        native.store_kvcache(k, v, k_cache, v_cache, torch.tensor([0, 8, -1]))
+    assert not k_cache.any() and not v_cache.any()
+
+
+def test_cpu_ops_use_the_c_kernels():
+    assert get_ops("cpu", "cpu") is CPU_OPS
+    assert [getattr(CPU_OPS, name) for name in ELEMENTWISE] == [getattr(native, name) for name in ELEMENTWISE]
+
+
+def test_build_is_cached_apart_from_the_decode_kernel(tmp_path, monkeypatch):
+    monkeypatch.setenv("BATCHAPI_NATIVE_DIR", str(tmp_path))
+    assert native._load_elementwise() is not None
+    built = [p.name for p in tmp_path.iterdir()]
+    assert len(built) == 1 and built[0].startswith("elementwise-") and built[0].endswith(".so")
+    mtime = (tmp_path / built[0]).stat().st_mtime_ns
+    assert native._load_elementwise() is not None
+    assert (tmp_path / built[0]).stat().st_mtime_ns == mtime, "a second load rebuilt the library"
+
+
+def test_a_failed_build_leaves_these_ops_on_the_twins(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("BATCHAPI_NATIVE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setattr(native, "_state", {})
+    assert native.load_elementwise() is None
+    assert "building elementwise.c failed" in caplog.text
+    x, w = randn(3, 64, dtype=torch.bfloat16), randn(64, dtype=torch.bfloat16)
+    assert torch.equal(CPU_OPS.rms_norm(x, w, 1e-6), TWIN.rms_norm(x, w, 1e-6))
+
+
+def test_the_portable_c_matches_the_twin_too(tmp_path, monkeypatch):
+    """The loops for CPUs without AVX-512, built here with it turned off."""
+    monkeypatch.setenv("BATCHAPI_NATIVE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "CFLAGS", [*native.CFLAGS, "-mno-avx512f"])
+    monkeypatch.setattr(native, "_state", {})
+    assert native.load_elementwise() is not None
+    for dtype in DTYPES:
+        x, residual = randn(5, 100, dtype=dtype, seed=1), randn(5, 100, dtype=dtype, seed=2)
+        weight = randn(100, dtype=dtype, seed=3)
+        for out, twin in zip(native.fused_add_rms_norm(x, residual, weight, 1e-5),
+                             TWIN.fused_add_rms_norm(x, residual, weight, 1e-5), strict=True):
+            assert_matches(out, twin)
+        assert_matches(native.rms_norm(x, weight, 1e-5), TWIN.rms_norm(x, weight, 1e-5))
+        gate_up = randn(7, 2 * 72, dtype=dtype, scale=4, seed=4)
+        assert_matches(native.silu_and_mul(gate_up), TWIN.silu_and_mul(gate_up))
+        q, k, _ = qkv_views(5, 3, 1, 72, dtype)
+        cos_sin = build_rope_cache(72, 64, 10000.0, None, "cpu", dtype)
+        positions = torch.tensor([9, 3, 63, 0, 10])
+        for out, twin in zip(native.rotary(q, k, positions, cos_sin), TWIN.rotary(q, k, positions, cos_sin),
+                             strict=True):
+            assert_matches(out, twin)
