@@ -90,6 +90,15 @@ def test_norms_keep_nan_and_inf(dtype, c_only):
         assert_matches(out, twin)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_denormal_results_round_as_the_twin_rounds(dtype, c_only):
+    x = randn(3, 48, dtype=dtype, seed=17)
+    weight = torch.full((48,), 3e-39).to(dtype)  # weight * y lands below fp32's smallest normal
+    out = native.rms_norm(x, weight, 1e-6)
+    assert (out != 0).any() and (out.abs() < 1.1754944e-38).all()
+    assert torch.equal(out, TWIN.rms_norm(x, weight, 1e-6))
+
+
 def qkv_views(rows, hq, hkv, d, dtype, seed=0):
     """q, k, v as the engine makes them: column slices of one qkv matrix (rows dense, strided)."""
     qkv = randn(rows, (hq + 2 * hkv) * d, dtype=dtype, scale=2, seed=seed)
@@ -164,23 +173,26 @@ class _Untouchable:
 
 def test_what_c_does_not_take_goes_to_the_twin(monkeypatch):
     monkeypatch.setattr(native, "load_elementwise", _Untouchable)
+
+    def same(out, twin):
+        return all(torch.equal(a, b) for a, b in zip(out, twin, strict=True))
+
     x16, w16 = randn(3, 64, dtype=torch.float16), randn(64, dtype=torch.float16)
     assert torch.equal(native.rms_norm(x16, w16, 1e-6), TWIN.rms_norm(x16, w16, 1e-6))  # no fp16 in C
-    x = randn(3, 64, dtype=torch.bfloat16)
-    w32 = randn(64, dtype=torch.float32)  # the twin's weight * y promotes to fp32
+    x, w32 = randn(3, 64, dtype=torch.bfloat16), randn(64, dtype=torch.float32)  # the twin promotes to fp32
     assert torch.equal(native.rms_norm(x, w32, 1e-6), TWIN.rms_norm(x, w32, 1e-6))
-    assert torch.equal(native.fused_add_rms_norm(x, x.float(), w32, 1e-6)[0],
-                       TWIN.fused_add_rms_norm(x, x.float(), w32, 1e-6)[0])
+    assert same(native.fused_add_rms_norm(x, x.float(), w32, 1e-6), TWIN.fused_add_rms_norm(x, x.float(), w32, 1e-6))
     x3 = randn(2, 3, 64, dtype=torch.bfloat16)  # not [N, H]
     assert torch.equal(native.silu_and_mul(x3), TWIN.silu_and_mul(x3))
-    q, k, v = qkv_views(3, 2, 1, 64, torch.float16)
-    cos_sin = build_rope_cache(64, 8, 10000.0, None, "cpu", torch.float16)
-    assert all(torch.equal(a, b) for a, b in zip(native.rotary(q, k, torch.arange(3), cos_sin),
-                                                 TWIN.rotary(q, k, torch.arange(3), cos_sin), strict=True))
+    for d, dtype in [(64, torch.float16), (520, torch.float32)]:  # fp16; heads over 512
+        q, k, _ = qkv_views(3, 2, 1, d, dtype)
+        cos_sin = build_rope_cache(d, 8, 10000.0, None, "cpu", dtype)
+        assert same(native.rotary(q, k, torch.arange(3), cos_sin), TWIN.rotary(q, k, torch.arange(3), cos_sin))
+    _, k, v = qkv_views(3, 2, 1, 64, torch.float16)
     caches = [torch.zeros(2, 4, 1, 64, dtype=torch.bfloat16) for _ in range(4)]  # fp16 rows into bf16 caches
     native.store_kvcache(k, v, caches[0], caches[1], torch.arange(3))
     TWIN.store_kvcache(k, v, caches[2], caches[3], torch.arange(3))
-    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert same(caches[:2], caches[2:])
 
 
 @pytest.mark.parametrize("bad", [-1, 16])
