@@ -1,10 +1,11 @@
 """The C elementwise kernels (kernels/native.py, csrc/elementwise.c) against their torch twins.
 
-fp32 matches the twin to rounding (the variance sum's order and the exp differ); bf16 matches it
-element for element but for rare one-ulp differences where such an fp32 difference lands on a
-bf16 rounding tie.
+fp32 matches the twin to rounding (silu's exp differs, and off x86 the variance sum's order may);
+bf16 matches it element for element but for rare one-ulp differences where such an fp32 difference
+lands on a bf16 rounding tie.
 """
 
+import platform
 from types import SimpleNamespace
 
 import pytest
@@ -61,6 +62,18 @@ def test_norms_match_the_twin(rows, hidden, dtype, c_only):
     twin_normed, twin_summed = TWIN.fused_add_rms_norm(x, residual, weight, 1e-5)
     assert torch.equal(summed, twin_summed), "one add, rounded once: no room for a difference"
     assert_matches(normed, twin_normed)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="torch's x86 sum kernel (8 lanes)")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [5, 8, 100, 576, 2048, 4096 + 72])  # 2048 and up: the sum's cascade
+def test_norms_add_the_squares_in_torchs_order(hidden, dtype, c_only):
+    # the same variance bit for bit, so outputs equal to the twin's, not just close
+    x = randn(8, hidden, dtype=dtype, scale=5, seed=hidden)
+    residual, weight = randn(8, hidden, dtype=dtype, seed=1), randn(hidden, dtype=dtype, seed=2)
+    assert torch.equal(native.rms_norm(x, weight, 1e-6), TWIN.rms_norm(x, weight, 1e-6))
+    assert torch.equal(native.fused_add_rms_norm(x, residual, weight, 1e-6)[0],
+                       TWIN.fused_add_rms_norm(x, residual, weight, 1e-6)[0])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

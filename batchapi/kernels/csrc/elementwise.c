@@ -4,7 +4,7 @@
  * Each reproduces its torch twin (batchapi/kernels/reference.py) rounding for rounding. In bf16
  * every torch op rounds its fp32 result to bf16 (nearest even), so these round after the same
  * steps; in fp32 they take the same steps without the roundings (and without fused multiply-adds:
- * -std=c11 keeps gcc from contracting). Only the order of the variance sum and the exp differ.
+ * -std=c11 keeps gcc from contracting). Only the exp differs; even the variance adds in torch's order.
  *
  * Layouts: an input is [rows, ...] with each row dense and `*_stride` elements from one row to
  * the next (the engine's q, k and v are column slices of one qkv matrix); outputs are contiguous.
@@ -48,7 +48,6 @@ INLINE vec add(vec a, vec b) { return _mm512_add_ps(a, b); }
 INLINE vec sub(vec a, vec b) { return _mm512_sub_ps(a, b); }
 INLINE vec mul(vec a, vec b) { return _mm512_mul_ps(a, b); }
 INLINE vec splat(float x) { return _mm512_set1_ps(x); }
-INLINE float sum(vec x) { return _mm512_reduce_add_ps(x); }
 
 /* x rounded to bf16 (kept in fp32) when bf16, else x. Without torch's NaN test: every value that
  * reaches it came from bf16 storage or from arithmetic on such values, so a NaN's low 16 bits are
@@ -145,35 +144,110 @@ INLINE void store(void *p, int64_t i, int64_t left, pair x, int bf16) {
 }
 #endif
 
+INLINE vec rms_scale(vec s, vec inv, vec w, int bf16) { return rnd(mul(w, rnd(mul(s, inv), bf16)), bf16); }
+
 /* ---- RMSNorm ---- */
 
-INLINE vec rms_scale(vec s, vec inv, vec w, int bf16) { return rnd(mul(w, rnd(mul(s, inv), bf16)), bf16); }
+/* The variance's sum of squares adds in the order of torch's sum kernel (row_sum and multi_row_sum in
+ * aten/src/ATen/native/cpu/SumKernel.cpp, in the 8-lane AVX2 build torch runs on x86 also where
+ * AVX-512 is there): 8-lane vectors into four interleaved accumulators, cascaded every 2^power rows
+ * of four vectors, the leftover vectors into the first, the scalar tail, then the lanes in turn;
+ * rows under 8 elements take its scalar row_sum). Any order would be allowed; this one leaves the
+ * twin's results bit for bit the same where torch runs that kernel. */
+#define SUM_LANES 8
+
+INLINE float square(const void *p, int64_t i, int bf16) {
+    const float v = bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+    return v * v; /* rounded to fp32, as x.pow(2) is */
+}
+
+#ifdef VEC_PORTABLE
+typedef struct {
+    float l[SUM_LANES];
+} lanes8;
+
+INLINE lanes8 zero8(void) { return (lanes8){{0.0f}}; }
+INLINE lanes8 add8(lanes8 a, lanes8 b) {
+    for (int l = 0; l < SUM_LANES; l++) a.l[l] += b.l[l];
+    return a;
+}
+INLINE lanes8 squares8(const void *p, int64_t at, int bf16) {
+    lanes8 x;
+    for (int l = 0; l < SUM_LANES; l++) x.l[l] = square(p, at + l, bf16);
+    return x;
+}
+INLINE void spill8(float *dst, lanes8 x) { memcpy(dst, x.l, sizeof x.l); }
+#else
+typedef __m256 lanes8;
+
+INLINE lanes8 zero8(void) { return _mm256_setzero_ps(); }
+INLINE lanes8 add8(lanes8 a, lanes8 b) { return _mm256_add_ps(a, b); }
+INLINE lanes8 squares8(const void *p, int64_t at, int bf16) {
+    __m256 v;
+    if (bf16) {
+        const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + at));
+        v = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    } else {
+        v = _mm256_loadu_ps((const float *)p + at);
+    }
+    return _mm256_mul_ps(v, v);
+}
+INLINE void spill8(float *dst, lanes8 x) { _mm256_storeu_ps(dst, x); }
+#endif
+
+static int64_t ceil_log2(int64_t x) { return x <= 1 ? 0 : 64 - __builtin_clzll((uint64_t)x - 1); }
+
+INLINE float sum_of_squares(const void *s, int64_t h, int bf16) {
+    float total = 0.0f;
+    if (h < SUM_LANES) { /* torch's scalar row_sum: four interleaved sums, the tail into the first */
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        int64_t e = 0;
+        for (; e + 4 <= h; e += 4)
+            for (int k = 0; k < 4; k++) acc[k] += square(s, e + k, bf16);
+        for (; e < h; e++) acc[0] += square(s, e, bf16);
+        return ((acc[0] + acc[1]) + acc[2]) + acc[3];
+    }
+    const int64_t vectors = h / SUM_LANES, rows = vectors / 4;
+    const int64_t power = ceil_log2(rows) / 4 > 4 ? ceil_log2(rows) / 4 : 4, step = (int64_t)1 << power;
+    lanes8 acc[4][4]; /* [cascade level][accumulator] */
+    for (int lv = 0; lv < 4; lv++)
+        for (int k = 0; k < 4; k++) acc[lv][k] = zero8();
+    int64_t i = 0;
+    while (i + step <= rows) {
+        for (int64_t j = 0; j < step; j++, i++)
+            for (int k = 0; k < 4; k++) acc[0][k] = add8(acc[0][k], squares8(s, (4 * i + k) * SUM_LANES, bf16));
+        for (int lv = 1; lv < 4; lv++) {
+            for (int k = 0; k < 4; k++) {
+                acc[lv][k] = add8(acc[lv][k], acc[lv - 1][k]);
+                acc[lv - 1][k] = zero8();
+            }
+            if (i & ((step - 1) << (lv * power))) break;
+        }
+    }
+    for (; i < rows; i++)
+        for (int k = 0; k < 4; k++) acc[0][k] = add8(acc[0][k], squares8(s, (4 * i + k) * SUM_LANES, bf16));
+    for (int lv = 1; lv < 4; lv++)
+        for (int k = 0; k < 4; k++) acc[0][k] = add8(acc[0][k], acc[lv][k]);
+    for (int64_t t = 4 * rows; t < vectors; t++) acc[0][0] = add8(acc[0][0], squares8(s, t * SUM_LANES, bf16));
+    for (int k = 1; k < 4; k++) acc[0][0] = add8(acc[0][0], acc[0][k]);
+    for (int64_t e = vectors * SUM_LANES; e < h; e++) total += square(s, e, bf16);
+    float lane[SUM_LANES];
+    spill8(lane, acc[0][0]);
+    for (int l = 0; l < SUM_LANES; l++) total += lane[l];
+    return total;
+}
 
 /* out = weight * bf16(s * rsqrt(mean(s^2) + eps)), s = x, or bf16(x + residual) written to summed */
 INLINE void rms_row(const void *x, const void *residual, const void *weight, void *out, void *summed, int64_t h,
                     float eps, int bf16) {
-#ifdef VEC_PORTABLE
-    double acc_a = 0.0, acc_b = 0.0; /* more exact than torch's fp32 sum, never less */
-#else
-    vec acc_a = splat(0.0f), acc_b = splat(0.0f);
-#endif
-    for (int64_t i = 0; i < h; i += STEP) {
-        pair s = load(x, i, h - i, bf16);
-        if (residual) {
-            const pair r = load(residual, i, h - i, bf16);
-            s = (pair){rnd(add(s.a, r.a), bf16), rnd(add(s.b, r.b), bf16)};
-            store(summed, i, h - i, s, bf16);
+    if (residual) {
+        for (int64_t i = 0; i < h; i += STEP) {
+            const pair a = load(x, i, h - i, bf16), b = load(residual, i, h - i, bf16);
+            store(summed, i, h - i, (pair){rnd(add(a.a, b.a), bf16), rnd(add(a.b, b.b), bf16)}, bf16);
         }
-        acc_a = acc_a + mul(s.a, s.a); /* the square rounded to fp32 first, as x.pow(2) is */
-        acc_b = acc_b + mul(s.b, s.b);
     }
-#ifdef VEC_PORTABLE
-    const float variance = (float)(acc_a + acc_b) / (float)h;
-#else
-    const float variance = sum(add(acc_a, acc_b)) / (float)h;
-#endif
-    const vec inv = splat(1.0f / sqrtf(variance + eps));
     const void *s_row = residual ? summed : x;
+    const vec inv = splat(1.0f / sqrtf(sum_of_squares(s_row, h, bf16) / (float)h + eps));
     for (int64_t i = 0; i < h; i += STEP) {
         const pair s = load(s_row, i, h - i, bf16), w = load(weight, i, h - i, bf16);
         store(out, i, h - i, (pair){rms_scale(s.a, inv, w.a, bf16), rms_scale(s.b, inv, w.b, bf16)}, bf16);
