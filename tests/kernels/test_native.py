@@ -1,6 +1,7 @@
 """The C decode attention (kernels/native.py, csrc/paged_decode.c) against dense attention and the twin."""
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -55,6 +56,81 @@ def test_decode_edges_match_dense(hkv, group, d, block_size, dtype, c_only):
     out = attention_cpu.paged_attention(*case.args(), case.scale)
     torch.testing.assert_close(out, dense_attention(case), atol=TOL[dtype], rtol=TOL[dtype])
     assert c_only == [5]
+
+
+# the vector path takes 16 tokens of a block at a time and specialises on head sizes 64 and 128:
+# blocks just under, at and over 16 tokens, and head sizes beside the specialised ones
+@pytest.mark.parametrize(("d", "block_size"), [(64, 15), (64, 16), (64, 17), (64, 32), (48, 16), (80, 16),
+                                               (128, 16), (128, 32), (80, 17)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunks_of_16_at_their_edges_match_dense(d, block_size, dtype, c_only):
+    ctx_lens = [1, 15, 16, 17, 31, 32, 33, block_size - 1, block_size + 1, 2 * block_size, 100]
+    case = make_case([1] * len(ctx_lens), ctx_lens, 9, 3, d, block_size=block_size, dtype=dtype, seed=d + block_size)
+    out = attention_cpu.paged_attention(*case.args(), case.scale)
+    torch.testing.assert_close(out, dense_attention(case), atol=TOL[dtype], rtol=TOL[dtype])
+    assert c_only == [len(ctx_lens)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_past_the_context_in_its_last_block_are_not_read(dtype, c_only):
+    # the tail of a sequence's last block is its own memory but holds no token yet: stale or NaN
+    ctx_lens = [1, 5, 17, 30, 40]
+    case = make_case([1] * 5, ctx_lens, 4, 2, 64, block_size=32, dtype=dtype, seed=11)
+    for b, n in enumerate(ctx_lens):
+        last = int(case.block_tables[b, (n - 1) // 32])
+        case.k_cache[last, (n - 1) % 32 + 1:] = float("nan")
+        case.v_cache[last, (n - 1) % 32 + 1:] = float("nan")
+    out = attention_cpu.paged_attention(*case.args(), case.scale)
+    assert not out.isnan().any(), "a row past the context was read"
+    torch.testing.assert_close(out, dense_attention(case), atol=TOL[dtype], rtol=TOL[dtype])
+    assert c_only == [5]
+
+
+@pytest.mark.parametrize("step", [0.05, 0.4, 0.7])
+def test_a_maximum_that_keeps_rising_matches_dense(step, c_only):
+    # each key's score `step` over the one before: the running maximum moves in every block of 16,
+    # by less or by more than the kernel lets it drift before it rescales (8)
+    ctx_lens = [300, 77]
+    case = make_case([1, 1], ctx_lens, 4, 1, 64, block_size=16, seed=12)
+    for b, n in enumerate(ctx_lens):
+        q = case.q[b, 0]
+        keys = case.keys[b]  # [ctx, 1, D]
+        keys[:, 0] = keys[:, 0] * 0.1 + torch.arange(n, dtype=torch.float32)[:, None] * step / (q @ q * case.scale) * q
+        for t in range(n):
+            case.k_cache[int(case.block_tables[b, t // 16]), t % 16, 0] = keys[t, 0]
+    out = attention_cpu.paged_attention(*case.args(), case.scale)
+    torch.testing.assert_close(out, dense_attention(case), atol=1e-4, rtol=1e-4)
+    assert c_only == [2]
+
+
+def _cpu_flags() -> set[str]:
+    path = Path("/proc/cpuinfo")
+    text = path.read_text() if path.exists() else ""
+    return set(next((line for line in text.splitlines() if line.startswith("flags")), "").split())
+
+
+# the kernel has an AVX-512 path (with dpbf16 where the CPU has it), an AVX2 one and plain C: each
+# built here with -march for a CPU that has it, and checked against dense attention
+@pytest.mark.parametrize(("march", "needs"), [("x86-64", {"sse2"}), ("haswell", {"avx2", "fma"}),
+                                              ("skylake-avx512", {"avx512f", "avx512bw", "avx512vl", "avx512dq"}),
+                                              ("cooperlake", {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"})])
+def test_every_vector_path_matches_dense(march, needs, tmp_path, monkeypatch):
+    if not needs <= _cpu_flags():
+        pytest.skip(f"this CPU cannot run -march={march}")
+    monkeypatch.setattr(native, "CFLAGS", [f"-march={march}" if f == "-march=native" else f for f in native.CFLAGS])
+    monkeypatch.setenv("BATCHAPI_NATIVE_DIR", str(tmp_path))
+    lib = native._load()
+    assert lib is not None
+    monkeypatch.setattr(native, "load", lambda: lib)
+    shapes = [(3, 3, 64, 16), (1, 16, 128, 32), (2, 4, 36, 17), (1, 1, 256, 1), (4, 2, 8, 15), (2, 3, 80, 8)]
+    for seed, (hkv, group, d, block_size) in enumerate(shapes):
+        ctx_lens = [1, block_size, block_size + 1, 16, 17, 50, 97]
+        for dtype in (torch.float32, torch.bfloat16):
+            case = make_case([1] * len(ctx_lens), ctx_lens, hkv * group, hkv, d, block_size=block_size, dtype=dtype,
+                             seed=seed)
+            out = attention_cpu.paged_attention(*case.args(), case.scale)
+            assert not out.isnan().any(), "a block no sequence owns (NaN) was read"
+            torch.testing.assert_close(out, dense_attention(case), atol=TOL[dtype], rtol=TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

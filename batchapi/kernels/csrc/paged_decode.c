@@ -7,7 +7,11 @@
  *   k/v cache     [num_blocks, block_size, Hkv, D]
  *   block_tables  [B, table_stride] int32
  * Each (sequence, kv head) pair is one task: its Hq/Hkv query heads share every key and value
- * row loaded. Storage is fp32 or bf16; arithmetic is fp32.
+ * row loaded. Storage is fp32 or bf16; arithmetic is fp32 (bf16 q.k products are exact in fp32).
+ * Three builds of the same algorithm, chosen by the compiler's target: AVX-512 (the main one,
+ * described at its code), AVX2 with FMA, and plain C for any other CPU. Each reads no key or
+ * value row past the context and no element past a row; the AVX-512 one asks for (prefetches)
+ * the rows of later blocks, which reads nothing into the result.
  */
 #include <math.h>
 #include <stdint.h>
@@ -15,7 +19,7 @@
 
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
-#define MAX_BLOCK 32 /* the per-task arrays live on the stack: about 70 KB at these maxima */
+#define MAX_BLOCK 32 /* the per-task arrays live on the stack: about 70 KB (AVX2, plain) or 40 KB at these maxima */
 #define INLINE static inline __attribute__((always_inline))
 
 INLINE float bf16_to_f32(uint16_t x) {
@@ -66,6 +70,344 @@ INLINE float exp_nonpos(float x) {
     return p;
 }
 
+/* the task after this one, whose first blocks a task asks the memory for ahead of time */
+typedef struct {
+    const int32_t *table; /* NULL: none */
+    int context_len;
+    int64_t head_at; /* its kv head's element offset in a token's row */
+} Upcoming;
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* AVX-512: a task walks its context in chunks of up to 16 consecutive tokens of one block.
+ * Q.K: per query head, one vector of partial dot products per token, then a transpose-reduce
+ * turns the 16 vectors into one vector of the chunk's 16 scores, and the online softmax (the
+ * running maximum, exp, the sums) runs on that vector. bf16 with AVX512_BF16: dpbf16 multiplies
+ * the bf16 q and k exactly and sums in fp32; the scale is applied to the scores.
+ * P.V: in fp32 (probabilities are never rounded); up to 4 query heads x 64 columns of
+ * accumulators stay in registers over the chunk's value rows, each row converted once for them.
+ * A bf16 row of 32 elements converts in two instructions to its even and its odd elements as
+ * fp32, so bf16 accumulators hold the columns in that split order until the output is written.
+ * Row tails (head sizes not a multiple of the vector) and the tokens of a chunk past the context
+ * are masked loads, which read nothing. Head sizes 64 and 128 and whole chunks of 16 are
+ * compile-time constants (see run), so that their loops unroll and their accumulators stay in
+ * registers. */
+#include <immintrin.h>
+#define LANES 16 /* tokens of a chunk: their scores fill one vector */
+#define TILE_HEADS 4
+#define TILE_COLS 64 /* P.V accumulators in registers: TILE_HEADS x TILE_COLS / 16 vectors */
+#define VECS (MAX_HEAD_DIM / 16)
+
+/* masks of the elements of a vector that lie before the row's end, `left` elements away */
+INLINE __mmask32 first32(int left) { return left >= 32 ? 0xffffffffu : left <= 0 ? 0 : (1u << left) - 1; }
+INLINE __mmask16 first16(int left) { return (__mmask16)(left >= 16 ? 0xffffu : left <= 0 ? 0 : (1u << left) - 1); }
+
+INLINE __m512 bf16_even(__m512i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)); }
+INLINE __m512 bf16_odd(__m512i x) {
+    return _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+/* fp32 to bf16 as f32_to_bf16 does, 16 at a time: the bf16 bits in the high half of each lane */
+INLINE __m512i round_bf16(__m512 x) {
+    const __m512i b = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    return _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(b, _mm512_set1_epi32(0x00400000)));
+}
+
+/* exp_nonpos on 16 lanes, and for x up to SLACK as well */
+INLINE __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23);
+    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), e));
+}
+
+/* the sums of each of 16 vectors, in order, in one vector: 15 adds and 30 shuffles */
+INLINE __m512 sum_each16(const __m512 x[LANES]) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++) /* per 128-bit quarter: x0 x1 x0 x1 */
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(x[2 * i], x[2 * i + 1]), _mm512_unpackhi_ps(x[2 * i], x[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* per quarter: x0 x1 x2 x3 */
+        const __m512d lo = _mm512_castps_pd(a[2 * i]), hi = _mm512_castps_pd(a[2 * i + 1]);
+        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi)), _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi)));
+    }
+    for (int i = 0; i < 2; i++) /* quarters 0+1, 2+3 of b[2i], then of b[2i+1] */
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
+}
+
+#if defined(__AVX512BF16__)
+#define QK_DPBF16 1 /* bf16 q kept as bf16: qv holds 32 raw elements a vector */
+#else
+#define QK_DPBF16 0
+#endif
+
+/* q of one head into vectors: fp32 in column order; bf16 raw for dpbf16, else fp32 in split order */
+INLINE void load_q(const void *q, int64_t at, int d, int bf16, __m512 *qv) {
+    if (!bf16) {
+        for (int i = 0; i < d; i += 16) qv[i / 16] = _mm512_maskz_loadu_ps(first16(d - i), (const float *)q + at + i);
+        return;
+    }
+    for (int i = 0; i < d; i += 32) {
+        const __m512i x = _mm512_maskz_loadu_epi16(first32(d - i), (const uint16_t *)q + at + i);
+        if (QK_DPBF16) {
+            qv[i / 32] = _mm512_castsi512_ps(x);
+        } else {
+            qv[i / 16] = bf16_even(x);
+            qv[i / 16 + 1] = bf16_odd(x);
+        }
+    }
+}
+
+/* partial sums of <q, row>: their 16 lanes add up to the dot product; a row not `live` (past the
+ * context) is not read and sums to 0 */
+INLINE __m512 dot_parts(const __m512 *qv, const void *row, int d, int bf16, int live) {
+    __m512 a = _mm512_setzero_ps();
+    if (!bf16) {
+        for (int i = 0; i < d; i += 16) {
+            const __m512 x = _mm512_maskz_loadu_ps(live ? first16(d - i) : 0, (const float *)row + i);
+            a = _mm512_fmadd_ps(qv[i / 16], x, a);
+        }
+        return a;
+    }
+    for (int i = 0; i < d; i += 32) {
+        const __m512i x = _mm512_maskz_loadu_epi16(live ? first32(d - i) : 0, (const uint16_t *)row + i);
+#if QK_DPBF16
+        a = _mm512_dpbf16_ps(a, (__m512bh)qv[i / 32], (__m512bh)x);
+#else
+        a = _mm512_fmadd_ps(qv[i / 16], bf16_even(x), a);
+        a = _mm512_fmadd_ps(qv[i / 16 + 1], bf16_odd(x), a);
+#endif
+    }
+    return a;
+}
+
+/* columns [c0, c0 + TILE_COLS) of a row as four fp32 vectors (bf16: in split order), zero past d */
+INLINE void row_tile(const void *row, int c0, int d, int bf16, __m512 v[TILE_COLS / 16]) {
+    if (bf16) {
+        for (int k = 0; k < 2; k++) {
+            const __m512i x = _mm512_maskz_loadu_epi16(first32(d - c0 - 32 * k), (const uint16_t *)row + c0 + 32 * k);
+            v[2 * k] = bf16_even(x);
+            v[2 * k + 1] = bf16_odd(x);
+        }
+    } else {
+        for (int k = 0; k < 4; k++) v[k] = _mm512_maskz_loadu_ps(first16(d - c0 - 16 * k), (const float *)row + c0 + 16 * k);
+    }
+}
+
+/* Blocks lie anywhere in the pool, where the hardware prefetchers do not look: while a chunk's
+ * values are summed, the same rows of the block AHEAD blocks on (of this task or of the next)
+ * are asked for, into L2: L2 tracks more misses at once than L1, and DRAM needs many in flight. */
+#define AHEAD 4
+typedef struct {
+    const char *k, *v; /* NULL: none */
+} Ahead;
+
+/* acc = acc * corr + sum_t p[t] v_t for `heads` query heads (a constant at each call) over the
+ * chunk's n value rows, TILE_COLS columns at a time */
+INLINE void pv_tile(__m512 (*acc)[VECS], const float (*p)[LANES], const float *corr, int heads, const void *v_cache,
+                    int64_t at, int64_t stride, int n, int d, int bf16, const Ahead *ahead) {
+    const size_t esize = bf16 ? 2 : 4;
+    for (int c0 = 0; c0 < d; c0 += TILE_COLS) {
+        __m512 a[TILE_HEADS][TILE_COLS / 16], v[TILE_COLS / 16];
+        for (int g = 0; g < heads; g++)
+            for (int k = 0; k < TILE_COLS / 16; k++) a[g][k] = _mm512_mul_ps(acc[g][c0 / 16 + k], _mm512_set1_ps(corr[g]));
+        for (int t = 0; t < n; t++) {
+            if (ahead && ahead->k && c0 == 0) { /* spread over the rows: a burst would stall on the miss buffers */
+                for (int i = 0; i < d * (int)esize; i += 64) {
+                    _mm_prefetch(ahead->k + t * stride * (int64_t)esize + i, _MM_HINT_T1);
+                    _mm_prefetch(ahead->v + t * stride * (int64_t)esize + i, _MM_HINT_T1);
+                }
+            }
+            row_tile((const char *)v_cache + (at + t * stride) * esize, c0, d, bf16, v);
+            for (int g = 0; g < heads; g++) {
+                for (int k = 0; k < TILE_COLS / 16; k++)
+                    __asm__("vfmadd231ps %2%{1to16%}, %1, %0" : "+v"(a[g][k]) : "v"(v[k]), "m"(p[g][t]));
+            }
+        }
+        for (int g = 0; g < heads; g++)
+            for (int k = 0; k < TILE_COLS / 16; k++) acc[g][c0 / 16 + k] = a[g][k];
+    }
+}
+
+/* the scores (times scale) of a chunk's n tokens (n <= LANES), from element offset `at`, for all
+ * `group` query heads: one vector a head, -inf in the lanes past n */
+INLINE void chunk_scores(const void *k_cache, int64_t at, int64_t stride, int n, int group, int d, float scale,
+                         int bf16, __m512 (*qv)[VECS], __m512 *s) {
+    const int64_t row_bytes = stride * (bf16 ? 2 : 4);
+    for (int g = 0; g < group; g++) {
+        const char *row = (const char *)k_cache + at * (bf16 ? 2 : 4);
+        __asm__("" : "+r"(row)); /* else the 16 row addresses are hoisted out of the head loop, and spilled */
+        __m512 part[LANES];
+#pragma GCC unroll 16
+        for (int t = 0; t < LANES; t++, row += row_bytes) part[t] = dot_parts(qv[g], row, d, bf16, t < n);
+        s[g] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), first16(n),
+                                  _mm512_mul_ps(sum_each16(part), _mm512_set1_ps(scale)));
+    }
+}
+
+/* the online softmax step of a chunk of n tokens: p = e^(s - m) and the factor corr on the
+ * earlier sums. The running maximum m moves only when a score passes it by more than SLACK:
+ * exponents up to e^SLACK cost fp32 nothing, and most chunks then skip the rescale. */
+#define SLACK 8.0f
+INLINE void chunk_softmax(const __m512 *s, int n, int group, float *m, __m512 *l, float (*p)[LANES],
+                          float *corr) {
+    for (int g = 0; g < group; g++) {
+        corr[g] = 1.0f;
+        if (_mm512_cmp_ps_mask(s[g], _mm512_set1_ps(m[g] + SLACK), _CMP_GT_OQ)) {
+            const float mx = _mm512_reduce_max_ps(s[g]);
+            corr[g] = exp_nonpos(m[g] - mx);
+            m[g] = mx;
+        }
+        const __m512 e = _mm512_maskz_mov_ps(first16(n), exp16(_mm512_sub_ps(s[g], _mm512_set1_ps(m[g]))));
+        l[g] = _mm512_fmadd_ps(l[g], _mm512_set1_ps(corr[g]), e);
+        _mm512_store_ps(p[g], e);
+    }
+}
+
+/* acc = acc * corr + sum_t p[t] v_t over a chunk's n value rows, for all `group` query heads */
+INLINE void chunk_values(const void *v_cache, int64_t at, int64_t stride, int n, int group, int d, int bf16,
+                         const float (*p)[LANES], const float *corr, __m512 (*acc)[VECS], const Ahead *ahead) {
+    for (int g = 0; g < group; g += TILE_HEADS) {
+        const int heads = group - g < TILE_HEADS ? group - g : TILE_HEADS;
+        if (heads == 4) pv_tile(acc + g, p + g, corr + g, 4, v_cache, at, stride, n, d, bf16, g ? NULL : ahead);
+        else if (heads == 3) pv_tile(acc + g, p + g, corr + g, 3, v_cache, at, stride, n, d, bf16, g ? NULL : ahead);
+        else if (heads == 2) pv_tile(acc + g, p + g, corr + g, 2, v_cache, at, stride, n, d, bf16, g ? NULL : ahead);
+        else pv_tile(acc + g, p + g, corr + g, 1, v_cache, at, stride, n, d, bf16, g ? NULL : ahead);
+    }
+}
+
+/* asks for the n rows of d elements from element offset `at` (a block's keys or values) ahead of use:
+ * blocks lie anywhere in the pool, where the hardware prefetchers do not look */
+INLINE void prefetch_rows(const void *base, int64_t at, int64_t stride, int n, int d, int bf16) {
+    const int bytes = d * (bf16 ? 2 : 4);
+    for (int t = 0; t < n; t++) {
+        const char *row = (const char *)base + (at + t * stride) * (bf16 ? 2 : 4);
+        for (int i = 0; i < bytes - 1; i += 64) _mm_prefetch(row + i, _MM_HINT_T0);
+        _mm_prefetch(row + bytes - 1, _MM_HINT_T0); /* a row that does not start on a cache line */
+    }
+}
+
+/* a chunk: up to LANES consecutive tokens of one block, the last ones of the context maybe fewer */
+typedef struct {
+    int block, offset, n; /* its block's index in the table, its first token's offset in that block */
+} Chunk;
+
+/* what a task's chunks share */
+typedef struct {
+    const void *k_cache, *v_cache;
+    const int32_t *table;
+    int64_t token_stride, block_stride, head_at; /* head_at: the kv head's offset in a token's row */
+    int context_len, bs, group, d, bf16;
+    float scale;
+    Upcoming next;
+} Task;
+
+INLINE Chunk chunk_after(const Task *tk, Chunk c) {
+    c.offset += LANES;
+    if (c.offset >= tk->bs) c.block++, c.offset = 0;
+    const int start = c.block * tk->bs + c.offset, in_block = tk->bs - c.offset;
+    c.n = tk->context_len - start < in_block ? tk->context_len - start : in_block;
+    c.n = c.n < LANES ? (c.n > 0 ? c.n : 0) : LANES;
+    return c;
+}
+
+INLINE int64_t block_at(const Task *tk, int block) { return (int64_t)tk->table[block] * tk->block_stride + tk->head_at; }
+
+INLINE int64_t chunk_at(const Task *tk, Chunk c) { return block_at(tk, c.block) + c.offset * tk->token_stride; }
+
+/* the tokens of a block in the context */
+INLINE int block_len(const Task *tk, int block) {
+    const int left = tk->context_len - block * tk->bs;
+    return left < tk->bs ? left : tk->bs;
+}
+
+INLINE void score_chunk(const Task *tk, Chunk c, __m512 (*qv)[VECS], __m512 *s) {
+    if (c.block == 0 && c.offset == 0)
+        prefetch_rows(tk->v_cache, block_at(tk, 0), tk->token_stride, block_len(tk, 0), tk->d, tk->bf16);
+    const int64_t at = chunk_at(tk, c);
+    if (c.n == LANES) /* whole chunks with a constant count: their loops unroll */
+        chunk_scores(tk->k_cache, at, tk->token_stride, LANES, tk->group, tk->d, tk->scale, tk->bf16, qv, s);
+    else
+        chunk_scores(tk->k_cache, at, tk->token_stride, c.n, tk->group, tk->d, tk->scale, tk->bf16, qv, s);
+}
+
+/* the rows `blocks` blocks past chunk c's, at its offset: of this task, or past its end of the
+ * next one; NULL where there are none */
+INLINE const char *rows_ahead(const Task *tk, Chunk c, const void *cache, int blocks) {
+    const int esize = tk->bf16 ? 2 : 4, block = c.block + blocks, past = block - (tk->context_len + tk->bs - 1) / tk->bs;
+    if (past < 0) return (const char *)cache + (block_at(tk, block) + c.offset * tk->token_stride) * esize;
+    if (!tk->next.table || past * tk->bs + c.offset >= tk->next.context_len) return NULL;
+    return (const char *)cache +
+           ((int64_t)tk->next.table[past] * tk->block_stride + tk->next.head_at + c.offset * tk->token_stride) * esize;
+}
+
+INLINE void sum_chunk(const Task *tk, Chunk c, const float (*p)[LANES], const float *corr, __m512 (*acc)[VECS]) {
+    const int64_t at = chunk_at(tk, c);
+    const Ahead ahead = {rows_ahead(tk, c, tk->k_cache, AHEAD), rows_ahead(tk, c, tk->v_cache, AHEAD)};
+    if (c.n == LANES)
+        chunk_values(tk->v_cache, at, tk->token_stride, LANES, tk->group, tk->d, tk->bf16, p, corr, acc, &ahead);
+    else
+        chunk_values(tk->v_cache, at, tk->token_stride, c.n, tk->group, tk->d, tk->bf16, p, corr, acc, &ahead);
+}
+
+/* one (sequence, kv head): its `group` query heads against the sequence's context. Chunk i+1's
+ * scores are computed before chunk i's values are summed: the two do not depend on each other,
+ * and the CPU overlaps the FMAs of the one with the shuffles and latencies of the other. */
+INLINE void decode_task(const void *q, const void *k_cache, const void *v_cache, const int32_t *table,
+                        int context_len, int64_t q_row, void *out, int hq, int hkv, int d, int bs, int kvh,
+                        float scale, int bf16, Upcoming upcoming) {
+    const int group = hq / hkv;
+    const Task tk = {k_cache, v_cache, table, (int64_t)hkv * d, (int64_t)bs * hkv * d, (int64_t)kvh * d,
+                     context_len, bs, group, d, bf16, scale, upcoming};
+    __m512 qv[MAX_GROUP][VECS], acc[MAX_GROUP][VECS], l[MAX_GROUP], s[MAX_GROUP]; /* l: softmax sums per lane */
+    float m[MAX_GROUP], p[MAX_GROUP][LANES] __attribute__((aligned(64))), corr[MAX_GROUP];
+    const int64_t q_at = (q_row * hq + (int64_t)kvh * group) * d;
+    const int tiles = (d + TILE_COLS - 1) / TILE_COLS;
+    for (int g = 0; g < group; g++) {
+        load_q(q, q_at + (int64_t)g * d, d, bf16, qv[g]);
+        for (int k = 0; k < tiles * TILE_COLS / 16; k++) acc[g][k] = _mm512_setzero_ps();
+        m[g] = -INFINITY;
+        l[g] = _mm512_setzero_ps();
+    }
+    Chunk cur = chunk_after(&tk, (Chunk){-1, bs - LANES, 0}), next; /* after "the one before the first" */
+    score_chunk(&tk, cur, qv, s);
+    chunk_softmax(s, cur.n, group, m, l, p, corr);
+    for (; cur.n; cur = next) {
+        next = chunk_after(&tk, cur);
+        sum_chunk(&tk, cur, (const float (*)[LANES])p, corr, acc);
+        if (next.n) score_chunk(&tk, next, qv, s);
+        if (next.n) chunk_softmax(s, next.n, group, m, l, p, corr);
+    }
+    for (int g = 0; g < group; g++) {
+        const int64_t at = q_at + (int64_t)g * d;
+        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(l[g]));
+        if (bf16) {
+            for (int i = 0; i < d; i += 32) {
+                const __m512i even = round_bf16(_mm512_mul_ps(acc[g][i / 16], inv));
+                const __m512i odd = round_bf16(_mm512_mul_ps(acc[g][i / 16 + 1], inv));
+                const __m512i both = _mm512_or_si512(_mm512_srli_epi32(even, 16),
+                                                     _mm512_and_si512(odd, _mm512_set1_epi32((int)0xffff0000u)));
+                _mm512_mask_storeu_epi16((uint16_t *)out + at + i, first32(d - i), both);
+            }
+        } else {
+            for (int i = 0; i < d; i += 16)
+                _mm512_mask_storeu_ps((float *)out + at + i, first16(d - i), _mm512_mul_ps(acc[g][i / 16], inv));
+        }
+    }
+}
+#else
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define VEC 8
@@ -136,7 +478,8 @@ INLINE void rows(const void *base, int64_t at, int64_t stride, int n, int d, int
 /* one (sequence, kv head): its `group` query heads against the sequence's context */
 INLINE void decode_task(const void *q, const void *k_cache, const void *v_cache, const int32_t *table,
                         int context_len, int64_t q_row, void *out, int hq, int hkv, int d, int bs, int kvh,
-                        float scale, int bf16) {
+                        float scale, int bf16, Upcoming upcoming) {
+    (void)upcoming; /* no prefetching here */
     const int group = hq / hkv;
     float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], buf[MAX_BLOCK][MAX_HEAD_DIM];
     float m[MAX_GROUP], l[MAX_GROUP], s[MAX_GROUP][MAX_BLOCK];
@@ -201,6 +544,7 @@ INLINE void decode_task(const void *q, const void *k_cache, const void *v_cache,
         }
     }
 }
+#endif /* AVX-512 */
 
 INLINE int run(const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
                int64_t table_stride, const int32_t *context_lens, const int32_t *cu_seqlens_q,
@@ -212,16 +556,21 @@ INLINE int run(const void *q, const void *k_cache, const void *v_cache, const in
     for (int64_t t = 0; t < tasks; t++) {
         const int seq = seq_ids[t / hkv], kvh = (int)(t % hkv);
         const int32_t *table = block_tables + (int64_t)seq * table_stride;
+        Upcoming next = {NULL, 0, 0};
+        if (t + 1 < tasks) {
+            const int s = seq_ids[(t + 1) / hkv];
+            next = (Upcoming){block_tables + (int64_t)s * table_stride, context_lens[s], (int64_t)((t + 1) % hkv) * d};
+        }
         /* the common head sizes as constants, so that their loops unroll */
         if (d == 64)
             decode_task(q, k_cache, v_cache, table, context_lens[seq], cu_seqlens_q[seq], out, hq, hkv, 64,
-                        bs, kvh, scale, bf16);
+                        bs, kvh, scale, bf16, next);
         else if (d == 128)
             decode_task(q, k_cache, v_cache, table, context_lens[seq], cu_seqlens_q[seq], out, hq, hkv, 128,
-                        bs, kvh, scale, bf16);
+                        bs, kvh, scale, bf16, next);
         else
             decode_task(q, k_cache, v_cache, table, context_lens[seq], cu_seqlens_q[seq], out, hq, hkv, d, bs,
-                        kvh, scale, bf16);
+                        kvh, scale, bf16, next);
     }
     return 0;
 }
