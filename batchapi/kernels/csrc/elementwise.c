@@ -33,6 +33,10 @@ INLINE uint16_t f32_to_bf16(float f) {
     return (uint16_t)(bits >> 16);
 }
 
+INLINE float element(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
 /* The kernels work on pairs of vectors holding 32 consecutive elements of a row (2 in the portable
  * code). bf16 pairs hold the even elements in `a` and the odd ones in `b`: a 32-bit word of bf16
  * storage is (odd << 16 | even), so splitting and joining cost one shift and one mask. Every op is
@@ -126,11 +130,8 @@ INLINE vec splat(float x) { return x; }
 INLINE vec rnd(vec x, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(x)) : x; }
 INLINE vec silu(vec g) { return g / (1.0f + expf(-g)); }
 
-INLINE float load1(const void *p, int64_t i, int bf16) {
-    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
 INLINE pair load(const void *p, int64_t i, int64_t left, int bf16) {
-    return (pair){load1(p, i, bf16), left > 1 ? load1(p, i + 1, bf16) : 0.0f};
+    return (pair){element(p, i, bf16), left > 1 ? element(p, i + 1, bf16) : 0.0f};
 }
 INLINE void store1(void *p, int64_t i, float x, int bf16) {
     if (bf16)
@@ -144,8 +145,6 @@ INLINE void store(void *p, int64_t i, int64_t left, pair x, int bf16) {
 }
 #endif
 
-INLINE vec rms_scale(vec s, vec inv, vec w, int bf16) { return rnd(mul(w, rnd(mul(s, inv), bf16)), bf16); }
-
 /* ---- RMSNorm ---- */
 
 /* The variance's sum of squares adds in the order of torch's sum kernel (row_sum and multi_row_sum in
@@ -157,7 +156,7 @@ INLINE vec rms_scale(vec s, vec inv, vec w, int bf16) { return rnd(mul(w, rnd(mu
 #define SUM_LANES 8
 
 INLINE float square(const void *p, int64_t i, int bf16) {
-    const float v = bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+    const float v = element(p, i, bf16);
     return v * v; /* rounded to fp32, as x.pow(2) is */
 }
 
@@ -236,6 +235,8 @@ INLINE float sum_of_squares(const void *s, int64_t h, int bf16) {
     for (int l = 0; l < SUM_LANES; l++) total += lane[l];
     return total;
 }
+
+INLINE vec rms_scale(vec s, vec inv, vec w, int bf16) { return rnd(mul(w, rnd(mul(s, inv), bf16)), bf16); }
 
 /* out = weight * bf16(s * rsqrt(mean(s^2) + eps)), s = x, or bf16(x + residual) written to summed */
 INLINE void rms_row(const void *x, const void *residual, const void *weight, void *out, void *summed, int64_t h,
