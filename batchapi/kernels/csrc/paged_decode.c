@@ -288,17 +288,6 @@ INLINE void chunk_values(const void *v_cache, int64_t at, int64_t stride, int n,
     }
 }
 
-/* asks for the n rows of d elements from element offset `at` (a block's keys or values) ahead of use:
- * blocks lie anywhere in the pool, where the hardware prefetchers do not look */
-INLINE void prefetch_rows(const void *base, int64_t at, int64_t stride, int n, int d, int bf16) {
-    const int bytes = d * (bf16 ? 2 : 4);
-    for (int t = 0; t < n; t++) {
-        const char *row = (const char *)base + (at + t * stride) * (bf16 ? 2 : 4);
-        for (int i = 0; i < bytes - 1; i += 64) _mm_prefetch(row + i, _MM_HINT_T0);
-        _mm_prefetch(row + bytes - 1, _MM_HINT_T0); /* a row that does not start on a cache line */
-    }
-}
-
 /* a chunk: up to LANES consecutive tokens of one block, the last ones of the context maybe fewer */
 typedef struct {
     int block, offset, n; /* its block's index in the table, its first token's offset in that block */
@@ -327,15 +316,7 @@ INLINE int64_t block_at(const Task *tk, int block) { return (int64_t)tk->table[b
 
 INLINE int64_t chunk_at(const Task *tk, Chunk c) { return block_at(tk, c.block) + c.offset * tk->token_stride; }
 
-/* the tokens of a block in the context */
-INLINE int block_len(const Task *tk, int block) {
-    const int left = tk->context_len - block * tk->bs;
-    return left < tk->bs ? left : tk->bs;
-}
-
 INLINE void score_chunk(const Task *tk, Chunk c, __m512 (*qv)[VECS], __m512 *s) {
-    if (c.block == 0 && c.offset == 0)
-        prefetch_rows(tk->v_cache, block_at(tk, 0), tk->token_stride, block_len(tk, 0), tk->d, tk->bf16);
     const int64_t at = chunk_at(tk, c);
     if (c.n == LANES) /* whole chunks with a constant count: their loops unroll */
         chunk_scores(tk->k_cache, at, tk->token_stride, LANES, tk->group, tk->d, tk->scale, tk->bf16, qv, s);
@@ -343,10 +324,10 @@ INLINE void score_chunk(const Task *tk, Chunk c, __m512 (*qv)[VECS], __m512 *s) 
         chunk_scores(tk->k_cache, at, tk->token_stride, c.n, tk->group, tk->d, tk->scale, tk->bf16, qv, s);
 }
 
-/* the rows `blocks` blocks past chunk c's, at its offset: of this task, or past its end of the
- * next one; NULL where there are none */
-INLINE const char *rows_ahead(const Task *tk, Chunk c, const void *cache, int blocks) {
-    const int esize = tk->bf16 ? 2 : 4, block = c.block + blocks, past = block - (tk->context_len + tk->bs - 1) / tk->bs;
+/* the rows AHEAD blocks past chunk c's, at its offset: of this task, or past its end of the next
+ * one; NULL where there are none */
+INLINE const char *rows_ahead(const Task *tk, Chunk c, const void *cache) {
+    const int esize = tk->bf16 ? 2 : 4, block = c.block + AHEAD, past = block - (tk->context_len + tk->bs - 1) / tk->bs;
     if (past < 0) return (const char *)cache + (block_at(tk, block) + c.offset * tk->token_stride) * esize;
     if (!tk->next.table || past * tk->bs + c.offset >= tk->next.context_len) return NULL;
     return (const char *)cache +
@@ -355,16 +336,14 @@ INLINE const char *rows_ahead(const Task *tk, Chunk c, const void *cache, int bl
 
 INLINE void sum_chunk(const Task *tk, Chunk c, const float (*p)[LANES], const float *corr, __m512 (*acc)[VECS]) {
     const int64_t at = chunk_at(tk, c);
-    const Ahead ahead = {rows_ahead(tk, c, tk->k_cache, AHEAD), rows_ahead(tk, c, tk->v_cache, AHEAD)};
+    const Ahead ahead = {rows_ahead(tk, c, tk->k_cache), rows_ahead(tk, c, tk->v_cache)};
     if (c.n == LANES)
         chunk_values(tk->v_cache, at, tk->token_stride, LANES, tk->group, tk->d, tk->bf16, p, corr, acc, &ahead);
     else
         chunk_values(tk->v_cache, at, tk->token_stride, c.n, tk->group, tk->d, tk->bf16, p, corr, acc, &ahead);
 }
 
-/* one (sequence, kv head): its `group` query heads against the sequence's context. Chunk i+1's
- * scores are computed before chunk i's values are summed: the two do not depend on each other,
- * and the CPU overlaps the FMAs of the one with the shuffles and latencies of the other. */
+/* one (sequence, kv head): its `group` query heads against the sequence's context */
 INLINE void decode_task(const void *q, const void *k_cache, const void *v_cache, const int32_t *table,
                         int context_len, int64_t q_row, void *out, int hq, int hkv, int d, int bs, int kvh,
                         float scale, int bf16, Upcoming upcoming) {
@@ -381,14 +360,11 @@ INLINE void decode_task(const void *q, const void *k_cache, const void *v_cache,
         m[g] = -INFINITY;
         l[g] = _mm512_setzero_ps();
     }
-    Chunk cur = chunk_after(&tk, (Chunk){-1, bs - LANES, 0}), next; /* after "the one before the first" */
-    score_chunk(&tk, cur, qv, s);
-    chunk_softmax(s, cur.n, group, m, l, p, corr);
-    for (; cur.n; cur = next) {
-        next = chunk_after(&tk, cur);
-        sum_chunk(&tk, cur, (const float (*)[LANES])p, corr, acc);
-        if (next.n) score_chunk(&tk, next, qv, s);
-        if (next.n) chunk_softmax(s, next.n, group, m, l, p, corr);
+    /* the first chunk is the one after "the one before the first" */
+    for (Chunk c = chunk_after(&tk, (Chunk){-1, bs - LANES, 0}); c.n; c = chunk_after(&tk, c)) {
+        score_chunk(&tk, c, qv, s);
+        chunk_softmax(s, c.n, group, m, l, p, corr);
+        sum_chunk(&tk, c, (const float (*)[LANES])p, corr, acc);
     }
     for (int g = 0; g < group; g++) {
         const int64_t at = q_at + (int64_t)g * d;
