@@ -139,7 +139,8 @@ INLINE __m512 sum_each16(const __m512 x[LANES]) {
         a[i] = _mm512_add_ps(_mm512_unpacklo_ps(x[2 * i], x[2 * i + 1]), _mm512_unpackhi_ps(x[2 * i], x[2 * i + 1]));
     for (int i = 0; i < 4; i++) { /* per quarter: x0 x1 x2 x3 */
         const __m512d lo = _mm512_castps_pd(a[2 * i]), hi = _mm512_castps_pd(a[2 * i + 1]);
-        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi)), _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi)));
+        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi)));
     }
     for (int i = 0; i < 2; i++) /* quarters 0+1, 2+3 of b[2i], then of b[2i+1] */
         c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
@@ -148,7 +149,7 @@ INLINE __m512 sum_each16(const __m512 x[LANES]) {
 }
 
 #if defined(__AVX512BF16__)
-#define QK_DPBF16 1 /* bf16 q kept as bf16: qv holds 32 raw elements a vector */
+#define QK_DPBF16 1 /* bf16 q kept as bf16: qv holds 32 raw elements a vector (dpbf16 counts denormals as 0) */
 #else
 #define QK_DPBF16 0
 #endif
@@ -202,7 +203,8 @@ INLINE void row_tile(const void *row, int c0, int d, int bf16, __m512 v[TILE_COL
             v[2 * k + 1] = bf16_odd(x);
         }
     } else {
-        for (int k = 0; k < 4; k++) v[k] = _mm512_maskz_loadu_ps(first16(d - c0 - 16 * k), (const float *)row + c0 + 16 * k);
+        for (int k = 0; k < 4; k++)
+            v[k] = _mm512_maskz_loadu_ps(first16(d - c0 - 16 * k), (const float *)row + c0 + 16 * k);
     }
 }
 
@@ -222,7 +224,8 @@ INLINE void pv_tile(__m512 (*acc)[VECS], const float (*p)[LANES], const float *c
     for (int c0 = 0; c0 < d; c0 += TILE_COLS) {
         __m512 a[TILE_HEADS][TILE_COLS / 16], v[TILE_COLS / 16];
         for (int g = 0; g < heads; g++)
-            for (int k = 0; k < TILE_COLS / 16; k++) a[g][k] = _mm512_mul_ps(acc[g][c0 / 16 + k], _mm512_set1_ps(corr[g]));
+            for (int k = 0; k < TILE_COLS / 16; k++)
+                a[g][k] = _mm512_mul_ps(acc[g][c0 / 16 + k], _mm512_set1_ps(corr[g]));
         for (int t = 0; t < n; t++) {
             if (ahead && ahead->k && c0 == 0) { /* spread over the rows: a burst would stall on the miss buffers */
                 for (int i = 0; i < d * (int)esize; i += 64) {
@@ -231,6 +234,8 @@ INLINE void pv_tile(__m512 (*acc)[VECS], const float (*p)[LANES], const float *c
                 }
             }
             row_tile((const char *)v_cache + (at + t * stride) * esize, c0, d, bf16, v);
+            /* p[g][t] broadcast by the FMA itself from memory ({1to16}): compilers broadcast it into a
+             * register first, an instruction more on the vector units that are the bottleneck here */
             for (int g = 0; g < heads; g++) {
                 for (int k = 0; k < TILE_COLS / 16; k++)
                     __asm__("vfmadd231ps %2%{1to16%}, %1, %0" : "+v"(a[g][k]) : "v"(v[k]), "m"(p[g][t]));
@@ -312,7 +317,9 @@ INLINE Chunk chunk_after(const Task *tk, Chunk c) {
     return c;
 }
 
-INLINE int64_t block_at(const Task *tk, int block) { return (int64_t)tk->table[block] * tk->block_stride + tk->head_at; }
+INLINE int64_t block_at(const Task *tk, int block) {
+    return (int64_t)tk->table[block] * tk->block_stride + tk->head_at;
+}
 
 INLINE int64_t chunk_at(const Task *tk, Chunk c) { return block_at(tk, c.block) + c.offset * tk->token_stride; }
 
