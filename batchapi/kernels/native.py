@@ -117,8 +117,9 @@ def _load() -> ctypes.CDLL | None:
     for suffix in DTYPES.values():
         fn = getattr(lib, f"paged_decode_{suffix}")
         fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int] + (
-            [ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_float, ctypes.c_int])
+        fn.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int]
+                       + [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int] * 4
+                       + [ctypes.c_float, ctypes.c_int])
     return lib
 
 
@@ -181,17 +182,18 @@ def paged_decode(
     num_seqs = context_lens.shape[0]
     if out.shape != q.shape or cu_seqlens_q.shape[0] != num_seqs + 1 or block_tables.shape[0] != num_seqs:
         raise ValueError("out must match q, and cu_seqlens_q, block_tables and context_lens cover the same sequences")
-    if seq_ids.numel() and not (0 <= int(seq_ids.min()) and int(seq_ids.max()) < num_seqs):
-        raise ValueError(f"seq_ids must index the {num_seqs} sequences")
-    rows = cu_seqlens_q.long()[seq_ids.long()]
-    if seq_ids.numel() and not (0 <= int(rows.min()) and int(rows.max()) < q.shape[0]):
-        raise ValueError("a decode sequence's token lies outside q")
     _, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     fn = getattr(lib, f"paged_decode_{DTYPES[q.dtype]}")
+    # the kernel checks seq_ids and their query rows before it reads through them (a range check
+    # here costs several torch ops on every layer)
     rc = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
-            context_lens.data_ptr(), cu_seqlens_q.data_ptr(), seq_ids.data_ptr(), seq_ids.numel(), out.data_ptr(),
-            hq, hkv, d, bs, scale, torch.get_num_threads())
+            context_lens.data_ptr(), cu_seqlens_q.data_ptr(), num_seqs, seq_ids.data_ptr(), seq_ids.numel(),
+            q.shape[0], out.data_ptr(), hq, hkv, d, bs, scale, torch.get_num_threads())
+    if rc == 2:
+        raise ValueError(f"seq_ids must index the {num_seqs} sequences")
+    if rc == 3:
+        raise ValueError("a decode sequence's token lies outside q")
     if rc != 0:
         raise RuntimeError(f"native decode refused Hq={hq} Hkv={hkv} D={d} block size {bs}")
 

@@ -1,7 +1,6 @@
 """The C decode attention (kernels/native.py, csrc/paged_decode.c) against dense attention and the twin."""
 
 import random
-from pathlib import Path
 
 import pytest
 import torch
@@ -103,22 +102,19 @@ def test_a_maximum_that_keeps_rising_matches_dense(step, c_only):
     assert c_only == [2]
 
 
-def _cpu_flags() -> set[str]:
-    path = Path("/proc/cpuinfo")
-    text = path.read_text() if path.exists() else ""
-    return set(next((line for line in text.splitlines() if line.startswith("flags")), "").split())
-
-
 # the kernel has an AVX-512 path (with dpbf16 where the CPU has AVX512_BF16), an AVX2 one and plain
 # C: those the -march=native build of the other tests may not take, built here for a CPU that has
 # them and checked against dense attention
 @pytest.mark.parametrize(("march", "needs"), [("x86-64", {"sse2"}), ("haswell", {"avx2", "fma"}),
                                               ("skylake-avx512", {"avx512f", "avx512bw", "avx512vl", "avx512dq"})])
 def test_every_vector_path_matches_dense(march, needs, tmp_path, monkeypatch):
-    if not needs <= _cpu_flags():
-        pytest.skip(f"this CPU cannot run -march={march}")
     monkeypatch.setattr(native, "CFLAGS", [f"-march={march}" if f == "-march=native" else f for f in native.CFLAGS])
     monkeypatch.setenv("BATCHAPI_NATIVE_DIR", str(tmp_path))
+    if not needs <= set(native._cpu_flags().split()):  # a CPU without them: the path must still build
+        target = native.library_path(native._compiler())
+        native._build(native._compiler(), target)
+        assert target.stat().st_size > 0
+        return
     lib = native._load()
     assert lib is not None
     monkeypatch.setattr(native, "load", lambda: lib)

@@ -6,7 +6,6 @@ lands on a bf16 rounding tie.
 """
 
 import platform
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -250,18 +249,16 @@ def test_a_failed_build_leaves_these_ops_on_the_twins(tmp_path, monkeypatch, cap
     assert torch.equal(CPU_OPS.rms_norm(x, w, 1e-6), TWIN.rms_norm(x, w, 1e-6))
 
 
-def _cpu_flags() -> set[str]:
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    return set(next((line for line in text.splitlines() if line.startswith("flags")), "").split())
-
-
 @pytest.mark.parametrize(("march", "needs"), [("x86-64", {"sse2"}), ("haswell", {"avx2", "fma"})])
 def test_the_portable_c_matches_the_twin_too(march, needs, tmp_path, monkeypatch):
     """The loops for CPUs without AVX-512, built here for x86 CPUs that lack it."""
-    if not needs <= _cpu_flags():
-        pytest.skip(f"this CPU cannot run -march={march}")
     monkeypatch.setenv("BATCHAPI_NATIVE_DIR", str(tmp_path))
     monkeypatch.setattr(native, "CFLAGS", [f"-march={march}" if f == "-march=native" else f for f in native.CFLAGS])
+    if not needs <= set(native._cpu_flags().split()):  # a CPU without them: the loops must still build
+        target = native.library_path(native._compiler(), native.ELEMENTWISE_SOURCE)
+        native._build(native._compiler(), target, native.ELEMENTWISE_SOURCE)
+        assert target.stat().st_size > 0
+        return
     monkeypatch.setattr(native, "_state", {})
     assert native.load_elementwise() is not None
     for dtype in DTYPES:

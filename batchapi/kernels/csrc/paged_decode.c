@@ -530,10 +530,16 @@ INLINE void decode_task(const void *q, const void *k_cache, const void *v_cache,
 #endif /* AVX-512 */
 
 INLINE int run(const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
-               int64_t table_stride, const int32_t *context_lens, const int32_t *cu_seqlens_q,
-               const int32_t *seq_ids, int num_seqs, void *out, int hq, int hkv, int d, int bs, float scale,
-               int num_threads, int bf16) {
+               int64_t table_stride, const int32_t *context_lens, const int32_t *cu_seqlens_q, int num_tables,
+               const int32_t *seq_ids, int num_seqs, int64_t num_q_rows, void *out, int hq, int hkv, int d, int bs,
+               float scale, int num_threads, int bf16) {
     if (hkv <= 0 || hq % hkv || hq / hkv > MAX_GROUP || d <= 0 || d > MAX_HEAD_DIM || bs <= 0 || bs > MAX_BLOCK) return 1;
+    /* every row's sequence and query token in range, before anything is read through them (the
+     * caller checks the block ids the contexts cover, once a step) */
+    for (int i = 0; i < num_seqs; i++) {
+        if (seq_ids[i] < 0 || seq_ids[i] >= num_tables) return 2;
+        if (cu_seqlens_q[seq_ids[i]] < 0 || cu_seqlens_q[seq_ids[i]] >= num_q_rows) return 3;
+    }
     const int64_t tasks = (int64_t)num_seqs * hkv;
 #pragma omp parallel for schedule(dynamic, 4) num_threads(num_threads)
     for (int64_t t = 0; t < tasks; t++) {
@@ -558,13 +564,15 @@ INLINE int run(const void *q, const void *k_cache, const void *v_cache, const in
     return 0;
 }
 
+/* returns 0, or 1 for shapes it does not take, 2 for a seq id outside the tables, 3 for a query
+ * row outside q; nothing is read through a bad index */
 #define ENTRY(NAME, BF16)                                                                                   \
     int NAME(const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,          \
-             int64_t table_stride, const int32_t *context_lens, const int32_t *cu_seqlens_q,                \
-             const int32_t *seq_ids, int num_seqs, void *out, int hq, int hkv, int d, int bs, float scale,  \
-             int num_threads) {                                                                             \
-        return run(q, k_cache, v_cache, block_tables, table_stride, context_lens, cu_seqlens_q, seq_ids,    \
-                   num_seqs, out, hq, hkv, d, bs, scale, num_threads, BF16);                                \
+             int64_t table_stride, const int32_t *context_lens, const int32_t *cu_seqlens_q, int num_tables, \
+             const int32_t *seq_ids, int num_seqs, int64_t num_q_rows, void *out, int hq, int hkv, int d,   \
+             int bs, float scale, int num_threads) {                                                        \
+        return run(q, k_cache, v_cache, block_tables, table_stride, context_lens, cu_seqlens_q, num_tables, \
+                   seq_ids, num_seqs, num_q_rows, out, hq, hkv, d, bs, scale, num_threads, BF16);           \
     }
 
 ENTRY(paged_decode_f32, 0)
