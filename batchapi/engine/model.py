@@ -114,14 +114,15 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 logit_rows: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions [T]; logit_rows [S] token indices to score -> logits [S, V] fp32."""
+        """input_ids, positions [T]; logit_rows [S] token indices to score -> logits [S, V] in the
+        model's dtype (the sampler works in fp32 where it needs to; greedy needs no copy)."""
         x, residual = self.embed_tokens(input_ids), None  # [T, H]
         for layer in self.layers:
             x, residual = layer(x, residual, positions, self.cos_sin, meta)
         x = x.index_select(0, logit_rows)  # [S, H]: only the tokens that get sampled
         residual = residual.index_select(0, logit_rows)
         x, _ = self.ops.fused_add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
-        return self.lm_head(x).float()  # [S, V]
+        return self.lm_head(x)  # [S, V]
 
     def load(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy Hugging Face tensors in, fusing q/k/v and gate/up."""

@@ -203,7 +203,7 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> tuple[list[tuple[Sequence, int]], list]:
         """Run one step; return ``sample_rows(batch)`` and a sample for each of those rows."""
         input_ids, positions, meta, logit_rows = self._prepare(batch)
-        logits = self.model(input_ids, positions, meta, logit_rows)  # [S, V] fp32
+        logits = self.model(input_ids, positions, meta, logit_rows)  # [S, V]
         rows = sample_rows(batch)
         if len(rows) != logits.shape[0]:  # n > 1: a finished prompt is sampled once per child
             repeat = torch.tensor([1 + seq.num_forks for seq, _ in _sampled(batch)], device=logits.device)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from batchapi.engine.sampling_params import SamplingParams
+from batchapi.kernels import native
 
 # top_p first looks for its cut among this many of the most likely tokens, then widens
 TOP_P_CANDIDATES = (64, 512, 4096)
@@ -150,9 +151,14 @@ def seeded_uniform(seed: int, sample_index: int, step: int) -> float:
 def first_argmax(x: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
     """x.argmax(-1) of a [B, V] tensor, same index (first of ties, first NaN), faster on CPU.
 
-    On CPU argmax over the vocabulary costs ~10x an amax: find the first chunk of the row that
-    holds its maximum through vectorised amax, then run argmax on that chunk alone."""
+    On CPU argmax over the vocabulary costs ~10x an amax: C scans each row once in its own dtype
+    (kernels/native.py); where it is not built, find the first chunk of the row that holds its
+    maximum through vectorised amax, then run argmax on that chunk alone."""
     rows, vocab = x.shape
+    if x.device.type == "cpu" and rows:
+        found = native.argmax(x)
+        if found is not None:
+            return found
     if x.device.type != "cpu" or vocab % chunk or not x.is_contiguous() or rows == 0:
         return x.argmax(dim=-1)
     chunks = x.view(rows, vocab // chunk, chunk)  # [B, C, chunk]

@@ -133,6 +133,7 @@ def _load_elementwise() -> ctypes.CDLL | None:
         "silu_and_mul": [ptr, i64, ptr, i64, i64, i32, i32],
         "rotary": [ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, ptr, i64, i64, i32, i64, i64, i32, i32],
         "store_kvcache": [ptr, i64, ptr, i64, ptr, ptr, ptr, i32, i64, i64, i64, i64],
+        "argmax_rows": [ptr, i64, i64, i64, i32, ptr],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
@@ -319,3 +320,15 @@ def store_kvcache(
     if rc != 0:
         bad = slot_mapping[slot_mapping >= num_slots]
         raise ValueError(f"slots {bad[:8].tolist()} lie outside the KV caches' {num_slots} slots")
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor | None:
+    """x.argmax(-1) of a [B, V] fp32 or bf16 CPU tensor with dense rows (same index: the first of
+    ties, the first NaN); None where C does not take x. One pass over the row in its own dtype,
+    where torch converts bf16 logits or scans them several times slower."""
+    lib = load_elementwise()
+    if lib is None or x.dim() != 2 or x.dtype not in DTYPES or not x.is_cpu or x.shape[1] == 0 or x.stride(1) != 1:
+        return None
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    lib.argmax_rows(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], x.dtype is torch.bfloat16, out.data_ptr())
+    return out

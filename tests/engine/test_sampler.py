@@ -52,6 +52,24 @@ def test_first_argmax_is_argmax_with_ties_nan_and_inf(dtype):
     assert first_argmax(x).tolist() == x.argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("in_c", [True, False])
+def test_first_argmax_in_c_and_without_it(dtype, in_c, monkeypatch):
+    from batchapi.kernels import native
+
+    calls = []
+    real = native.argmax
+    monkeypatch.setattr(native, "argmax", lambda x: calls.append(x.shape) or (real(x) if in_c else None))
+    g = torch.Generator().manual_seed(1)
+    wide = torch.randint(-3, 3, (7, 1001 + 64), generator=g).to(dtype)
+    x = wide[:, 32:1033]  # rows 1001 wide, a step of 1065 apart: odd sizes, not contiguous
+    x[2, 999] = x[2, 3] = float("nan")
+    x[4] = float("-inf")
+    x[5, 1000] = 9
+    assert first_argmax(x).tolist() == x.argmax(-1).tolist()
+    assert calls == [x.shape] and native.load_elementwise() is not None
+
+
 def test_greedy_rows_stay_argmax_in_a_mixed_batch():
     logits = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(1))
     rows = [SampleRow(SamplingParams(temperature=0 if i % 2 else 0.8, top_k=5), [], 0) for i in range(6)]

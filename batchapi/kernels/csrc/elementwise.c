@@ -388,3 +388,41 @@ int store_kvcache(const void *key, int64_t key_stride, const void *value, int64_
     }
     return 0;
 }
+
+/* ---- greedy argmax ---- */
+
+/* out[r] = the index of row r's largest value, the first of ties, as torch.argmax picks it; a NaN
+ * counts as the largest (the first NaN wins). Rows of fp32 or bf16, `stride` elements apart. */
+int argmax_rows(const void *x, int64_t stride, int64_t rows, int64_t cols, int bf16, int64_t *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        float best = -INFINITY;
+        int nan = 0;
+        if (bf16) {
+            const uint16_t *row = (const uint16_t *)x + r * stride;
+#pragma omp simd reduction(max : best) reduction(| : nan)
+            for (int64_t i = 0; i < cols; i++) {
+                const float v = bf16_to_f32(row[i]);
+                best = v > best ? v : best;
+                nan |= v != v;
+            }
+        } else {
+            const float *row = (const float *)x + r * stride;
+#pragma omp simd reduction(max : best) reduction(| : nan)
+            for (int64_t i = 0; i < cols; i++) {
+                const float v = row[i];
+                best = v > best ? v : best;
+                nan |= v != v;
+            }
+        }
+        int64_t at = 0;
+        for (int64_t i = 0; i < cols; i++) { /* the first index holding it: a short scan, usually */
+            const float v = element(x, r * stride + i, bf16);
+            if (nan ? v != v : v == best) {
+                at = i;
+                break;
+            }
+        }
+        out[r] = at;
+    }
+    return 0;
+}
