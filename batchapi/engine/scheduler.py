@@ -223,7 +223,7 @@ class Scheduler:
             if scheduled is None:
                 scheduled = dict(zip(batch.seqs, batch.num_new_tokens, strict=True))
             have = donor.token_ids[start : min(donor.num_computed_tokens + scheduled.get(donor, 0), start + bs)]
-            m = next((i for i, (a, b) in enumerate(zip(have, want)) if a != b), min(len(have), len(want)))
+            m = next((i for i, (a, b) in enumerate(zip(have, want, strict=False)) if a != b), min(len(have), len(want)))
             if m > best_len and donor.token_ids[:start] == seq.token_ids[:start]:
                 best, best_len = donor.block_table[start // bs], m
         if best is None:
