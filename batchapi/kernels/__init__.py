@@ -4,8 +4,10 @@
 - reference.py, attention_ref.py, rope.py: the twins and the rotary cache; torch only.
 - attention.py, kvcache.py, norm.py, rotary_embedding.py, activation.py: Triton kernels with
   their launchers (shape, dtype and stride checks); imported only when Triton ops are asked for.
-- native.py, csrc/paged_decode.c, attention_cpu.py: decode attention in C for the CPU path,
-  compiled on first use (ctypes, no torch headers); the twin's SDPA keeps the prefill runs.
+- native.py, csrc/paged_decode.c, csrc/elementwise.c, attention_cpu.py: the CPU path in C, compiled
+  on first use (ctypes, no torch headers): paged attention of decode tokens and short prefill runs
+  (the twin's SDPA keeps the long ones), the norms, rotary, SiLU-and-mul, the KV store and the
+  greedy argmax.
 - launch.py: what the launchers share: `jit` for the kernels, and running them under Triton's
   interpreter when the tensors are on CPU (the tests).
 KV caches must be allocated zeroed: the twin reads the unwritten tail slots of a sequence's last
