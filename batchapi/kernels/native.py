@@ -55,7 +55,8 @@ def _compiler() -> str | None:
 
 
 def library_path(compiler: str, source: Path = SOURCE) -> Path:
-    key = hashlib.sha256("\0".join([source.read_text(), compiler, " ".join(CFLAGS), platform.machine(),
+    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # what the sources include
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, compiler, " ".join(CFLAGS), platform.machine(),
                                     _cpu_flags()]).encode()).hexdigest()[:16]
     return cache_dir() / f"{source.stem}-{key}.so"
 

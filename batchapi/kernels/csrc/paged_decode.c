@@ -17,25 +17,11 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "common.h"
+
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK 32 /* the per-task arrays live on the stack: about 70 KB (AVX2, plain) or 40 KB at these maxima */
-#define INLINE static inline __attribute__((always_inline))
-
-INLINE float bf16_to_f32(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-INLINE uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN stays NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even, as torch does */
-    return (uint16_t)(bits >> 16);
-}
 
 /* d elements at element offset `at` of an fp32 or bf16 array, as fp32 */
 INLINE void load(const void *base, int64_t at, float *dst, int d, int bf16) {
