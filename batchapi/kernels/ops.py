@@ -74,9 +74,14 @@ def get_ops(mode: str = "auto", device: str | torch.device = "cpu") -> Ops:
     assert mode in MODES, f"kernel mode must be one of {MODES}, got {mode!r}"
     device = torch.device(device)
     if mode == "auto":
-        mode = "triton" if device.type == "cuda" else "cpu" if native.load() is not None else "torch"
+        mode = "triton" if device.type == "cuda" else "cpu" if _any_native_built() else "torch"
     if mode == "cpu":
         assert device.type == "cpu", f"kernel mode cpu runs on CPU tensors, not {device}"
-        assert native.load() is not None, "kernel mode cpu needs a C compiler (cc, gcc or $CC); see the log"
+        assert _any_native_built(), "kernel mode cpu needs a C compiler (cc, gcc or $CC); see the log"
         return CPU_OPS
     return _triton_ops() if mode == "triton" else TORCH_OPS
+
+
+def _any_native_built() -> bool:
+    # each op of CPU_OPS whose library did not build runs its twin: one library is enough
+    return native.load() is not None or native.load_elementwise() is not None

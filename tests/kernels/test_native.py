@@ -255,6 +255,16 @@ def test_without_a_compiler_auto_falls_back_to_the_twins(tmp_path, monkeypatch, 
     torch.testing.assert_close(out, dense_attention(case), atol=2e-5, rtol=2e-5)
 
 
+def test_auto_takes_the_c_set_when_only_one_library_builds(monkeypatch):
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setattr(native, "_load", lambda: None)  # decode attention failed to build
+    assert native.load() is None and native.load_elementwise() is not None
+    assert get_ops("auto", "cpu") is CPU_OPS and get_ops("cpu", "cpu") is CPU_OPS
+    case = make_case([1, 5], [9, 5], 4, 2, 64, seed=4)
+    out = attention_cpu.paged_attention(*case.args(), case.scale)  # the twin, whole
+    torch.testing.assert_close(out, dense_attention(case), atol=2e-5, rtol=2e-5)
+
+
 def test_a_broken_compiler_output_is_reported_not_raised(tmp_path, monkeypatch, caplog):
     fake = tmp_path / "cc"
     fake.write_text("#!/bin/sh\necho 'cc: error: unsupported option' >&2\nexit 1\n")
