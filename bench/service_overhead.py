@@ -65,13 +65,14 @@ def wait_until(predicate, timeout: float, what: str) -> None:
 
 class Service:
     def __init__(self, workdir: Path, env: dict[str, str]):
-        self.workdir, self.env, self.procs = workdir, env, []
+        self.workdir, self.env, self.procs, self.names = workdir, env, [], []
         self.base = f"http://127.0.0.1:{env['BATCHAPI_PORT']}"
 
     def spawn(self, name: str, *args: str) -> subprocess.Popen:
         log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 - the child keeps it
         proc = subprocess.Popen(args, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.procs.append(proc)
+        self.names.append(name)
         return proc
 
     def log(self, name: str) -> str:
@@ -86,10 +87,12 @@ class Service:
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signal.SIGKILL)
 
-    def cpu(self) -> float:
-        return sum(cpu_seconds(proc.pid) for proc in self.procs if proc.poll() is None)
+    def cpu(self) -> dict[str, float]:
+        """CPU seconds so far of each live process, by name (api, worker, redis)."""
+        return {name: cpu_seconds(proc.pid) for name, proc in zip(self.names, self.procs, strict=True)
+                if proc.poll() is None}
 
-    def run_batch(self, http: httpx.Client, lines: list[dict]) -> tuple[float, float, dict]:
+    def run_batch(self, http: httpx.Client, lines: list[dict]) -> tuple[float, dict[str, float], dict]:
         data = ("\n".join(json.dumps(line) for line in lines) + "\n").encode()
         cpu = self.cpu()
         start = time.perf_counter()
@@ -99,13 +102,14 @@ class Service:
         while batch["status"] not in ("completed", "failed", "expired", "cancelled"):
             time.sleep(0.5)  # a light poll: the API shares the CPU with the worker here
             batch = http.get(f"/v1/batches/{batch['id']}").json()
-        elapsed, cpu = time.perf_counter() - start, self.cpu() - cpu
+        after = self.cpu()
+        elapsed, cpu = time.perf_counter() - start, {name: after[name] - cpu.get(name, 0.0) for name in after}
         assert batch["status"] == "completed", batch
         assert batch["request_counts"]["completed"] == len(lines), batch
         return elapsed, cpu, batch
 
 
-def through_service(args, model_id: str, lines: list[dict], warmup: list[dict]) -> tuple[float, float, int]:
+def through_service(args, model_id: str, lines: list[dict], warmup: list[dict]) -> tuple[float, dict[str, float], int]:
     workdir = Path(tempfile.mkdtemp(prefix="batchapi-bench-"))
     redis_port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHAPI_")}
@@ -180,14 +184,16 @@ def main() -> int:
     for line in warmup:
         line["custom_id"] = "warm-" + line["custom_id"]
 
-    service_s, service_cpu, service_tokens = through_service(args, served, lines, warmup)
+    service_s, service_cpus, service_tokens = through_service(args, served, lines, warmup)
+    service_cpu = sum(service_cpus.values())
     engine_s, engine_cpu, engine_tokens = through_engine(args, lines, warmup)
     service_rate, engine_rate = service_tokens / service_s, engine_tokens / engine_s
     print(f"{args.requests} requests x {args.max_tokens} tokens, model {served}")
     print(f"engine : {engine_tokens} output tokens in {engine_s:.2f}s = {engine_rate:.1f} tok/s "
           f"({engine_cpu:.1f} CPU s)")
     print(f"service: {service_tokens} output tokens in {service_s:.2f}s = {service_rate:.1f} tok/s "
-          f"({service_cpu:.1f} CPU s; upload to completed, Celery worker)")
+          f"({service_cpu:.1f} CPU s: " + ", ".join(f"{name} {t:.1f}" for name, t in service_cpus.items())
+          + "; upload to completed, Celery worker)")
     print(f"ratio service/engine: {service_rate / engine_rate:.3f} (tokens per wall second), "
           f"{(service_tokens / service_cpu) / (engine_tokens / engine_cpu):.3f} (tokens per CPU second)")
     return 0
