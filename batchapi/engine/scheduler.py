@@ -177,6 +177,8 @@ class Scheduler:
         admitted: list[Sequence] = []
         pending: set[int] = set()  # hashes of the prompt blocks that this step's admissions compute
         full = False  # out of budget, seq slots or blocks: admit nothing more this step
+        scheduled = dict(zip(batch.seqs, batch.num_new_tokens, strict=True))  # seq -> tokens it computes now
+        waves: dict[int, int] = {}  # block filled by a copy this step -> the copy's wave
         for group in self.waiting.runs():
             for seq in group:
                 if budget <= 0 or not self._has_seq_slot(seq):
@@ -186,16 +188,18 @@ class Scheduler:
                 if pending and group is not self.waiting.front and self._computed_now(seq, hashes, pending):
                     break  # its next blocks are being computed now: next step they are cache hits
                 num_cached = len(cached) * self.bm.block_size
-                donor = self._find_donor(seq, num_cached, batch) if self.bm.enable_prefix_caching else None
+                donor = self._find_donor(seq, num_cached, scheduled, waves) if self.bm.enable_prefix_caching else None
                 copied = donor[1] if donor else 0
                 n = min(seq.num_tokens - num_cached - copied, budget)
                 if not self.bm.can_admit(cached, num_cached + copied + n):
                     full = True
                     break
                 self._admit(seq, cached, hashes, num_cached + copied, n, batch)
+                scheduled[seq] = n
                 if donor:
                     src, _, wave = donor
                     batch.kv_copies.append(KVCopy(src, seq.block_table[len(cached)], copied, wave))
+                    waves[seq.block_table[len(cached)]] = wave
                 admitted.append(seq)
                 budget -= n
                 if self.bm.enable_prefix_caching:
@@ -205,7 +209,8 @@ class Scheduler:
         for seq in admitted:
             self.waiting.remove(seq)
 
-    def _find_donor(self, seq: Sequence, num_cached: int, batch: ScheduledBatch) -> tuple[int, int, int] | None:
+    def _find_donor(self, seq: Sequence, num_cached: int, scheduled: dict[Sequence, int],
+                    waves: dict[int, int]) -> tuple[int, int, int] | None:
         """(block, tokens, wave) of the longest run of ``seq``'s next tokens that a running
         sequence holds at the same place, or None. A donor's tokens count if computed before
         this step or in it; tokens it received by a copy this step are read one wave later."""
@@ -215,21 +220,15 @@ class Scheduler:
         if limit <= start:
             return None
         want = seq.token_ids[start:limit]
-        scheduled = None
         best, best_len = None, 0
         for donor in self.running:
             if donor.num_tokens <= start or donor.token_ids[start] != want[0] or len(donor.block_table) <= start // bs:
                 continue
-            if scheduled is None:
-                scheduled = dict(zip(batch.seqs, batch.num_new_tokens, strict=True))
             have = donor.token_ids[start : min(donor.num_computed_tokens + scheduled.get(donor, 0), start + bs)]
             m = next((i for i, (a, b) in enumerate(zip(have, want, strict=False)) if a != b), min(len(have), len(want)))
             if m > best_len and donor.token_ids[:start] == seq.token_ids[:start]:
                 best, best_len = donor.block_table[start // bs], m
-        if best is None:
-            return None
-        wave = next((copy.wave + 1 for copy in batch.kv_copies if copy.dst == best), 0)
-        return best, best_len, wave
+        return None if best is None else (best, best_len, waves.get(best, -1) + 1)
 
     def _computed_now(self, seq: Sequence, hashes: list[int], pending: set[int]) -> bool:
         """Whether the first block of ``seq`` past its cache hits is one this step computes."""

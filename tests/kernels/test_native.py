@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from batchapi.kernels import CPU_OPS, TORCH_OPS, attention_cpu, attention_ref, get_ops, native
+from tests.kernels.march import build_for
 from tests.kernels.paged import dense_attention, make_case
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
@@ -108,13 +109,8 @@ def test_a_maximum_that_keeps_rising_matches_dense(step, c_only):
 @pytest.mark.parametrize(("march", "needs"), [("x86-64", {"sse2"}), ("haswell", {"avx2", "fma"}),
                                               ("skylake-avx512", {"avx512f", "avx512bw", "avx512vl", "avx512dq"})])
 def test_every_vector_path_matches_dense(march, needs, tmp_path, monkeypatch):
-    monkeypatch.setattr(native, "CFLAGS", [f"-march={march}" if f == "-march=native" else f for f in native.CFLAGS])
-    monkeypatch.setenv("BATCHAPI_NATIVE_DIR", str(tmp_path))
-    if not needs <= set(native._cpu_flags().split()):  # a CPU without them: the path must still build
-        target = native.library_path(native._compiler())
-        native._build(native._compiler(), target)
-        assert target.stat().st_size > 0
-        return
+    if not build_for(march, needs, native.SOURCE, tmp_path, monkeypatch):
+        return  # a CPU without them: built, not run
     lib = native._load()
     assert lib is not None
     monkeypatch.setattr(native, "load", lambda: lib)
