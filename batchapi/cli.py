@@ -120,7 +120,7 @@ def cmd_beat(args: argparse.Namespace) -> int:
 
 
 def cmd_db_upgrade(args: argparse.Namespace) -> int:
-    from batchapi.jobs.migrate import upgrade
+    from batchapi.db.migrate import upgrade
 
     upgrade(_settings(), args.revision)
     console.print(f"database at {args.revision}")
@@ -128,7 +128,7 @@ def cmd_db_upgrade(args: argparse.Namespace) -> int:
 
 
 def cmd_keys_create(args: argparse.Namespace) -> int:
-    from batchapi.jobs.keys import create_key
+    from batchapi.db.projects import create_key
 
     key = create_key(_settings(), args.project)
     console.print(f"API key for project {args.project!r} (shown once):")
@@ -141,7 +141,7 @@ def _date(timestamp: int | None) -> str:
 
 
 def cmd_keys_list(args: argparse.Namespace) -> int:
-    from batchapi.jobs.keys import list_keys
+    from batchapi.db.projects import list_keys
 
     keys = list_keys(_settings(), args.project)
     if args.json:
@@ -160,8 +160,8 @@ def cmd_keys_list(args: argparse.Namespace) -> int:
 
 
 def cmd_keys_revoke(args: argparse.Namespace) -> int:
-    from batchapi.jobs.errors import NotFound
-    from batchapi.jobs.keys import revoke_key
+    from batchapi.db.projects import revoke_key
+    from batchapi.errors import NotFound
 
     try:
         revoked = revoke_key(_settings(), args.key_id)

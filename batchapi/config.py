@@ -7,7 +7,6 @@ else in the package reads ``os.environ``.
 from __future__ import annotations
 
 from decimal import Decimal
-from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
@@ -38,6 +37,8 @@ class Settings(BaseSettings):
     model: str = DEFAULT_MODEL
     model_cache: Path = Path("~/.cache/batchapi")
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # the engine's choices (batchapi.engine.config.DTYPES / KERNELS; config.py imports nothing of
+    # batchapi, so tests/test_config.py checks the two lists agree)
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     kernels: Literal["auto", "triton", "cpu", "torch"] = "auto"
     max_num_seqs: int = Field(default=128, ge=1)
@@ -143,8 +144,3 @@ def load_settings(**overrides) -> Settings:
             name = f"BATCHAPI_{field.upper()}" if field else "BATCHAPI_*"
             problems.append(f"{name}: {err['msg']}")
         raise SettingsError("invalid settings: " + "; ".join(problems)) from None
-
-
-@lru_cache
-def get_settings() -> Settings:
-    return load_settings()

@@ -14,7 +14,10 @@ import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
+
+from batchapi.config import Settings
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +96,33 @@ def list_models(cache_dir: Path) -> list[tuple[str, Path, int]]:
         size = sum(f.stat().st_size for f in directory.iterdir() if f.is_file())
         out.append((directory.name, directory, size))
     return out
+
+
+# ---- the one model this deployment serves ----
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """The served model's API id, every name a request may use for it, and its directory."""
+
+    id: str
+    aliases: frozenset[str]  # the id included
+    path: Path
+
+
+def served_model_id(settings: Settings) -> str:
+    return model_id(settings.model)
+
+
+def served_model(settings: Settings) -> ServedModel:
+    """Resolves (and on first use may fetch) the model directory; not for request handlers."""
+    return _served(settings.model, str(settings.model_cache))
+
+
+@lru_cache(maxsize=4)
+def _served(name: str, cache: str) -> ServedModel:
+    path = Path(resolve_model(name, Path(cache)))
+    return ServedModel(id=model_id(name), aliases=frozenset(accepted_names(name)), path=path)
 
 
 def pull_model(alias: str, cache_dir: Path) -> Path:

@@ -147,7 +147,7 @@ def _healthy(http: httpx.Client) -> bool:
 def through_engine(args, lines: list[dict], warmup: list[dict]) -> tuple[float, float, int]:
     from batchapi.config import load_settings
     from batchapi.engine import EngineFront
-    from batchapi.jobs.request_body import parse_body
+    from batchapi.openai.body import parse_body
     from batchapi.workers import openai_io
     from batchapi.workers.engine_setup import engine_config_from
 

@@ -18,10 +18,11 @@ import time
 from pathlib import Path
 
 from batchapi.config import load_settings
-from batchapi.jobs.prompt_tokens import PromptCounter
-from batchapi.jobs.request_body import CHAT, parse_body
-from batchapi.jobs.validation import Limits, Scanner, exact_counts, iter_lines
 from batchapi.model_store import model_id, resolve_model
+from batchapi.openai.body import CHAT, parse_body
+from batchapi.openai.lines import iter_lines
+from batchapi.validation.scanner import Limits, Scanner
+from batchapi.validation.token_counts import PromptCounter, exact_counts
 
 WORDS = ("the quick brown fox jumps over a lazy dog while engineers measure throughput of batch "
          "inference systems with paged attention and careful validation of every request line").split()

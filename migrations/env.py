@@ -7,7 +7,7 @@ from logging.config import fileConfig
 from alembic import context
 from sqlalchemy import create_engine, pool
 
-from batchapi.jobs.models import Base
+from batchapi.db.models import Base
 
 config = context.config
 if config.config_file_name is not None:

@@ -7,8 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from batchapi.batches.context import open_jobs
 from batchapi.config import DEFAULT_MODEL
+from batchapi.db.migrate import upgrade
 from tests.utils import services
+from tests.utils.batch_service import service_settings
 from tests.utils.tiny_models import build_tiny_model
 
 MODEL_CACHE = Path(os.environ.get("BATCHAPI_MODEL_CACHE", "~/.cache/batchapi")).expanduser()
@@ -55,3 +58,32 @@ def s3(tmp_path_factory) -> services.S3Server:
     """A SeaweedFS S3 server (weed mini) on free ports, with credentials and a bucket."""
     with services.seaweedfs(tmp_path_factory.mktemp("seaweedfs")) as server:
         yield server
+
+
+# the service's context on PostgreSQL + S3, or on SQLite + a local directory
+@pytest.fixture(scope="session")
+def pg_settings(tmp_path_factory, pg_url, s3, tiny_llama_dir):
+    settings = service_settings(tmp_path_factory.mktemp("jobs-pg"), tiny_llama_dir, pg_url=pg_url, s3=s3)
+    upgrade(settings)
+    return settings
+
+
+@pytest.fixture
+def pg_jobs(pg_settings):
+    jobs = open_jobs(pg_settings)
+    yield jobs
+    jobs.close()
+
+
+@pytest.fixture
+def sqlite_jobs(tmp_path, tiny_llama_dir):
+    settings = service_settings(tmp_path, tiny_llama_dir)
+    upgrade(settings)
+    jobs = open_jobs(settings)
+    yield jobs
+    jobs.close()
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+def any_jobs(request):
+    return request.getfixturevalue("pg_jobs" if request.param == "postgresql" else "sqlite_jobs")

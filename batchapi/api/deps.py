@@ -6,8 +6,8 @@ from typing import Annotated
 
 from fastapi import Depends, Header, Request
 
-from batchapi.jobs.context import Jobs
-from batchapi.jobs.keys import authenticate
+from batchapi.batches.context import Jobs
+from batchapi.db.projects import authenticate
 
 
 def get_jobs(request: Request) -> Jobs:

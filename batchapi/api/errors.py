@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DataError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from batchapi.jobs.errors import Conflict, InvalidRequest, JobsError, NotFound, StorageError, Unauthenticated
+from batchapi.errors import Conflict, InvalidRequest, NotFound, ServiceError, StorageError, Unauthenticated
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +23,7 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-async def _jobs_error(_request: Request, exc: JobsError) -> JSONResponse:
+async def _jobs_error(_request: Request, exc: ServiceError) -> JSONResponse:
     status = next((s for cls, s in STATUS.items() if isinstance(exc, cls)), 400)
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
     type_ = "server_error" if status >= 500 else "invalid_request_error"
@@ -75,7 +75,7 @@ async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
 
 
 def install(app: FastAPI) -> None:
-    app.add_exception_handler(JobsError, _jobs_error)
+    app.add_exception_handler(ServiceError, _jobs_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(DataError, _bad_value)

@@ -11,15 +11,16 @@ from fastapi import FastAPI
 from batchapi.api import errors
 from batchapi.api.routes import batches, files, health, models
 from batchapi.api.schemas import ModelObject
+from batchapi.batches.context import Jobs, open_jobs
+from batchapi.batches.dispatch import Dispatcher
+from batchapi.batches.sweeper import SweepLoop
 from batchapi.config import Settings
-from batchapi.jobs.context import Jobs, open_jobs
-from batchapi.jobs.db import session_scope
-from batchapi.jobs.dispatch import Dispatcher
-from batchapi.jobs.ids import now
-from batchapi.jobs.keys import DEFAULT_PROJECT, get_or_create_project
-from batchapi.jobs.served_model import served_model_id
-from batchapi.jobs.storage import Storage
-from batchapi.jobs.validation_runner import ValidationRunner
+from batchapi.db.clock import now
+from batchapi.db.projects import DEFAULT_PROJECT, get_or_create_project
+from batchapi.db.session import session_scope
+from batchapi.model_store import served_model_id
+from batchapi.storage import Storage
+from batchapi.validation.runner import ValidationRunner
 
 log = logging.getLogger(__name__)
 
@@ -39,18 +40,25 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         jobs = open_jobs(settings, dispatcher=dispatcher, storage=storage)
-        runner = ValidationRunner(jobs, settings.sweep_seconds)
+        runner = ValidationRunner(jobs)
+        # the shard steps are the beat's in production; the embedded default has no beat
+        sweeper = SweepLoop(jobs, settings.sweep_seconds, runner, shards=settings.embedded)
         jobs.on_batch_created = runner.submit
+        jobs.on_batch_cancelled = lambda _batch_id: sweeper.poke()
         app.state.jobs = jobs
         app.state.model = ModelObject(id=served_model_id(settings), created=now())
         if not settings.auth_required:
             with session_scope(jobs.sessions) as session:
                 app.state.default_project_id = get_or_create_project(session, DEFAULT_PROJECT).id
-        runner.start()
+        sweeper.start()
         try:
             with hook(jobs) if hook else nullcontext():
-                yield
+                try:
+                    yield
+                finally:
+                    sweeper.stop()  # before the embedded worker gives its shards back
         finally:
+            sweeper.stop()
             runner.shutdown()
             jobs.close()
 
@@ -66,7 +74,7 @@ def serve(settings: Settings, *, dispatcher: Dispatcher | None = None, hook: Hoo
     import uvicorn
 
     if settings.sqlalchemy_url.startswith("sqlite"):
-        from batchapi.jobs.migrate import upgrade
+        from batchapi.db.migrate import upgrade
 
         upgrade(settings)
     app = create_app(settings, dispatcher=dispatcher, hook=hook)

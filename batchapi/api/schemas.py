@@ -6,8 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from batchapi.jobs.accounting import cost, estimated_cost, usage
-from batchapi.jobs.models import Batch, File
+from batchapi.batches.billing import cost, estimated_cost, usage
+from batchapi.db.models import Batch, File
 
 
 class FileObject(BaseModel):

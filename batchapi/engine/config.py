@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-DTYPES = ("auto", "bfloat16", "float16", "float32")
-KERNELS = ("auto", "triton", "cpu", "torch")
+from batchapi.kernels import MODES
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")  # engine.platform maps them to torch dtypes
+KERNELS = MODES  # the kernel sets of batchapi.kernels.get_ops
 
 
 @dataclass

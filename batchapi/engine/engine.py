@@ -9,9 +9,16 @@ from transformers import AutoTokenizer
 
 from batchapi.engine.block_manager import BlockManager
 from batchapi.engine.config import EngineConfig
-from batchapi.engine.detokenizer import IncrementalDetokenizer, StopChecker
+from batchapi.engine.detokenizer import IncrementalDetokenizer, StopChecker, check_finish
 from batchapi.engine.model_runner import ModelRunner
-from batchapi.engine.request import CompletionOutput, GenerationRequest, GenerationResult, TokenLogprob
+from batchapi.engine.request import (
+    CompletionOutput,
+    DuplicateRequestId,
+    ErrorCode,
+    GenerationRequest,
+    GenerationResult,
+    TokenLogprob,
+)
 from batchapi.engine.scheduler import Scheduler
 from batchapi.engine.sequence import Sequence
 
@@ -48,12 +55,14 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len)
         self.requests: dict[str, _RequestState] = {}
-        self.num_generated_tokens = 0
 
     # ---- requests ----
 
     def add_request(self, request: GenerationRequest) -> None:
-        assert request.request_id not in self.requests, f"duplicate request id {request.request_id!r}"
+        """Queue a request; one the engine refuses finishes with an error at the next step.
+        Raises DuplicateRequestId while a request with the same id is in the engine."""
+        if request.request_id in self.requests:
+            raise DuplicateRequestId(f"request id {request.request_id!r} is already in the engine")
         params = request.params
         seq = Sequence(request.request_id, list(request.prompt_token_ids), params, num_forks=params.n - 1)
         state = _RequestState(request, [seq])
@@ -64,7 +73,7 @@ class LLMEngine:
             if bad:
                 raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary")
         except ValueError as exc:
-            seq.finish("error", str(exc))
+            seq.fail(ErrorCode.INVALID_REQUEST, str(exc))
             self.scheduler.rejected.append(seq)
             return
         self._open_stream(state, seq)
@@ -75,10 +84,10 @@ class LLMEngine:
         if state is None:
             return None
         for seq in self.scheduler.abort(request_id):
-            seq.finish("error", "aborted")
+            seq.fail(ErrorCode.ABORTED, "aborted")
         for seq in state.seqs:
             if not seq.is_finished:
-                seq.finish("error", "aborted")
+                seq.fail(ErrorCode.ABORTED, "aborted")
         return self._result(state)
 
     def has_unfinished(self) -> bool:
@@ -143,35 +152,33 @@ class LLMEngine:
         """Add a sampled token to ``seq`` and finish it if a stop condition holds."""
         token = sample.token_id
         seq.token_ids.append(token)
-        self.num_generated_tokens += 1
         params = seq.params
         if params.logprobs:
             seq.logprobs = seq.logprobs or []
             seq.logprobs.append(TokenLogprob(token, sample.logprob, sample.top_logprobs))
-        stream = self.requests[seq.request_id].streams[seq.seq_id]
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+        reason = check_finish(params, token, seq.num_output_tokens, self.eos_token_ids)
+        if reason == "stop":  # a stop token: its text is not part of the output
             seq.finish("stop")
             return
+        stream = self.requests[seq.request_id].streams[seq.seq_id]
         text = stream.detok.add(token)
-        if stream.stops is not None:
-            if stream.stops.add(text):
-                seq.text = stream.stops.text
-                seq.finish("stop")
-                return
-        if (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens) or (
-            seq.num_tokens >= self.max_model_len
-        ):
+        if stream.stops is not None and stream.stops.add(text):  # a stop string beats the length limit
+            seq.text = stream.stops.text
+            seq.finish("stop")
+        elif reason == "length" or seq.num_tokens >= self.max_model_len:
             seq.finish("length")
 
     def _result(self, state: _RequestState) -> GenerationResult:
-        outputs, error = [], None
+        outputs, failed = [], None
         for seq in sorted(state.seqs, key=lambda s: s.sample_index):
             stream = state.streams.get(seq.seq_id)
             if not seq.text and stream is not None:
                 seq.text = stream.stops.text if stream.stops is not None else stream.detok.text
             outputs.append(CompletionOutput(seq.sample_index, seq.text, seq.output_token_ids,
                                             seq.finish_reason, seq.logprobs))
-            error = error or seq.error
+            if failed is None and seq.error:
+                failed = seq
         first = state.seqs[0]
+        error, code = (failed.error, failed.error_code) if failed is not None else (None, None)
         return GenerationResult(state.request.request_id, first.num_prompt_tokens, first.num_cached_tokens,
-                                outputs, error)
+                                outputs, error, code)

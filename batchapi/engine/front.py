@@ -14,7 +14,7 @@ from concurrent.futures import Future
 
 from batchapi.engine.config import EngineConfig
 from batchapi.engine.engine import LLMEngine
-from batchapi.engine.request import GenerationRequest, GenerationResult
+from batchapi.engine.request import DuplicateRequestId, GenerationRequest, GenerationResult
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +43,13 @@ class EngineFront:
         return self
 
     def submit(self, request: GenerationRequest, callback: Callback | None = None) -> Future:
+        """Queue a request; raises DuplicateRequestId while one with the same id is in flight."""
         future: Future = Future()
         with self._wake:
             if self._stop:
                 raise RuntimeError("the engine front is shut down")
             if request.request_id in self._pending:
-                raise ValueError(f"request id {request.request_id!r} is already in flight")
+                raise DuplicateRequestId(f"request id {request.request_id!r} is already in flight")
             self._pending[request.request_id] = (future, callback)
             self._inbox.append((request, future, callback))
             self._wake.notify()

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from batchapi.kernels.rope import rope_type
+from batchapi.kernels.torch.rope import rope_type
 
 SUPPORTED = {
     "LlamaForCausalLM": "llama",

@@ -3,8 +3,23 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from batchapi.engine.sampling_params import SamplingParams
+
+
+class ErrorCode(StrEnum):
+    """Why the engine finished a request with an error (GenerationResult.error_code)."""
+
+    PROMPT_EMPTY = "prompt_empty"
+    PROMPT_TOO_LONG = "prompt_too_long"  # the prompt cannot fit this engine's max model length
+    INVALID_REQUEST = "invalid_request"  # token ids or sampling params refused when the request is added
+    ABORTED = "aborted"
+    ENGINE_FAILURE = "engine_failure"  # the engine failed while running the request, not the request itself
+
+
+class DuplicateRequestId(ValueError):
+    """A request was added while another with the same id is still in flight."""
 
 
 @dataclass
@@ -36,7 +51,8 @@ class GenerationResult:
     prompt_tokens: int
     cached_tokens: int
     outputs: list[CompletionOutput]
-    error: str | None = None
+    error: str | None = None  # for people; error_code is what callers act on
+    error_code: ErrorCode | None = None
 
     @property
     def completion_tokens(self) -> int:

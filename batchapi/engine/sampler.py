@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from batchapi.engine.sampling_params import SamplingParams
-from batchapi.kernels import native
+from batchapi.kernels import TORCH_OPS, Ops
 
 # top_p first looks for its cut among this many of the most likely tokens, then widens
 TOP_P_CANDIDATES = (64, 512, 4096)
@@ -49,7 +49,9 @@ class SampleOutput:
 
 
 class Sampler:
-    def __init__(self, seed: int | None = None):
+    def __init__(self, ops: Ops = TORCH_OPS, seed: int | None = None):
+        """ops: the kernel set of the model runner; the sampler takes its greedy argmax."""
+        self._argmax = ops.argmax
         self._generator = torch.Generator()  # CPU: only one uniform per unseeded row comes from it
         if seed is None:
             self._generator.seed()
@@ -64,7 +66,7 @@ class Sampler:
             f"logits {tuple(logits.shape)} do not match {len(rows)} rows"
         )
         if all(r.params.greedy and not _modifies_logits(r.params) for r in rows):
-            token_ids = first_argmax(logits)  # fast path: nothing to apply
+            token_ids = self._argmax(logits)  # fast path: nothing to apply
         else:
             token_ids = self._choose(logits, rows)
         return _outputs(logits, rows, token_ids.tolist())
@@ -82,7 +84,7 @@ class Sampler:
         num_greedy = sum(r.params.greedy for r in rows)
         chosen = torch.empty(len(rows), dtype=torch.long, device=x.device)
         if num_greedy:
-            chosen[:num_greedy] = first_argmax(x[:num_greedy])
+            chosen[:num_greedy] = self._argmax(x[:num_greedy])
         if num_greedy < len(rows):
             chosen[num_greedy:] = self._sample(x[num_greedy:], rows[num_greedy:])
         token_ids = torch.empty_like(chosen)
@@ -146,29 +148,6 @@ def seeded_uniform(seed: int, sample_index: int, step: int) -> float:
     """A number in [0, 1) that depends only on its arguments (stable across processes and machines)."""
     digest = hashlib.blake2b(struct.pack("<qqq", seed, sample_index, step), digest_size=8).digest()
     return (int.from_bytes(digest, "little") >> 11) * 2.0**-53
-
-
-def first_argmax(x: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
-    """x.argmax(-1) of a [B, V] tensor, same index (first of ties, first NaN), faster on CPU.
-
-    On CPU argmax over the vocabulary costs ~10x an amax: C scans each row once in its own dtype
-    (kernels/native.py); where it is not built, find the first chunk of the row that holds its
-    maximum through vectorised amax, then run argmax on that chunk alone."""
-    rows, vocab = x.shape
-    if x.device.type == "cpu" and rows:
-        found = native.argmax(x)
-        if found is not None:
-            return found
-    if x.device.type != "cpu" or vocab % chunk or not x.is_contiguous() or rows == 0:
-        return x.argmax(dim=-1)
-    chunks = x.view(rows, vocab // chunk, chunk)  # [B, C, chunk]
-    chunk_max = chunks.amax(dim=-1)  # [B, C]
-    row_max = chunk_max.amax(dim=-1, keepdim=True)  # [B, 1]
-    # argmax counts NaN as the largest value; amax propagates it, so a NaN chunk is the one
-    holds = (chunk_max == row_max) | chunk_max.isnan()
-    first = holds.byte().argmax(dim=-1)  # [B] first chunk holding the maximum
-    picked = chunks[torch.arange(rows), first]  # [B, chunk]
-    return first * chunk + picked.argmax(dim=-1)
 
 
 def _modifies_logits(params: SamplingParams) -> bool:

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from batchapi.engine.block_manager import BlockManager, chain_hash
+from batchapi.engine.request import ErrorCode
 from batchapi.engine.sequence import Sequence, SequenceStatus
 
 
@@ -124,10 +125,10 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         if seq.num_tokens == 0:
-            seq.finish("error", "the prompt is empty")
+            seq.fail(ErrorCode.PROMPT_EMPTY, "the prompt is empty")
         elif seq.num_tokens >= self.max_model_len:
-            seq.finish("error", f"the prompt has {seq.num_tokens} tokens; this engine holds at most "
-                                f"{self.max_model_len} tokens per sequence, output included")
+            seq.fail(ErrorCode.PROMPT_TOO_LONG, f"the prompt has {seq.num_tokens} tokens; this engine holds at most "
+                                                f"{self.max_model_len} tokens per sequence, output included")
         if seq.is_finished:
             self.rejected.append(seq)
             return

@@ -11,6 +11,8 @@ from enum import Enum, auto
 from itertools import count
 from typing import Any
 
+from batchapi.engine.request import ErrorCode
+
 _seq_ids = count()
 
 
@@ -35,6 +37,7 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of this seq's full blocks
     finish_reason: str | None = None
     error: str | None = None
+    error_code: ErrorCode | None = None
     logprobs: list | None = None
     num_forks: int = 0  # children still to fork once the prompt is computed (n > 1)
     text: str = ""
@@ -62,7 +65,11 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def finish(self, reason: str, error: str | None = None) -> None:
+    def finish(self, reason: str) -> None:
+        """End the sequence: "stop" or "length" (an error ends it through ``fail``)."""
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
-        self.error = error
+
+    def fail(self, code: ErrorCode, message: str) -> None:
+        self.finish("error")
+        self.error, self.error_code = message, code

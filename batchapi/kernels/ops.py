@@ -1,4 +1,4 @@
-"""Choose the kernel set: Triton kernels on CUDA; on CPU the C kernels, falling back to the torch twins."""
+"""The kernel sets and the choice between them: Triton on CUDA; on CPU the C kernels, else the torch twins."""
 
 import importlib
 from collections.abc import Callable
@@ -6,8 +6,12 @@ from dataclasses import dataclass
 
 import torch
 
-from batchapi.kernels import attention_cpu, attention_ref, native, reference
-from batchapi.kernels.rope import build_rope_cache
+from batchapi.kernels.cpu import attention as cpu_attention
+from batchapi.kernels.cpu import build as cpu_build
+from batchapi.kernels.cpu import elementwise as cpu_elementwise
+from batchapi.kernels.torch import attention as twin_attention
+from batchapi.kernels.torch import elementwise as twin
+from batchapi.kernels.torch.rope import build_rope_cache
 
 MODES = ("auto", "triton", "cpu", "torch")
 
@@ -23,65 +27,70 @@ class Ops:
     fused_add_rms_norm: Callable
     rotary: Callable
     silu_and_mul: Callable
+    argmax: Callable  # greedy pick of [B, V] logits -> [B] int64: the first of ties, NaN the largest
     build_rope_cache: Callable = build_rope_cache
 
 
 TORCH_OPS = Ops(
     name="torch",
-    store_kvcache=reference.store_kvcache,
-    paged_attention=attention_ref.paged_attention,
-    rms_norm=reference.rms_norm,
-    fused_add_rms_norm=reference.fused_add_rms_norm,
-    rotary=reference.rotary,
-    silu_and_mul=reference.silu_and_mul,
+    store_kvcache=twin.store_kvcache,
+    paged_attention=twin_attention.paged_attention,
+    rms_norm=twin.rms_norm,
+    fused_add_rms_norm=twin.fused_add_rms_norm,
+    rotary=twin.rotary,
+    silu_and_mul=twin.silu_and_mul,
+    argmax=twin.argmax,
 )
 
-# C kernels (native.py): decode attention reads the KV blocks in place (attention_cpu.py); the
-# elementwise ops run fused, one pass each. Tensors they do not take, and every op whose library
-# failed to build, go to the torch twins.
+# C kernels (cpu/): decode attention reads the KV blocks in place; the elementwise ops run fused,
+# one pass each. Tensors they do not take, and every op whose library failed to build, go to the
+# torch twins.
 CPU_OPS = Ops(
     name="cpu",
-    store_kvcache=native.store_kvcache,
-    paged_attention=attention_cpu.paged_attention,
-    rms_norm=native.rms_norm,
-    fused_add_rms_norm=native.fused_add_rms_norm,
-    rotary=native.rotary,
-    silu_and_mul=native.silu_and_mul,
+    store_kvcache=cpu_elementwise.store_kvcache,
+    paged_attention=cpu_attention.paged_attention,
+    rms_norm=cpu_elementwise.rms_norm,
+    fused_add_rms_norm=cpu_elementwise.fused_add_rms_norm,
+    rotary=cpu_elementwise.rotary,
+    silu_and_mul=cpu_elementwise.silu_and_mul,
+    argmax=cpu_elementwise.argmax,
 )
 
 
 def _triton_ops() -> Ops:
-    # imported here so that nothing imports triton (or reads TRITON_INTERPRET) until asked
-    attention = importlib.import_module("batchapi.kernels.attention")
-    kvcache = importlib.import_module("batchapi.kernels.kvcache")
-    norm = importlib.import_module("batchapi.kernels.norm")
-    rotary_embedding = importlib.import_module("batchapi.kernels.rotary_embedding")
-    activation = importlib.import_module("batchapi.kernels.activation")
+    # imported here so that nothing imports triton until Triton ops are asked for
+    attention = importlib.import_module("batchapi.kernels.triton.attention")
+    kvcache = importlib.import_module("batchapi.kernels.triton.kvcache")
+    norm = importlib.import_module("batchapi.kernels.triton.norm")
+    rotary = importlib.import_module("batchapi.kernels.triton.rotary")
+    activation = importlib.import_module("batchapi.kernels.triton.activation")
     return Ops(
         name="triton",
         store_kvcache=kvcache.store_kvcache,
         paged_attention=attention.paged_attention,
         rms_norm=norm.rms_norm,
         fused_add_rms_norm=norm.fused_add_rms_norm,
-        rotary=rotary_embedding.rotary,
+        rotary=rotary.rotary,
         silu_and_mul=activation.silu_and_mul,
+        argmax=twin.argmax,  # torch.argmax on CUDA: one pass, no kernel of ours to win there
     )
 
 
 def get_ops(mode: str = "auto", device: str | torch.device = "cpu") -> Ops:
-    """mode auto: Triton on CUDA; elsewhere cpu, or torch where the C kernel cannot be built.
-    mode triton on CPU needs TRITON_INTERPRET=1; mode cpu is for CPU tensors only."""
+    """mode auto: Triton on CUDA; elsewhere cpu, or torch where the C kernels cannot be built.
+    mode triton on CPU tensors needs Triton's interpreter (TRITON_INTERPRET=1 set before triton is
+    imported); mode cpu is for CPU tensors only."""
     assert mode in MODES, f"kernel mode must be one of {MODES}, got {mode!r}"
     device = torch.device(device)
     if mode == "auto":
-        mode = "triton" if device.type == "cuda" else "cpu" if _any_native_built() else "torch"
+        mode = "triton" if device.type == "cuda" else "cpu" if _any_c_built() else "torch"
     if mode == "cpu":
         assert device.type == "cpu", f"kernel mode cpu runs on CPU tensors, not {device}"
-        assert _any_native_built(), "kernel mode cpu needs a C compiler (cc, gcc or $CC); see the log"
+        assert _any_c_built(), "kernel mode cpu needs a C compiler (cc, gcc or $CC); see the log"
         return CPU_OPS
     return _triton_ops() if mode == "triton" else TORCH_OPS
 
 
-def _any_native_built() -> bool:
+def _any_c_built() -> bool:
     # each op of CPU_OPS whose library did not build runs its twin: one library is enough
-    return native.load() is not None or native.load_elementwise() is not None
+    return cpu_build.load() is not None or cpu_build.load_elementwise() is not None

@@ -17,11 +17,11 @@ from celery.beat import EmbeddedService
 from kombu.exceptions import OperationalError as BrokerError
 from sqlalchemy.exc import OperationalError
 
+from batchapi.batches.context import Jobs
+from batchapi.batches.sweeper import sweep
 from batchapi.config import Settings
-from batchapi.jobs.context import Jobs
-from batchapi.jobs.errors import StorageError
+from batchapi.errors import StorageError
 from batchapi.workers.celery_app import SWEEP, send_shards
-from batchapi.workers.sweeper import sweep
 
 log = logging.getLogger(__name__)
 

@@ -1,11 +1,50 @@
-"""Input lines to engine requests and engine results to OpenAI bodies, for one served model
-(a thin binding of ``openai_io`` to the worker's tokenizer and model id)."""
+"""The engine's side of a request line: its engine request, and its result as an output line.
+
+One request becomes one line through three steps, each in one place: ``openai.lines`` parses
+the input line, ``Codec.request`` turns its body into an engine request, ``Codec.line`` turns
+the outcome (a result, a refusal, or nothing: never run) into the output or error line, in the
+shapes of ``openai.render``. The shard runner and ``run-batch`` both use it.
+"""
 
 from __future__ import annotations
 
-from batchapi.engine import GenerationRequest, GenerationResult
-from batchapi.workers import openai_io
-from batchapi.workers.shard_input import InputLine
+from batchapi.engine import ErrorCode as EngineError
+from batchapi.engine import GenerationRequest, GenerationResult, SamplingParams
+from batchapi.openai import render
+from batchapi.openai.body import ParsedBody
+from batchapi.openai.errors import ErrorCode, RequestError
+from batchapi.openai.lines import InputLine
+
+# the engine's reasons for refusing a request, as the wire format names them
+ENGINE_ERRORS = {
+    EngineError.PROMPT_TOO_LONG: ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+    EngineError.ENGINE_FAILURE: ErrorCode.SERVER_ERROR,
+}
+
+
+def prompt_token_ids(parsed: ParsedBody, tokenizer) -> list[int]:
+    if parsed.messages is not None:
+        text = tokenizer.apply_chat_template(parsed.messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer.encode(text, add_special_tokens=False)  # the template already holds them
+    if isinstance(parsed.prompt, list):
+        return list(parsed.prompt)
+    return tokenizer.encode(parsed.prompt)
+
+
+def sampling_params(parsed: ParsedBody) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=parsed.max_tokens, temperature=parsed.temperature, top_p=parsed.top_p, top_k=parsed.top_k,
+        min_p=parsed.min_p, seed=parsed.seed, presence_penalty=parsed.presence_penalty,
+        frequency_penalty=parsed.frequency_penalty, logit_bias=dict(parsed.logit_bias), stop=list(parsed.stop),
+        stop_token_ids=list(parsed.stop_token_ids), ignore_eos=parsed.ignore_eos, logprobs=parsed.logprobs,
+        top_logprobs=parsed.top_logprobs, n=parsed.n,
+    )
+
+
+def engine_error(result: GenerationResult) -> RequestError:
+    """The refusal of a request the engine finished with an error."""
+    code = ENGINE_ERRORS.get(result.error_code, ErrorCode.INVALID_VALUE)
+    return RequestError(result.error or "the request failed", None, code)
 
 
 class Codec:
@@ -14,11 +53,17 @@ class Codec:
         self.model_id = model_id
 
     def request(self, line: InputLine, request_id: str) -> GenerationRequest:
-        return openai_io.to_request(line.parsed, self.tokenizer, request_id)
+        """Raises ValueError for sampling settings the engine refuses."""
+        assert line.body is not None, f"line {line.line} did not parse: {line.error}"
+        return GenerationRequest(request_id, prompt_token_ids(line.body, self.tokenizer), sampling_params(line.body))
 
-    def body(self, line: InputLine, result: GenerationResult) -> dict:
-        return openai_io.to_body(line.parsed, result, self.model_id, self.tokenizer)
-
-    def error(self, result: GenerationResult) -> dict:
-        """The ``error`` object of a request the engine refused."""
-        return openai_io.error_body(result)["error"]
+    def line(self, line: InputLine, result: GenerationResult | None, not_run: ErrorCode) -> tuple[bytes, bool]:
+        """``(line bytes, succeeded)``: a refused line, a result, or ``not_run`` for no result."""
+        if line.error is not None:
+            return render.rejected(line.custom_id, line.error), False
+        if result is None:
+            return render.never_ran(line.custom_id, not_run), False
+        if result.error is not None:
+            return render.rejected(line.custom_id, engine_error(result)), False
+        body = render.completion_body(line.body, result, self.model_id, self.tokenizer)
+        return render.succeeded(line.custom_id, body), True

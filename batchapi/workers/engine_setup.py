@@ -9,11 +9,10 @@ import uuid
 
 import torch
 
+from batchapi.batches.context import Jobs
 from batchapi.config import Settings
 from batchapi.engine import EngineConfig, EngineFront
-from batchapi.jobs.context import Jobs
-from batchapi.jobs.served_model import served_model_id
-from batchapi.model_store import resolve_model
+from batchapi.model_store import resolve_model, served_model_id
 from batchapi.workers.codec import Codec
 from batchapi.workers.shard_runner import ShardRunner
 

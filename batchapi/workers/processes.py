@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 import os
 
+from batchapi.batches.context import open_jobs
 from batchapi.config import Settings
-from batchapi.jobs.context import open_jobs
 from batchapi.workers import beat
 from batchapi.workers.celery_app import make_celery
 

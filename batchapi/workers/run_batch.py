@@ -2,13 +2,13 @@
 
 Both files stream: lines are read as the engine has room for them (a bounded number of
 requests in flight) and results are written as they finish, so memory stays flat however long
-the input. Output lines are in the OpenAI batch output shape, in completion order; a line that
-cannot run becomes a status-400 line with an OpenAI error body.
+the input. Lines are parsed by ``openai.lines`` and rendered by ``Codec``, as in the service:
+output lines in the OpenAI batch output shape, in completion order; a line that cannot run
+becomes a status-400 line with an OpenAI error body, with the codes validation gives.
 """
 
 from __future__ import annotations
 
-import json
 import queue
 import time
 from concurrent.futures import Future
@@ -25,8 +25,9 @@ from rich.progress import (
 )
 
 from batchapi.engine import EngineConfig, EngineFront, GenerationResult
-from batchapi.jobs.request_body import ENDPOINTS, BodyError, ParsedBody, parse_body
-from batchapi.workers import openai_io, result_lines
+from batchapi.openai.errors import ErrorCode, RequestError
+from batchapi.openai.lines import InputLine, parse_line
+from batchapi.workers.codec import Codec
 
 
 @dataclass
@@ -44,63 +45,34 @@ class BatchCounts:
         return self.completion_tokens / self.seconds if self.seconds else 0.0
 
 
-def parse_line(content: str) -> tuple[str | None, ParsedBody]:
-    """(custom_id, body) of one input line; raises BodyError with what is wrong."""
-    try:
-        record = json.loads(content)
-    except json.JSONDecodeError as exc:
-        raise BodyError(f"the line is not valid JSON: {exc.msg}", None, "invalid_json") from None
-    if not isinstance(record, dict):
-        raise BodyError("the line must be a JSON object", None, "invalid_type")
-    custom_id = record.get("custom_id")
-    if not isinstance(custom_id, str) or not custom_id:
-        raise BodyError("'custom_id' is required and must be a string", "custom_id", "missing_required_parameter")
-    if record.get("method", "POST") != "POST":
-        raise BodyError("'method' must be POST", "method")
-    url = record.get("url")
-    if url not in ENDPOINTS:
-        raise BodyError(f"unsupported url {url!r}; expected one of {list(ENDPOINTS)}", "url")
-    try:
-        return custom_id, parse_body(url, record.get("body"))
-    except BodyError as exc:
-        exc.custom_id = custom_id
-        raise
-
-
 def count_lines(path: Path) -> int:
     with open(path, "rb") as f:
         return sum(1 for line in f if line.strip())
 
 
 class _Writer:
-    def __init__(self, out, counts: BatchCounts, front: EngineFront, model: str):
-        self.out, self.counts, self.front, self.model = out, counts, front, model
-        self.bodies: dict[str, tuple[str, ParsedBody]] = {}  # in-flight request id -> (custom_id, body)
+    def __init__(self, out, counts: BatchCounts, codec: Codec):
+        self.out, self.counts, self.codec = out, counts, codec
+        self.lines: dict[str, InputLine] = {}  # in-flight request id -> its line
 
-    def error(self, custom_id: str | None, exc: BodyError) -> None:
-        self.out.write(result_lines.rejected(custom_id, exc.message, exc.param, exc.code).decode())
-        self.counts.failed += 1
-
-    def finished(self, request_id: str, future: Future) -> None:
-        if future.exception() is not None:  # the engine failed, not the request: report, go on
-            custom_id, _ = self.bodies.pop(request_id)
-            self.error(custom_id, BodyError(f"the engine failed: {future.exception()}", None, "server_error"))
-            return
-        self.result(future.result())
-
-    def result(self, result: GenerationResult) -> None:
-        custom_id, parsed = self.bodies.pop(result.request_id)
-        if result.error is not None:
-            body = openai_io.error_body(result)["error"]
-            self.out.write(result_lines.rejected(custom_id, body["message"], body["param"], body["code"]).decode())
+    def write(self, line: InputLine, result: GenerationResult | None) -> None:
+        rendered, ok = self.codec.line(line, result, ErrorCode.SERVER_ERROR)
+        self.out.write(rendered)
+        if not ok:
             self.counts.failed += 1
             return
-        body = openai_io.to_body(parsed, result, self.model, self.front.tokenizer)
-        self.out.write(result_lines.succeeded(custom_id, body).decode())
         self.counts.completed += 1
         self.counts.prompt_tokens += result.prompt_tokens
         self.counts.completion_tokens += result.completion_tokens
         self.counts.cached_tokens += result.cached_tokens
+
+    def finished(self, request_id: str, future: Future) -> None:
+        line = self.lines.pop(request_id)
+        if future.exception() is not None:  # the engine failed, not the request: report, go on
+            line.error = RequestError(f"the engine failed: {future.exception()}", None, ErrorCode.SERVER_ERROR)
+            self.write(line, None)
+            return
+        self.write(line, future.result())
 
 
 def _progress(enabled: bool) -> Progress:
@@ -123,9 +95,8 @@ def run_batch(input_path: Path, output_path: Path, engine_config: EngineConfig |
     done: queue.Queue[tuple[str, Future]] = queue.Queue()
     started = time.monotonic()
     try:
-        with open(input_path, encoding="utf-8") as src, open(output_path, "w", encoding="utf-8") as out, \
-                _progress(progress) as bar:
-            writer = _Writer(out, counts, front, Path(front.config.model_path).name)
+        with open(input_path, "rb") as src, open(output_path, "wb") as out, _progress(progress) as bar:
+            writer = _Writer(out, counts, Codec(front.tokenizer, Path(front.config.model_path).name))
             task = bar.add_task("run", total=counts.total, tps=0.0)
 
             def drain(block: bool) -> None:
@@ -143,21 +114,23 @@ def run_batch(input_path: Path, output_path: Path, engine_config: EngineConfig |
             for number, content in enumerate(src, start=1):
                 if not content.strip():
                     continue
-                try:
-                    custom_id, parsed = parse_line(content)
-                    request = openai_io.to_request(parsed, front.tokenizer, f"line-{number}")
-                except (BodyError, ValueError) as exc:
-                    exc = exc if isinstance(exc, BodyError) else BodyError(str(exc))
-                    writer.error(getattr(exc, "custom_id", None), exc)
+                line = parse_line(content.rstrip(b"\r\n"), number, None)
+                if line.error is None:
+                    try:
+                        request = writer.codec.request(line, f"line-{number}")
+                    except ValueError as exc:  # sampling settings the engine refuses
+                        line.error = RequestError(str(exc), custom_id=line.custom_id)
+                if line.error is not None:
+                    writer.write(line, None)
                     bar.update(task, completed=counts.completed + counts.failed)
                     continue
-                writer.bodies[request.request_id] = (custom_id, parsed)
+                writer.lines[request.request_id] = line
                 future = front.submit(request)
                 future.add_done_callback(lambda f, rid=request.request_id: done.put((rid, f)))
-                while len(writer.bodies) >= limit:
+                while len(writer.lines) >= limit:
                     drain(block=True)
                 drain(block=False)
-            while writer.bodies:
+            while writer.lines:
                 drain(block=True)
     finally:
         if own_front:

@@ -30,19 +30,20 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from sqlalchemy import select
 from sqlalchemy.exc import OperationalError
 
+from batchapi.batches import leases
+from batchapi.batches.context import Jobs
+from batchapi.batches.finalize import finalize_batch
+from batchapi.batches.leases import Claimed
+from batchapi.batches.shard_input import read_shard
+from batchapi.batches.states import BatchStatus
+from batchapi.db.clock import now
+from batchapi.db.models import Batch
 from batchapi.engine import EngineFront, GenerationResult
-from batchapi.jobs import states
-from batchapi.jobs.context import Jobs
-from batchapi.jobs.errors import NotFound, StorageError
-from batchapi.jobs.ids import now
-from batchapi.jobs.models import Batch
-from batchapi.jobs.request_body import BodyError
-from batchapi.jobs.storage import shard_error_key, shard_output_key
-from batchapi.workers import leases
+from batchapi.engine import ErrorCode as EngineError
+from batchapi.errors import NotFound, StorageError
+from batchapi.openai.errors import ErrorCode, RequestError
+from batchapi.storage.keys import shard_error_key, shard_output_key
 from batchapi.workers.codec import Codec
-from batchapi.workers.finalize import finalize_batch
-from batchapi.workers.leases import Claimed
-from batchapi.workers.shard_input import read_shard
 from batchapi.workers.shard_work import ShardWork
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,8 @@ TRANSIENT = (OperationalError, StorageError, OSError)
 
 
 def engine_failure(request_id: str, exc: BaseException) -> GenerationResult:
-    return GenerationResult(request_id, 0, 0, [], error=f"the engine failed while running this request: {exc}")
+    return GenerationResult(request_id, 0, 0, [], error=f"the engine failed while running this request: {exc}",
+                            error_code=EngineError.ENGINE_FAILURE)
 
 
 class ShardRunner:
@@ -105,7 +107,7 @@ class ShardRunner:
         work.stored.wait(timeout)  # acknowledged only once its results are in storage
         return "released" if work.lost else work.reason or "done"
 
-    def abort_batch(self, batch_id: str, reason: str) -> int:
+    def abort_batch(self, batch_id: str, reason: ErrorCode) -> int:
         """Cut the batch's shards short now (the embedded API calls this on cancel)."""
         works = [w for w in self._held() if w.shard.batch_id == batch_id]
         for work in works:
@@ -189,7 +191,7 @@ class ShardRunner:
             try:
                 requests.append(self.codec.request(line, work.request_id(line)))
             except ValueError as exc:  # sampling settings the engine refuses: that request's error
-                line.parsed, line.error = None, BodyError(str(exc))
+                line.body, line.error = None, RequestError(str(exc), custom_id=line.custom_id)
         work.expect([r.request_id for r in requests])
         with self._lock:
             dead = self.engine_dead.is_set()
@@ -290,10 +292,10 @@ class ShardRunner:
         t = now()
         for work in works:
             status, expires_at = rows.get(work.shard.batch_id, (None, work.shard.expires_at))
-            if status in (states.CANCELLING, states.CANCELLED):
-                self._close(work, "batch_cancelled")
-            elif status == states.EXPIRED or t >= expires_at:
-                self._close(work, "batch_expired")
+            if status in (BatchStatus.CANCELLING, BatchStatus.CANCELLED):
+                self._close(work, ErrorCode.BATCH_CANCELLED)
+            elif status == BatchStatus.EXPIRED or t >= expires_at:
+                self._close(work, ErrorCode.BATCH_EXPIRED)
 
     def _beat(self) -> None:
         works = self._held()
@@ -327,7 +329,7 @@ class ShardRunner:
         if self.on_engine_death is not None:
             self.on_engine_death()
 
-    def _close(self, work: ShardWork, reason: str | None, lost: bool = False) -> None:
+    def _close(self, work: ShardWork, reason: ErrorCode | None, lost: bool = False) -> None:
         aborted = work.close(reason, lost)
         if not aborted:  # it had finished already
             return

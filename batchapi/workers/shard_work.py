@@ -10,10 +10,11 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+from batchapi.batches.leases import Claimed, Outcome
 from batchapi.engine import GenerationResult
-from batchapi.workers import result_lines
-from batchapi.workers.leases import Claimed, Outcome
-from batchapi.workers.shard_input import InputLine
+from batchapi.openai.errors import ErrorCode
+from batchapi.openai.lines import InputLine
+from batchapi.workers.codec import Codec
 
 
 @dataclass
@@ -29,7 +30,7 @@ class ShardWork:
     lines: list[InputLine]
     results: dict[str, GenerationResult] = field(default_factory=dict)  # request id -> result
     pending: set[str] = field(default_factory=set)
-    reason: str | None = None  # why it was closed early
+    reason: ErrorCode | None = None  # why it was closed early
     lost: bool = False  # the lease went to someone else: write nothing
     done: threading.Event = field(default_factory=threading.Event)  # no result awaited any more
     stored: threading.Event = field(default_factory=threading.Event)  # written and completed (or dropped)
@@ -40,7 +41,7 @@ class ShardWork:
         return f"{self.shard.id}:{self.shard.attempts}:{line.line}"
 
     def runnable(self) -> list[InputLine]:
-        return [line for line in self.lines if line.parsed is not None]
+        return [line for line in self.lines if line.body is not None]
 
     def expect(self, request_ids: list[str]) -> None:
         self.pending.update(request_ids)
@@ -59,7 +60,7 @@ class ShardWork:
             self.done.set()
             return True
 
-    def close(self, reason: str | None, lost: bool = False) -> list[str]:
+    def close(self, reason: ErrorCode | None, lost: bool = False) -> list[str]:
         """Stop waiting: unfinished requests end with ``reason``. Returns their ids (to abort in
         the engine), or an empty list when the shard had already finished."""
         with self.lock:
@@ -70,26 +71,22 @@ class ShardWork:
             self.done.set()
             return aborted
 
-    def render(self, codec) -> Rendered:
-        """The output and error lines in input order; ``codec`` makes the OpenAI bodies."""
+    def render(self, codec: Codec) -> Rendered:
+        """The output and error lines in input order."""
         output, errors = [], []
         completed = failed = input_tokens = cached = output_tokens = 0
+        not_run = self.reason or ErrorCode.SHARD_FAILED
         for line in self.lines:
             result = self.results.get(self.request_id(line))
-            if line.error is not None:
-                errors.append(result_lines.rejected_body(line.custom_id, line.error))
-            elif result is None:
-                errors.append(result_lines.never_ran(line.custom_id, self.reason or "shard_failed"))
-            elif result.error is not None:
-                error = codec.error(result)
-                errors.append(result_lines.rejected(line.custom_id, error["message"], error["param"], error["code"]))
-            else:
-                output.append(result_lines.succeeded(line.custom_id, codec.body(line, result)))
-                completed += 1
-                input_tokens += result.prompt_tokens
-                cached += result.cached_tokens
-                output_tokens += result.completion_tokens
+            rendered, ok = codec.line(line, result, not_run)
+            if not ok:
+                errors.append(rendered)
+                failed += 1
                 continue
-            failed += 1
+            output.append(rendered)
+            completed += 1
+            input_tokens += result.prompt_tokens
+            cached += result.cached_tokens
+            output_tokens += result.completion_tokens
         outcome = Outcome(completed, failed, input_tokens, cached, output_tokens, self.reason)
         return Rendered(b"".join(output), b"".join(errors), outcome)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from celery import Celery
 from sqlalchemy.exc import OperationalError
 
-from batchapi.jobs.errors import StorageError
+from batchapi.errors import StorageError
 from batchapi.workers.celery_app import RUN_SHARD
 from batchapi.workers.shard_runner import ShardRunner
 

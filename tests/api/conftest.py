@@ -3,9 +3,9 @@ from __future__ import annotations
 import pytest
 from openai import OpenAI
 
-from batchapi.jobs.db import session_scope
-from batchapi.jobs.keys import create_api_key
-from batchapi.jobs.migrate import upgrade
+from batchapi.db.migrate import upgrade
+from batchapi.db.projects import create_api_key
+from batchapi.db.session import session_scope
 from tests.utils.batch_service import live_server, service_settings
 
 

@@ -13,7 +13,7 @@ def test_api_needs_no_torch_and_builds_nothing_at_import(tmp_path, tiny_llama_di
 import sys
 import batchapi.api.main as main
 from batchapi.config import load_settings
-from batchapi.jobs.validation import Scanner  # validation is part of the API process
+from batchapi.validation.scanner import Scanner  # validation is part of the API process
 app = main.create_app(load_settings(data_dir={str(tmp_path)!r}, model={str(tiny_llama_dir)!r}))
 heavy = sorted(m for m in ("torch", "transformers", "triton", "celery", "batchapi.workers", "batchapi.engine")
                if m in sys.modules)

@@ -7,7 +7,7 @@ import io
 import httpx
 import pytest
 
-from batchapi.jobs.keys import list_keys, revoke_key
+from batchapi.db.projects import list_keys, revoke_key
 from tests.api.conftest import new_key
 from tests.utils.batch_service import jsonl, request_line, wait_until
 

@@ -99,10 +99,10 @@ def test_malformed_requests_get_4xx(pg_server, objects, method, path, kwargs, st
 
 
 def test_an_output_file_cannot_be_a_batch_input(pg_server, objects):
-    from batchapi.jobs.db import session_scope
-    from batchapi.jobs.files import register_file
-    from batchapi.jobs.keys import hash_key
-    from batchapi.jobs.models import ApiKey
+    from batchapi.batches.files import register_file
+    from batchapi.db.models import ApiKey
+    from batchapi.db.projects import hash_key
+    from batchapi.db.session import session_scope
 
     key, _, _ = objects
     jobs = pg_server.jobs

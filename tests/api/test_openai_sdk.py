@@ -7,8 +7,9 @@ import io
 import openai
 import pytest
 
-from batchapi.jobs.db import session_scope
-from batchapi.jobs.models import Shard
+from batchapi.batches.states import BatchStatus
+from batchapi.db.models import Shard
+from batchapi.db.session import session_scope
 from tests.utils.batch_service import jsonl, request_line, wait_until
 
 
@@ -111,21 +112,21 @@ def test_cancel_while_validating_ends_cancelled(client, model_id, pg_server):
     finally:
         pg_server.jobs.on_batch_created = runner_paused
     assert client.batches.cancel(batch.id).status == "cancelling"
-    from batchapi.jobs.validation_runner import _settle_cancel
+    from batchapi.validation.runner import _settle_cancel
 
     assert _settle_cancel(pg_server.jobs, batch.id) == "cancelled"
     assert client.batches.retrieve(batch.id).cancelled_at is not None
 
 
 def test_a_finished_batch_cannot_be_cancelled(client, model_id, pg_server):
-    from batchapi.jobs import states
+    from batchapi.batches import states
 
     f = upload(client, [request_line("z", model_id)])
     batch = validated(client, client.batches.create(
         input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h").id)
     with session_scope(pg_server.jobs.sessions) as session:
-        assert states.transition(session, batch.id, states.FINALIZING)
-        assert states.transition(session, batch.id, states.COMPLETED)
+        assert states.transition(session, batch.id, BatchStatus.FINALIZING)
+        assert states.transition(session, batch.id, BatchStatus.COMPLETED)
     with pytest.raises(openai.ConflictError) as err:
         client.batches.cancel(batch.id)
     assert "completed" in err.value.message

@@ -8,7 +8,7 @@ import httpx
 from openai import OpenAI
 
 from batchapi.config import load_settings
-from batchapi.jobs.migrate import upgrade
+from batchapi.db.migrate import upgrade
 from tests.api.conftest import new_key
 from tests.utils.batch_service import jsonl, live_server, request_line, wait_until
 
@@ -44,13 +44,13 @@ def test_auth_off_uses_one_default_project(tmp_path, tiny_llama_dir):
 def test_a_batch_left_validating_is_picked_up_at_start_up(tmp_path, tiny_llama_dir):
     from sqlalchemy import update
 
-    from batchapi.jobs.batches import create_batch
-    from batchapi.jobs.context import open_jobs
-    from batchapi.jobs.db import session_scope
-    from batchapi.jobs.files import upload_file
-    from batchapi.jobs.keys import get_or_create_project
-    from batchapi.jobs.models import Batch
-    from batchapi.jobs.served_model import served_model_id
+    from batchapi.batches.context import open_jobs
+    from batchapi.batches.files import upload_file
+    from batchapi.batches.service import create_batch
+    from batchapi.db.models import Batch
+    from batchapi.db.projects import get_or_create_project
+    from batchapi.db.session import session_scope
+    from batchapi.model_store import served_model_id
 
     settings = load_settings(data_dir=tmp_path, model=str(tiny_llama_dir), auth_required=False)
     upgrade(settings)

@@ -6,10 +6,11 @@ from __future__ import annotations
 import uuid
 from decimal import Decimal
 
-from batchapi.jobs.context import Jobs
-from batchapi.jobs.db import session_scope
-from batchapi.jobs.ids import now
-from batchapi.jobs.models import Batch, File, Project, Shard
+from batchapi.batches.context import Jobs
+from batchapi.batches.states import ShardStatus
+from batchapi.db.clock import now
+from batchapi.db.models import Batch, File, Project, Shard
+from batchapi.db.session import session_scope
 
 
 def make_batch(jobs: Jobs, shards: int, status: str = "in_progress", expires_in: int = 3600) -> tuple[str, list[str]]:
@@ -31,7 +32,7 @@ def make_batch(jobs: Jobs, shards: int, status: str = "in_progress", expires_in:
         ids = [f"{batch.id}_{i:05d}" for i in range(shards)]
         session.add_all(
             Shard(id=sid, batch_id=batch.id, index=i, first_line=i + 1, last_line=i + 1, start_byte=0, end_byte=0,
-                  request_count=1, prompt_token_counts=[1], created_at=t)
+                  request_count=1, prompt_token_counts=[1], status=ShardStatus.QUEUED, created_at=t)
             for i, sid in enumerate(ids)
         )
     return batch.id, ids

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from batchapi.config import Settings
-from batchapi.jobs.migrate import upgrade
+from batchapi.db.migrate import upgrade
 from tests.utils import services
 from tests.utils.batch_service import live_server, service_settings
 from tests.workers import processes

@@ -12,13 +12,13 @@ import pytest
 import redis
 from sqlalchemy import update
 
+from batchapi.batches import leases
+from batchapi.batches.context import open_jobs
 from batchapi.config import load_settings
-from batchapi.jobs.context import open_jobs
-from batchapi.jobs.db import session_scope
-from batchapi.jobs.ids import now
-from batchapi.jobs.migrate import upgrade
-from batchapi.jobs.models import Shard
-from batchapi.workers import leases
+from batchapi.db.clock import now
+from batchapi.db.migrate import upgrade
+from batchapi.db.models import Shard
+from batchapi.db.session import session_scope
 from batchapi.workers.celery_app import RUN_SHARD
 from tests.utils import services
 from tests.utils.batch_service import wait_until

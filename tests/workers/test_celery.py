@@ -8,8 +8,8 @@ import time
 import pytest
 from sqlalchemy import select
 
-from batchapi.jobs.models import Shard
-from batchapi.workers import leases
+from batchapi.batches import leases
+from batchapi.db.models import Shard
 from batchapi.workers.celery_app import make_celery, send_shards
 from tests.workers.helpers import (
     assert_each_once,
@@ -117,9 +117,9 @@ def test_cancel_mid_run_keeps_finished_results(cluster, two_workers, model):
 def test_expiry_mid_run_keeps_finished_results(cluster, two_workers, model):
     from sqlalchemy import update
 
-    from batchapi.jobs.db import session_scope
-    from batchapi.jobs.ids import now
-    from batchapi.jobs.models import Batch
+    from batchapi.db.clock import now
+    from batchapi.db.models import Batch
+    from batchapi.db.session import session_scope
 
     lines = long_lines(model, "expire")
     with cluster.http() as http:

@@ -16,13 +16,13 @@ import pytest
 from openai import OpenAI
 from sqlalchemy import select, update
 
-from batchapi.jobs.db import session_scope
-from batchapi.jobs.ids import now
-from batchapi.jobs.migrate import upgrade
-from batchapi.jobs.models import Shard
-from batchapi.workers import leases
+from batchapi.batches import leases
+from batchapi.batches.sweeper import sweep
+from batchapi.db.clock import now
+from batchapi.db.migrate import upgrade
+from batchapi.db.models import Shard
+from batchapi.db.session import session_scope
 from batchapi.workers.embedded import EmbeddedWorker
-from batchapi.workers.sweeper import sweep
 from tests.utils.batch_service import jsonl, live_server, service_settings
 from tests.workers.helpers import assert_each_once, assert_usage_matches, lines_for
 
@@ -100,7 +100,7 @@ def test_upload_to_results_with_the_openai_sdk(client, embedded):
 
 
 def test_a_finalize_that_died_is_finished_by_the_sweeper(client, embedded):
-    from batchapi.jobs.models import Batch
+    from batchapi.db.models import Batch
 
     lines = lines_for(embedded.app.state.model.id, 12, prefix="refinal")
     batch = wait(client, run(client, lines).id)

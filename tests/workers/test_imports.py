@@ -7,7 +7,7 @@ import sys
 def test_dispatcher_and_sweeper_load_no_torch():
     code = (
         "import sys, batchapi.workers.celery_app, batchapi.workers.processes, batchapi.workers.beat, "
-        "batchapi.workers.sweeper; "
+        "batchapi.batches.sweeper; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from batchapi.engine import EngineConfig, EngineFront
-from batchapi.jobs.request_body import parse_body
+from batchapi.openai.body import parse_body
 from batchapi.workers import openai_io
 from batchapi.workers.run_batch import run_batch
 

@@ -7,7 +7,7 @@ from fastapi.responses import StreamingResponse
 
 from batchapi.api.deps import IdempotencyKey, JobsDep, ProjectDep
 from batchapi.api.schemas import BatchList, BatchObject, CreateBatchRequest
-from batchapi.jobs import batches
+from batchapi.batches import service as batches
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
 

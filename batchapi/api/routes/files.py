@@ -7,7 +7,7 @@ from fastapi.responses import StreamingResponse
 
 from batchapi.api.deps import JobsDep, ProjectDep
 from batchapi.api.schemas import FileDeleted, FileList, FileObject
-from batchapi.jobs import files
+from batchapi.batches import files
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
 

@@ -5,7 +5,7 @@ from fastapi.responses import JSONResponse
 
 from batchapi.api.deps import JobsDep
 from batchapi.api.schemas import Health
-from batchapi.jobs.health import check_health
+from batchapi.batches.health import check_health
 
 router = APIRouter(tags=["health"])
 

@@ -4,7 +4,7 @@ from fastapi import APIRouter, Request
 
 from batchapi.api.deps import ProjectDep
 from batchapi.api.schemas import ModelList, ModelObject
-from batchapi.jobs.errors import NotFound
+from batchapi.errors import NotFound
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
 

@@ -1,0 +1,124 @@
+"""Prices, usage and cost, in exact decimal arithmetic (never floats).
+
+A price is the list price per million tokens; a batch pays the list price less the batch
+discount, at the price in force when it was created. Only succeeded requests carry usage, so
+failed, cancelled and expired requests cost nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from decimal import ROUND_HALF_EVEN, Decimal
+
+from batchapi.batches.states import BatchStatus
+from batchapi.config import Settings
+from batchapi.db.models import Batch
+
+MILLION = Decimal(1_000_000)
+CENT_FRACTION = Decimal("0.00000001")  # amounts are kept to 1e-8 of the currency unit
+
+
+@dataclass(frozen=True)
+class Price:
+    input: Decimal  # per 1M prompt tokens not served from the prefix cache
+    cached_input: Decimal  # per 1M prompt tokens served from the prefix cache
+    output: Decimal  # per 1M generated tokens
+    currency: str = "usd"
+
+
+# list prices by served model id; a model not listed costs DEFAULT_PRICE
+PRICES: dict[str, Price] = {
+    "smollm2-135m-instruct": Price(Decimal("0.02"), Decimal("0.01"), Decimal("0.08")),
+    "smollm2-360m-instruct": Price(Decimal("0.04"), Decimal("0.02"), Decimal("0.16")),
+    "llama-3.1-8b-instruct": Price(Decimal("0.20"), Decimal("0.10"), Decimal("0.60")),
+}
+DEFAULT_PRICE = Price(Decimal("0.10"), Decimal("0.05"), Decimal("0.40"))
+
+
+def price_for(settings: Settings, model_id: str) -> Price:
+    """The list price of ``model_id``; settings override the table field by field."""
+    base = PRICES.get(model_id.lower(), DEFAULT_PRICE)
+    return Price(
+        input=_pick(settings.price_input_per_mtok, base.input),
+        cached_input=_pick(settings.price_cached_input_per_mtok, base.cached_input),
+        output=_pick(settings.price_output_per_mtok, base.output),
+        currency=base.currency,
+    )
+
+
+def _pick(override: Decimal | None, default: Decimal) -> Decimal:
+    return default if override is None else Decimal(override)
+
+
+def list_amount(price: Price, input_tokens: int, cached_tokens: int, output_tokens: int) -> Decimal:
+    """The cost at list price; ``cached_tokens`` is the part of ``input_tokens`` from the cache."""
+    assert 0 <= cached_tokens <= input_tokens, f"cached {cached_tokens} > input {input_tokens}"
+    total = (
+        (input_tokens - cached_tokens) * price.input
+        + cached_tokens * price.cached_input
+        + output_tokens * price.output
+    )
+    return _round(total / MILLION)
+
+
+def discounted(amount: Decimal, discount_percent: Decimal) -> Decimal:
+    return _round(amount * (100 - Decimal(discount_percent)) / 100)
+
+
+def _round(amount: Decimal) -> Decimal:
+    return amount.quantize(CENT_FRACTION, rounding=ROUND_HALF_EVEN)
+
+
+def format_amount(amount: Decimal) -> str:
+    """A decimal string without exponent or trailing zeros beyond cents (``"0.0123"``)."""
+    text = format(amount.normalize(), "f")
+    whole, _, frac = text.partition(".")
+    return f"{whole}.{frac.ljust(2, '0')}"
+
+# a batch's bill, as the API shows it
+
+# a batch shows an estimate (an upper bound) while it may still use more
+ESTIMATED_WHILE = frozenset({BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS, BatchStatus.FINALIZING,
+                             BatchStatus.CANCELLING})
+
+
+@dataclass(frozen=True)
+class Cost:
+    currency: str
+    amount: Decimal  # at the batch price
+    list_amount: Decimal  # at list price
+
+    def as_dict(self) -> dict[str, str]:
+        return {
+            "currency": self.currency,
+            "amount": format_amount(self.amount),
+            "list_amount": format_amount(self.list_amount),
+        }
+
+
+def batch_price(batch: Batch) -> Price:
+    return Price(batch.price_input, batch.price_cached_input, batch.price_output, batch.currency)
+
+
+def cost(batch: Batch) -> Cost:
+    """What the batch costs so far: usage is only ever added for succeeded requests."""
+    full = list_amount(batch_price(batch), batch.input_tokens, batch.cached_tokens, batch.output_tokens)
+    return Cost(batch.currency, discounted(full, batch.discount_percent), full)
+
+
+def estimated_cost(batch: Batch) -> Cost | None:
+    """An upper bound for an unfinished batch: every prompt token and the max_tokens bound."""
+    if batch.status not in ESTIMATED_WHILE:
+        return None
+    full = list_amount(batch_price(batch), batch.estimated_input_tokens, 0, batch.estimated_output_tokens)
+    return Cost(batch.currency, discounted(full, batch.discount_percent), full)
+
+
+def usage(batch: Batch) -> dict:
+    return {
+        "input_tokens": batch.input_tokens,
+        "input_tokens_details": {"cached_tokens": batch.cached_tokens},
+        "output_tokens": batch.output_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": batch.input_tokens + batch.output_tokens,
+    }

@@ -1,0 +1,268 @@
+"""Leases: on shards (claim, heartbeat, release, complete) and on validations, each one
+conditional UPDATE.
+
+A shard is ``queued`` until a worker claims it (``running`` with ``lease_owner`` and
+``lease_expires_at``); the owner heartbeats the lease while it works and completes the shard
+when its result objects are in storage. Every write checks the owner, so a worker whose lease
+was taken away (it stalled, the sweeper re-queued its shard) can change nothing any more: a
+duplicated task message or a second worker finds no row to update and does no work twice.
+
+A batch being validated holds a validation lease on its row (``validation_lease_expires_at``):
+a validator that dies leaves it to run out, and the sweeper hands the batch to a live one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import or_, select, update
+
+from batchapi.batches import states
+from batchapi.batches.context import Jobs
+from batchapi.batches.states import BatchStatus, ShardStatus
+from batchapi.db.clock import now
+from batchapi.db.models import Batch, File, Shard
+from batchapi.db.session import session_scope
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """What a worker needs to run a shard it holds the lease of."""
+
+    id: str
+    batch_id: str
+    index: int
+    first_line: int
+    start_byte: int
+    end_byte: int
+    request_count: int
+    attempts: int
+    input_key: str
+    endpoint: str
+    expires_at: int
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A finished shard: its counts and usage (usage counts succeeded requests only)."""
+
+    completed: int
+    failed: int
+    input_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    reason: str | None = None  # batch_cancelled / batch_expired / shard_failed when cut short
+
+
+def _runnable_batches(t: int):
+    return select(Batch.id).where(Batch.status == BatchStatus.IN_PROGRESS, Batch.expires_at > t)
+
+
+def claim(jobs: Jobs, shard_id: str, owner: str) -> Claimed | None:
+    """Claim ``shard_id`` if it is queued and its batch still runs; None when someone else has
+    it, it is done, or its batch was cancelled or expired."""
+    t = now()
+    with session_scope(jobs.sessions) as session:
+        result = session.execute(
+            update(Shard)
+            .where(Shard.id == shard_id, Shard.status == ShardStatus.QUEUED, Shard.batch_id.in_(_runnable_batches(t)))
+            .values(_lease_values(jobs, owner, t))
+            .execution_options(synchronize_session=False)
+        )
+        if result.rowcount != 1:
+            return None
+        return _load(session, shard_id)
+
+
+def claim_next(jobs: Jobs, owner: str) -> Claimed | None:
+    """Claim the oldest queued shard of any running batch (``FOR UPDATE SKIP LOCKED`` on
+    PostgreSQL, so workers polling together never wait on each other)."""
+    t = now()
+    for _ in range(3):  # on SQLite a concurrent claimer may win the row between select and update
+        with session_scope(jobs.sessions) as session:
+            candidate = session.scalar(
+                select(Shard.id)
+                .join(Batch, Batch.id == Shard.batch_id)
+                .where(Shard.status == ShardStatus.QUEUED, Batch.status == BatchStatus.IN_PROGRESS, Batch.expires_at > t)
+                .order_by(Batch.created_at, Shard.batch_id, Shard.index)
+                .limit(1)
+                .with_for_update(of=Shard, skip_locked=True)
+            )
+            if candidate is None:
+                return None
+            result = session.execute(
+                update(Shard)
+                .where(Shard.id == candidate, Shard.status == ShardStatus.QUEUED)
+                .values(_lease_values(jobs, owner, t))
+                .execution_options(synchronize_session=False)
+            )
+            if result.rowcount == 1:
+                return _load(session, candidate)
+    return None
+
+
+def claim_for_closing(jobs: Jobs, shard_id: str, owner: str) -> Claimed | None:
+    """The sweeper takes a shard nobody is running (queued, or running on an expired lease)
+    to close it without running it (cancelled, expired, or out of attempts)."""
+    t = now()
+    with session_scope(jobs.sessions) as session:
+        result = session.execute(
+            update(Shard)
+            .where(
+                Shard.id == shard_id,
+                (Shard.status == ShardStatus.QUEUED) | ((Shard.status == ShardStatus.RUNNING) & (Shard.lease_expires_at < t)),
+            )
+            .values(lease_owner=owner, lease_expires_at=t + jobs.settings.lease_seconds, status=ShardStatus.RUNNING)
+            .execution_options(synchronize_session=False)
+        )
+        if result.rowcount != 1:
+            return None
+        return _load(session, shard_id)
+
+
+def _lease_values(jobs: Jobs, owner: str, t: int) -> dict:
+    return dict(
+        status=ShardStatus.RUNNING, attempts=Shard.attempts + 1, lease_owner=owner,
+        lease_expires_at=t + jobs.settings.lease_seconds, started_at=t,
+    )
+
+
+def _load(session, shard_id: str) -> Claimed:
+    shard, batch, input_key = session.execute(
+        select(Shard, Batch, File.storage_key)
+        .join(Batch, Batch.id == Shard.batch_id)
+        .join(File, File.id == Batch.input_file_id)
+        .where(Shard.id == shard_id)
+    ).one()
+    return Claimed(
+        id=shard.id, batch_id=shard.batch_id, index=shard.index, first_line=shard.first_line,
+        start_byte=shard.start_byte, end_byte=shard.end_byte, request_count=shard.request_count,
+        attempts=shard.attempts, input_key=input_key, endpoint=batch.endpoint, expires_at=batch.expires_at,
+    )
+
+
+def heartbeat(jobs: Jobs, shard_ids: list[str], owner: str) -> set[str]:
+    """Extend the leases ``owner`` still holds; returns the ids it holds."""
+    if not shard_ids:
+        return set()
+    t = now()
+    with session_scope(jobs.sessions) as session:
+        session.execute(
+            update(Shard)
+            .where(Shard.id.in_(shard_ids), Shard.lease_owner == owner, Shard.status == ShardStatus.RUNNING)
+            .values(lease_expires_at=t + jobs.settings.lease_seconds)
+            .execution_options(synchronize_session=False)
+        )
+        held = session.scalars(
+            select(Shard.id).where(Shard.id.in_(shard_ids), Shard.lease_owner == owner, Shard.status == ShardStatus.RUNNING)
+        )
+        return set(held)
+
+
+def release(jobs: Jobs, shard_ids: list[str], owner: str) -> int:
+    """Give shards back to the queue (a worker shutting down); returns how many went back."""
+    if not shard_ids:
+        return 0
+    with session_scope(jobs.sessions) as session:
+        result = session.execute(
+            update(Shard)
+            .where(Shard.id.in_(shard_ids), Shard.lease_owner == owner, Shard.status == ShardStatus.RUNNING)
+            .values(status=ShardStatus.QUEUED, lease_owner=None, lease_expires_at=None)
+            .execution_options(synchronize_session=False)
+        )
+        return result.rowcount
+
+
+def complete(jobs: Jobs, claimed: Claimed, owner: str, outcome: Outcome, output_key: str, error_key: str) -> bool:
+    """Record a finished shard and add its counts to the batch, in one transaction, once:
+    only the lease owner's UPDATE matches, so a shard is never counted twice."""
+    status = ShardStatus.FAILED if outcome.reason else ShardStatus.SUCCEEDED
+    with session_scope(jobs.sessions) as session:
+        result = session.execute(
+            update(Shard)
+            .where(Shard.id == claimed.id, Shard.lease_owner == owner, Shard.status == ShardStatus.RUNNING)
+            .values(
+                status=status, lease_expires_at=None, finished_at=now(), output_key=output_key,
+                error_key=error_key, last_error=outcome.reason, completed_count=outcome.completed,
+                failed_count=outcome.failed, input_tokens=outcome.input_tokens,
+                cached_tokens=outcome.cached_tokens, output_tokens=outcome.output_tokens,
+            )
+            .execution_options(synchronize_session=False)
+        )
+        if result.rowcount != 1:
+            return False
+        session.execute(
+            update(Batch)
+            .where(Batch.id == claimed.batch_id)
+            .values(
+                request_completed=Batch.request_completed + outcome.completed,
+                request_failed=Batch.request_failed + outcome.failed,
+                input_tokens=Batch.input_tokens + outcome.input_tokens,
+                cached_tokens=Batch.cached_tokens + outcome.cached_tokens,
+                output_tokens=Batch.output_tokens + outcome.output_tokens,
+            )
+            .execution_options(synchronize_session=False)
+        )
+        return True
+
+
+def requeue_expired(jobs: Jobs, shard_id: str) -> bool:
+    """Put a shard whose owner stopped heartbeating back in the queue."""
+    t = now()
+    with session_scope(jobs.sessions) as session:
+        result = session.execute(
+            update(Shard)
+            .where(Shard.id == shard_id, Shard.status == ShardStatus.RUNNING, Shard.lease_expires_at < t)
+            .values(status=ShardStatus.QUEUED, lease_owner=None, lease_expires_at=None)
+            .execution_options(synchronize_session=False)
+        )
+        return result.rowcount == 1
+
+
+# ---- validation leases ----
+
+
+def _validation_lease_expired(t: int):
+    return or_(Batch.validation_lease_expires_at.is_(None), Batch.validation_lease_expires_at < t)
+
+
+def claim_validation(jobs: Jobs, batch_id: str, *, stale_only: bool) -> bool:
+    """Take the validation lease of ``batch_id``; with ``stale_only``, only an expired one."""
+    t = now()
+    query = update(Batch).where(Batch.id == batch_id, Batch.status == BatchStatus.VALIDATING)
+    if stale_only:
+        query = query.where(_validation_lease_expired(t))
+    with session_scope(jobs.sessions) as session:
+        result = session.execute(query.values(validation_lease_expires_at=t + jobs.settings.validation_lease_seconds))
+        return result.rowcount == 1
+
+
+def renew_validation(jobs: Jobs, batch_id: str, **values) -> bool:
+    """Extend the validation lease (and set ``values``); False when the batch left ``validating``."""
+    with session_scope(jobs.sessions) as session:
+        result = session.execute(
+            update(Batch)
+            .where(Batch.id == batch_id, Batch.status == BatchStatus.VALIDATING)
+            .values(validation_lease_expires_at=now() + jobs.settings.validation_lease_seconds, **values)
+        )
+        return result.rowcount == 1
+
+
+def stale_validations(jobs: Jobs) -> tuple[list[str], list[str]]:
+    """Batches whose validator died: those still ``validating``, and those cancelled meanwhile."""
+    t = now()
+    stale = _validation_lease_expired(t)
+    with jobs.sessions() as session:
+        validating = list(session.scalars(select(Batch.id).where(Batch.status == BatchStatus.VALIDATING, stale)))
+        cancelling = list(session.scalars(
+            select(Batch.id).where(Batch.status == BatchStatus.CANCELLING, Batch.in_progress_at.is_(None), stale)
+        ))
+    return validating, cancelling
+
+
+def settle_cancelled_validation(jobs: Jobs, batch_id: str) -> str:
+    """A batch cancelled while it was validating: nothing ran, so it is cancelled now. Returns
+    the status it is in."""
+    with session_scope(jobs.sessions) as session:
+        states.transition(session, batch_id, BatchStatus.CANCELLED, validation_lease_expires_at=None)
+        return session.scalar(select(Batch.status).where(Batch.id == batch_id)) or "missing"

@@ -1,0 +1,184 @@
+"""The Batches service: create (idempotently), retrieve, list, cancel, partial results."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+from collections.abc import Iterator
+
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from batchapi.batches import states
+from batchapi.batches.billing import price_for
+from batchapi.batches.context import Jobs
+from batchapi.batches.files import get_file_row
+from batchapi.batches.states import DONE_SHARDS, BatchStatus
+from batchapi.db.clock import now
+from batchapi.db.ids import batch_id as new_batch_id
+from batchapi.db.models import Batch, Shard
+from batchapi.db.paging import page
+from batchapi.db.session import session_scope
+from batchapi.errors import Conflict, InvalidRequest, NotFound
+from batchapi.model_store import served_model_id
+from batchapi.openai.body import ENDPOINTS
+
+log = logging.getLogger(__name__)
+
+WINDOW = re.compile(r"^([1-9][0-9]*)(h|d)$")
+MIN_WINDOW = 3600
+MAX_WINDOW = 7 * 86400
+MAX_METADATA_PAIRS = 16
+PARTIAL_KINDS = ("output", "error")
+
+
+def window_seconds(window: str) -> int:
+    """``"24h"`` -> 86400; windows from 1h to 7d, in hours or days."""
+    match = WINDOW.match(window)
+    if match is None:
+        raise InvalidRequest(f"completion_window {window!r} must look like '24h' or '2d'", "completion_window")
+    seconds = int(match.group(1)) * (3600 if match.group(2) == "h" else 86400)
+    if not MIN_WINDOW <= seconds <= MAX_WINDOW:
+        raise InvalidRequest("completion_window must be between 1h and 7d", "completion_window")
+    return seconds
+
+
+def check_metadata(metadata: dict | None) -> None:
+    if metadata is None:
+        return
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise InvalidRequest(f"metadata may hold at most {MAX_METADATA_PAIRS} pairs", "metadata")
+    for key, value in metadata.items():
+        if not isinstance(key, str) or not 0 < len(key) <= 64:
+            raise InvalidRequest("metadata keys must be strings of 1 to 64 characters", "metadata")
+        if not isinstance(value, str) or len(value) > 512:
+            raise InvalidRequest(f"metadata[{key!r}] must be a string of at most 512 characters", "metadata")
+
+
+def _fingerprint(input_file_id: str, endpoint: str, window: str, metadata: dict | None) -> str:
+    canonical = json.dumps([input_file_id, endpoint, window, metadata], sort_keys=True)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def create_batch(
+    jobs: Jobs,
+    project_id: str,
+    input_file_id: str,
+    endpoint: str,
+    completion_window: str,
+    metadata: dict | None = None,
+    idempotency_key: str | None = None,
+) -> Batch:
+    """A new ``validating`` batch (validation starts after the commit), or, for a repeated
+    ``idempotency_key`` with the same parameters, the batch the first request created."""
+    if endpoint not in ENDPOINTS:
+        raise InvalidRequest(f"endpoint {endpoint!r} is not supported; expected one of {list(ENDPOINTS)}", "endpoint")
+    seconds = window_seconds(completion_window)
+    check_metadata(metadata)
+    fingerprint = _fingerprint(input_file_id, endpoint, completion_window, metadata)
+    if idempotency_key is not None:
+        existing = _by_idempotency_key(jobs, project_id, idempotency_key, fingerprint)
+        if existing is not None:
+            return existing
+    price = price_for(jobs.settings, served_model_id(jobs.settings))
+    t = now()
+    try:
+        with session_scope(jobs.sessions) as session:
+            file = get_file_row(session, project_id, input_file_id)
+            if file.purpose != "batch":
+                raise InvalidRequest(f"file {input_file_id} has purpose {file.purpose!r}, not 'batch'", "input_file_id")
+            batch = Batch(
+                id=new_batch_id(), project_id=project_id, endpoint=endpoint, input_file_id=input_file_id,
+                completion_window=completion_window, status=BatchStatus.VALIDATING, metadata_=metadata,
+                idempotency_key=idempotency_key, request_fingerprint=fingerprint, created_at=t,
+                expires_at=t + seconds, validation_lease_expires_at=t + jobs.settings.validation_lease_seconds,
+                currency=price.currency, price_input=price.input, price_cached_input=price.cached_input,
+                price_output=price.output, discount_percent=jobs.settings.batch_discount_percent,
+            )
+            session.add(batch)
+    except IntegrityError:  # the same key raced us and won
+        existing = _by_idempotency_key(jobs, project_id, idempotency_key, fingerprint)
+        if existing is None:
+            raise
+        return existing
+    if jobs.on_batch_created is not None:
+        jobs.on_batch_created(batch.id)
+    return batch
+
+
+def _by_idempotency_key(jobs: Jobs, project_id: str, key: str | None, fingerprint: str) -> Batch | None:
+    with jobs.sessions() as session:
+        batch = session.scalar(select(Batch).where(Batch.project_id == project_id, Batch.idempotency_key == key))
+    if batch is not None and batch.request_fingerprint != fingerprint:
+        raise Conflict(
+            "this Idempotency-Key was already used with different parameters", "Idempotency-Key",
+            code="idempotency_key_reused",
+        )
+    return batch
+
+
+def get_batch_row(session: Session, project_id: str, bid: str) -> Batch:
+    batch = session.get(Batch, bid)
+    if batch is None or batch.project_id != project_id:
+        raise NotFound(f"No batch found with id '{bid}'.", "batch_id")
+    return batch
+
+
+def get_batch(jobs: Jobs, project_id: str, bid: str) -> Batch:
+    with jobs.sessions() as session:
+        return get_batch_row(session, project_id, bid)
+
+
+def list_batches(jobs: Jobs, project_id: str, limit: int, after: str | None) -> tuple[list[Batch], bool]:
+    """Newest first; up to ``limit`` batches after the cursor ``after``, and whether more follow."""
+    with jobs.sessions() as session:
+        cursor = get_batch_row(session, project_id, after) if after else None
+        query = select(Batch).where(Batch.project_id == project_id)
+        return page(session, query, Batch, cursor, limit, newest_first=True)
+
+
+def cancel_batch(jobs: Jobs, project_id: str, bid: str) -> Batch:
+    """Move the batch to ``cancelling``; the workers (or the validator) finish the cancel."""
+    with session_scope(jobs.sessions) as session:
+        batch = get_batch_row(session, project_id, bid)
+        status = batch.status
+        moved = states.transition(session, bid, BatchStatus.CANCELLING)
+    if not moved and status not in (BatchStatus.CANCELLING, BatchStatus.CANCELLED):
+        with jobs.sessions() as session:
+            status = get_batch_row(session, project_id, bid).status
+        if status not in (BatchStatus.CANCELLING, BatchStatus.CANCELLED):
+            raise Conflict(f"Cannot cancel a batch with status '{status}'.", "batch_id", code="invalid_state")
+    if moved:
+        jobs.dispatcher.batch_cancelled(bid)
+        if jobs.on_batch_cancelled is not None:
+            jobs.on_batch_cancelled(bid)
+    return get_batch(jobs, project_id, bid)
+
+
+def iter_partial_results(jobs: Jobs, project_id: str, bid: str, kind: str = "output") -> Iterator[bytes]:
+    """The result lines of every finished shard so far (the output or the error lines), in
+    input order; the rest of the batch may still be running."""
+    if kind not in PARTIAL_KINDS:
+        raise InvalidRequest(f"kind must be one of {list(PARTIAL_KINDS)}", "kind")
+    column = Shard.output_key if kind == "output" else Shard.error_key
+    with jobs.sessions() as session:
+        get_batch_row(session, project_id, bid)
+        keys = list(
+            session.scalars(
+                select(column)
+                .where(Shard.batch_id == bid, Shard.status.in_(DONE_SHARDS), column.is_not(None))
+                .order_by(Shard.index)
+            )
+        )
+    return _concat(jobs, keys)
+
+
+def _concat(jobs: Jobs, keys: list[str]) -> Iterator[bytes]:
+    for key in keys:
+        try:
+            yield from jobs.storage.iter_chunks(key)
+        except NotFound:  # raised before any byte of it: a shard object not written yet
+            log.warning("partial results: %s is missing", key)

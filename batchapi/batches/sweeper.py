@@ -1,0 +1,205 @@
+"""The sweeper: what no worker is there to do. One ``sweep`` for every process that sweeps.
+
+- batches whose validator died are handed to a live one (``Validator``: only the API process
+  validates, so only its sweep has one), and those cancelled while validating are settled;
+  started batches whose prompts are not counted yet are counted (by the same ``Validator``);
+- shards whose lease ran out (their worker died) go back to the queue, or, after
+  ``max_shard_attempts``, are closed with every request in the error file as ``shard_failed``;
+- batches being cancelled, or past ``expires_at``, get their unowned shards closed
+  (``batch_cancelled`` / ``batch_expired``); shards a live worker holds are cut short by that
+  worker within seconds; once nothing is open the batch is finalized, finished results kept;
+- batches left with nothing open (a worker died between its last shard and the finalize),
+  or stuck in ``finalizing``, are finalized.
+Every step is a conditional UPDATE, so two sweepers (or a sweeper and a worker) never both act.
+``batchapi beat`` runs the shard steps as a Celery periodic task; the API process runs a
+``SweepLoop`` with its validator (and, in the embedded default, the shard steps too).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from sqlalchemy import exists, select
+from sqlalchemy.exc import OperationalError
+
+from batchapi.batches import leases
+from batchapi.batches.context import Jobs
+from batchapi.batches.finalize import finalize_batch
+from batchapi.batches.leases import Outcome
+from batchapi.batches.shard_input import read_custom_ids
+from batchapi.batches.states import OPEN_SHARDS, BatchStatus, ShardStatus
+from batchapi.db.clock import now
+from batchapi.db.models import Batch, Shard
+from batchapi.errors import NotFound, StorageError
+from batchapi.openai import render
+from batchapi.openai.errors import ErrorCode
+from batchapi.storage.keys import shard_error_key, shard_output_key
+
+log = logging.getLogger(__name__)
+
+OWNER = "sweeper"
+# what a sweep may meet and the next one retries: the database or the storage briefly away
+TRANSIENT = (OperationalError, StorageError, OSError)
+
+
+class Validator(Protocol):
+    """What validates in this process (``validation.runner.ValidationRunner``)."""
+
+    def resume(self, batch_id: str) -> None:
+        """Take over the validation of ``batch_id``, whose validation lease ran out."""
+
+    def backfill(self) -> None:
+        """Count the prompt tokens of started batches not counted yet."""
+
+
+@dataclass
+class SweepReport:
+    resumed: list[str] = field(default_factory=list)  # validations handed to the validator
+    requeued: list[str] = field(default_factory=list)
+    closed: list[str] = field(default_factory=list)
+    finalized: list[str] = field(default_factory=list)
+
+
+def sweep(jobs: Jobs, validator: Validator | None = None, *, shards: bool = True) -> SweepReport:
+    """One pass over everything stale; ``shards`` False leaves the shard steps to another
+    process (``batchapi beat`` in production)."""
+    report = SweepReport()
+    _validations(jobs, report, validator)
+    if shards:
+        _end_batches(jobs, report)
+        _expired_leases(jobs, report)
+        _finalize_leftovers(jobs, report)
+    if report.resumed or report.requeued or report.closed or report.finalized:
+        log.info("sweep: %d validations resumed, %d requeued, %d closed, %d finalized", len(report.resumed),
+                 len(report.requeued), len(report.closed), len(report.finalized))
+    return report
+
+
+def _validations(jobs: Jobs, report: SweepReport, validator: Validator | None) -> None:
+    validating, cancelling = leases.stale_validations(jobs)
+    for batch_id in cancelling:
+        leases.settle_cancelled_validation(jobs, batch_id)
+    if validator is None:
+        return
+    for batch_id in validating:
+        validator.resume(batch_id)
+        report.resumed.append(batch_id)
+    validator.backfill()
+
+
+def _end_batches(jobs: Jobs, report: SweepReport) -> None:
+    t = now()
+    with jobs.sessions() as session:
+        ending = session.execute(
+            select(Batch.id, Batch.status).where(
+                ((Batch.status == BatchStatus.CANCELLING) & Batch.in_progress_at.is_not(None))
+                | ((Batch.status == BatchStatus.IN_PROGRESS) & (Batch.expires_at <= t))
+            )
+        ).all()
+    for batch_id, status in ending:
+        reason = ErrorCode.BATCH_CANCELLED if status == BatchStatus.CANCELLING else ErrorCode.BATCH_EXPIRED
+        with jobs.sessions() as session:
+            unowned = list(session.scalars(
+                select(Shard.id).where(
+                    Shard.batch_id == batch_id,
+                    (Shard.status == ShardStatus.QUEUED) | ((Shard.status == ShardStatus.RUNNING) & (Shard.lease_expires_at < t)),
+                )
+            ))
+        for shard_id in unowned:
+            if close_shard(jobs, shard_id, reason):
+                report.closed.append(shard_id)
+        if finalize_batch(jobs, batch_id):
+            report.finalized.append(batch_id)
+
+
+def _expired_leases(jobs: Jobs, report: SweepReport) -> None:
+    t = now()
+    with jobs.sessions() as session:
+        stale = session.execute(
+            select(Shard.id, Shard.attempts)
+            .join(Batch, Batch.id == Shard.batch_id)
+            .where(Shard.status == ShardStatus.RUNNING, Shard.lease_expires_at < t, Batch.status == BatchStatus.IN_PROGRESS)
+        ).all()
+    for shard_id, attempts in stale:
+        if attempts >= jobs.settings.max_shard_attempts:
+            log.warning("shard %s failed %d times; closing it", shard_id, attempts)
+            if close_shard(jobs, shard_id, ErrorCode.SHARD_FAILED):
+                report.closed.append(shard_id)
+        elif leases.requeue_expired(jobs, shard_id):
+            log.warning("shard %s lost its worker (attempt %d); re-queued", shard_id, attempts)
+            report.requeued.append(shard_id)
+
+
+def _finalize_leftovers(jobs: Jobs, report: SweepReport) -> None:
+    t = now()
+    any_open = exists().where(Shard.batch_id == Batch.id, Shard.status.in_(OPEN_SHARDS))
+    with jobs.sessions() as session:
+        done = list(session.scalars(select(Batch.id).where(Batch.status == BatchStatus.IN_PROGRESS, ~any_open)))
+        stuck = list(session.scalars(
+            select(Batch.id).where(
+                Batch.status == BatchStatus.FINALIZING, Batch.finalizing_at < t - jobs.settings.lease_seconds
+            )
+        ))
+    for batch_id in done:
+        if finalize_batch(jobs, batch_id):
+            report.finalized.append(batch_id)
+    for batch_id in stuck:
+        if finalize_batch(jobs, batch_id, resume=True):
+            report.finalized.append(batch_id)
+
+
+def close_shard(jobs: Jobs, shard_id: str, reason: ErrorCode) -> bool:
+    """Close a shard nobody runs: every request goes to its error object with ``reason``."""
+    claimed = leases.claim_for_closing(jobs, shard_id, OWNER)
+    if claimed is None:
+        return False
+    try:
+        custom_ids = read_custom_ids(jobs.storage, claimed)
+    except NotFound:  # the input object is gone: nothing left to name in the error file
+        log.error("the input of shard %s is gone from storage; closing it empty", shard_id)
+        custom_ids = []
+    out_key = shard_output_key(claimed.batch_id, claimed.index)
+    err_key = shard_error_key(claimed.batch_id, claimed.index)
+    jobs.storage.put_chunks(out_key, [b""])
+    jobs.storage.put_chunks(err_key, (render.never_ran(cid, reason) for cid in custom_ids))
+    return leases.complete(jobs, claimed, OWNER, Outcome(0, len(custom_ids), reason=reason), out_key, err_key)
+
+
+class SweepLoop:
+    """``sweep`` on a thread of its own: at start, every ``interval`` seconds, and soon after
+    ``poke`` (a cancel: its queued shards are closed now rather than at the next tick)."""
+
+    def __init__(self, jobs: Jobs, interval: float, validator: Validator | None = None, *, shards: bool = True):
+        self.jobs = jobs
+        self.interval = interval
+        self.validator = validator
+        self.shards = shards
+        self._stop = threading.Event()
+        self._poked = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="batchapi-sweep", daemon=True)
+
+    def start(self) -> SweepLoop:
+        self._thread.start()
+        return self
+
+    def poke(self) -> None:
+        self._poked.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._poked.set()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                sweep(self.jobs, self.validator, shards=self.shards)
+            except TRANSIENT:
+                log.warning("sweep failed; the next one retries", exc_info=True)
+            except Exception:  # a bug in one sweep must not end every later one
+                log.exception("sweep crashed; the next one retries")
+            self._poked.wait(self.interval)
+            self._poked.clear()

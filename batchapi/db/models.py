@@ -1,0 +1,165 @@
+"""SQLAlchemy 2 models: projects and their API keys, files, batches and the shards of a batch.
+
+Timestamps are Unix seconds (integers), as the API shows them, so every comparison in SQL
+(lease expiry, batch expiry) is plain integer arithmetic on SQLite and PostgreSQL alike.
+"""
+
+from __future__ import annotations
+
+from decimal import Decimal
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    ForeignKey,
+    Index,
+    Integer,
+    Numeric,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+PRICE = Numeric(20, 10)
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {int: BigInteger, bool: Boolean, dict[str, Any]: JSON, list[int]: JSON}
+
+
+class Project(Base):
+    __tablename__ = "projects"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    created_at: Mapped[int]
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"), index=True)
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)  # sha256 hex of the secret
+    prefix: Mapped[str] = mapped_column(String(16))  # shown to people to tell keys apart
+    created_at: Mapped[int]
+    revoked_at: Mapped[int | None]
+
+
+class File(Base):
+    __tablename__ = "files"
+    __table_args__ = (Index("ix_files_project_created", "project_id", "created_at", "id"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"))
+    filename: Mapped[str] = mapped_column(String(512))
+    purpose: Mapped[str] = mapped_column(String(32))
+    bytes: Mapped[int]
+    storage_key: Mapped[str] = mapped_column(String(512))
+    created_at: Mapped[int]
+    deleted_at: Mapped[int | None]
+
+
+class Batch(Base):
+    __tablename__ = "batches"
+    __table_args__ = (
+        Index("ix_batches_project_created", "project_id", "created_at", "id"),
+        Index("ix_batches_status", "status"),
+        UniqueConstraint("project_id", "idempotency_key", name="uq_batches_idempotency"),
+    )
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"))
+    endpoint: Mapped[str] = mapped_column(String(64))
+    model: Mapped[str | None] = mapped_column(String(256))  # set by validation
+    input_file_id: Mapped[str] = mapped_column(String(64), index=True)
+    completion_window: Mapped[str] = mapped_column(String(16))
+    status: Mapped[str] = mapped_column(String(16))  # a batches.states.BatchStatus
+    errors: Mapped[dict[str, Any] | None]
+    output_file_id: Mapped[str | None] = mapped_column(String(64))
+    error_file_id: Mapped[str | None] = mapped_column(String(64))
+    metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON)
+    idempotency_key: Mapped[str | None] = mapped_column(String(256))
+    request_fingerprint: Mapped[str | None] = mapped_column(String(64))
+
+    created_at: Mapped[int]
+    in_progress_at: Mapped[int | None]
+    expires_at: Mapped[int]
+    finalizing_at: Mapped[int | None]
+    completed_at: Mapped[int | None]
+    failed_at: Mapped[int | None]
+    expired_at: Mapped[int | None]
+    cancelling_at: Mapped[int | None]
+    cancelled_at: Mapped[int | None]
+
+    # validation lease: a validator that dies leaves it to expire, and a sweep picks it up again
+    validation_lease_expires_at: Mapped[int | None]
+
+    # request counts and usage; workers add to these as shards finish (succeeded requests only)
+    request_total: Mapped[int] = mapped_column(default=0)
+    request_completed: Mapped[int] = mapped_column(default=0)
+    request_failed: Mapped[int] = mapped_column(default=0)
+    input_tokens: Mapped[int] = mapped_column(default=0)
+    cached_tokens: Mapped[int] = mapped_column(default=0)
+    output_tokens: Mapped[int] = mapped_column(default=0)
+
+    # estimates from validation: prompt tokens of every request and the max_tokens bound
+    estimated_input_tokens: Mapped[int] = mapped_column(default=0)
+    estimated_output_tokens: Mapped[int] = mapped_column(default=0)
+
+    # the price in force when the batch was created, so the bill never changes afterwards
+    currency: Mapped[str] = mapped_column(String(8), default="usd")
+    price_input: Mapped[Decimal] = mapped_column(PRICE)  # list price per 1M tokens
+    price_cached_input: Mapped[Decimal] = mapped_column(PRICE)
+    price_output: Mapped[Decimal] = mapped_column(PRICE)
+    discount_percent: Mapped[Decimal] = mapped_column(Numeric(6, 3))
+
+
+class Shard(Base):
+    """A contiguous run of input lines, the unit a worker claims.
+
+    ``start_byte``/``end_byte`` are the half-open byte range of the input object holding lines
+    ``first_line``..``last_line`` (1-based, inclusive); blank lines inside it are not requests.
+    """
+
+    __tablename__ = "shards"
+    __table_args__ = (
+        UniqueConstraint("batch_id", "index", name="uq_shards_batch_index"),
+        Index("ix_shards_status_lease", "status", "lease_expires_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(80), primary_key=True)  # f"{batch_id}_{index:05d}"
+    batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"))
+    index: Mapped[int] = mapped_column(Integer)
+    first_line: Mapped[int]
+    last_line: Mapped[int]
+    start_byte: Mapped[int]
+    end_byte: Mapped[int]
+    request_count: Mapped[int]
+    # prompt tokens: an upper bound from validation, exact once ``tokens_counted`` (a background
+    # pass after the batch started fills ``prompt_token_counts``, one per request in line order)
+    prompt_tokens: Mapped[int] = mapped_column(default=0)
+    estimated_output_tokens: Mapped[int] = mapped_column(default=0)  # max_tokens bound
+    tokens_counted: Mapped[bool] = mapped_column(default=False)
+    prompt_token_counts: Mapped[list[int] | None]
+
+    status: Mapped[str] = mapped_column(String(16))  # a batches.states.ShardStatus
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    lease_owner: Mapped[str | None] = mapped_column(String(200))
+    lease_expires_at: Mapped[int | None]
+    output_key: Mapped[str | None] = mapped_column(String(512))
+    error_key: Mapped[str | None] = mapped_column(String(512))
+    last_error: Mapped[str | None] = mapped_column(Text)
+
+    completed_count: Mapped[int] = mapped_column(default=0)
+    failed_count: Mapped[int] = mapped_column(default=0)
+    input_tokens: Mapped[int] = mapped_column(default=0)
+    cached_tokens: Mapped[int] = mapped_column(default=0)
+    output_tokens: Mapped[int] = mapped_column(default=0)
+
+    created_at: Mapped[int]
+    started_at: Mapped[int | None]
+    finished_at: Mapped[int | None]

@@ -1,0 +1,124 @@
+"""Projects and their API keys. Only a SHA-256 of each key is stored; the key is shown once."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from batchapi.config import Settings
+from batchapi.db.clock import now
+from batchapi.db.ids import new_id
+from batchapi.db.models import ApiKey, Project
+from batchapi.db.session import make_engine, make_sessionmaker, session_scope
+from batchapi.errors import NotFound, Unauthenticated
+
+KEY_PREFIX = "sk-batch-"
+DEFAULT_PROJECT = "default"  # owns everything when auth is off (the embedded default)
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    """What may be shown about a key: never the secret or its hash."""
+
+    id: str
+    project: str
+    prefix: str
+    created_at: int
+    revoked_at: int | None
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def get_or_create_project(session: Session, name: str) -> Project:
+    project = session.scalar(select(Project).where(Project.name == name))
+    if project is not None:
+        return project
+    project = Project(id=new_id("proj_"), name=name, created_at=now())
+    try:
+        with session.begin_nested():
+            session.add(project)
+    except IntegrityError:  # created by someone else meanwhile
+        project = session.scalar(select(Project).where(Project.name == name))
+    return project
+
+
+def create_api_key(session: Session, project_name: str) -> str:
+    """Add a key to ``project_name`` (created if new) and return the key itself."""
+    project = get_or_create_project(session, project_name)
+    key = KEY_PREFIX + secrets.token_urlsafe(32)
+    session.add(
+        ApiKey(id=new_id("key_"), project_id=project.id, key_hash=hash_key(key), prefix=key[:12], created_at=now())
+    )
+    return key
+
+
+def authenticate(session: Session, key: str | None) -> str:
+    """The project id ``key`` belongs to; ``Unauthenticated`` for a missing, unknown or revoked key."""
+    if not key:
+        raise Unauthenticated(
+            "You didn't provide an API key. Provide it in the Authorization header as 'Bearer YOUR_KEY'.",
+            code="missing_api_key",
+        )
+    found = session.scalar(select(ApiKey).where(ApiKey.key_hash == hash_key(key), ApiKey.revoked_at.is_(None)))
+    if found is None:
+        shown = key[:8] + "…" if len(key) > 8 else "…"
+        raise Unauthenticated(f"Incorrect API key provided: {shown}.")
+    return found.project_id
+
+
+def list_api_keys(session: Session, project_name: str | None = None) -> list[KeyInfo]:
+    """All keys, oldest first, or those of ``project_name`` (none if there is no such project)."""
+    query = select(ApiKey, Project.name).join(Project, ApiKey.project_id == Project.id)
+    if project_name is not None:
+        query = query.where(Project.name == project_name)
+    rows = session.execute(query.order_by(ApiKey.created_at, ApiKey.id))
+    return [KeyInfo(key.id, name, key.prefix, key.created_at, key.revoked_at) for key, name in rows]
+
+
+def revoke_api_key(session: Session, key_id: str) -> bool:
+    """Refuse ``key_id`` from now on; False if it was revoked already, ``NotFound`` if unknown."""
+    key = session.get(ApiKey, key_id)
+    if key is None:
+        raise NotFound(f"No such API key: {key_id}", "key_id")
+    if key.revoked_at is not None:
+        return False
+    key.revoked_at = now()
+    return True
+
+
+@contextmanager
+def _session(settings: Settings) -> Iterator[Session]:
+    """A committed session on an engine of its own, for the one-shot CLI commands."""
+    engine = make_engine(settings)
+    try:
+        with session_scope(make_sessionmaker(engine)) as session:
+            yield session
+    finally:
+        engine.dispose()
+
+
+def create_key(settings: Settings, project_name: str) -> str:
+    """For ``batchapi keys create --project NAME``: a new key, committed (run migrations first)."""
+    with _session(settings) as session:
+        return create_api_key(session, project_name)
+
+
+def list_keys(settings: Settings, project_name: str | None = None) -> list[KeyInfo]:
+    """For ``batchapi keys list [--project NAME]``."""
+    with _session(settings) as session:
+        return list_api_keys(session, project_name)
+
+
+def revoke_key(settings: Settings, key_id: str) -> bool:
+    """For ``batchapi keys revoke KEY_ID``: committed; see ``revoke_api_key``."""
+    with _session(settings) as session:
+        return revoke_api_key(session, key_id)

@@ -1,0 +1,160 @@
+"""Paged attention on CPU: decode tokens through the C kernel (csrc/paged_decode.c), the rest through the twin.
+
+The torch twin gathers every decode sequence's blocks into a padded copy before its SDPA; on a
+small CPU that copy and SDPA's per-head overhead cost a quarter of a decode step at 100 tokens
+of context, more at longer ones. The C kernel reads the blocks where they lie, once, for all
+query heads of a KV head. A short prefill run (up to PREFILL_ROWS_IN_C query tokens: chat
+prompts past their cached prefix) goes to the same kernel as one row per token, each with its
+own causal context length; a longer one keeps the twin's SDPA, whose matmuls win there.
+Tensors the kernel does not take (fp16, block size over 32, more than 16 query heads a KV head,
+head size over 256) go to the twin whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from batchapi.kernels.cpu import build
+from batchapi.kernels.torch import attention as twin
+
+PREFILL_ROWS_IN_C = 64  # longest prefill run sent to the C kernel; per row it costs a decode token's attention
+MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 32  # as in csrc/paged_decode.c
+
+
+@dataclass
+class _Plan:
+    key: tuple  # the step's metadata tensors (held, so their ids stay theirs)
+    pool: tuple[int, int]  # (num_blocks, block_size) of the caches the tables were checked against
+    num_tokens: int
+    # the C kernel's rows: decode tokens and the tokens of short prefill runs, one query row each
+    rows: torch.Tensor  # [R] int32, 0..R-1
+    tables: torch.Tensor  # [R, max_blocks] int32: the block table of each row's sequence
+    q_rows: torch.Tensor  # [R + 1] int32: each row's token in q (its "cu_seqlens_q"), then T
+    context_lens: torch.Tensor  # [R] int32: the keys each row attends to (causal within a prefill)
+    prefills: list[tuple[int, int, int, int]]  # the twin's: (sequence, first token, tokens, context length)
+
+
+_last_plan: _Plan | None = None
+
+
+def _plan(block_tables, cu_seqlens_q, context_lens, num_blocks: int, block_size: int) -> _Plan:
+    # every layer of a step passes the same metadata tensors: plan once, on the first layer
+    global _last_plan
+    key = (block_tables, cu_seqlens_q, context_lens)
+    plan = _last_plan
+    if (plan is None or plan.pool != (num_blocks, block_size)
+            or any(a is not b for a, b in zip(plan.key, key, strict=True))):
+        layout = twin.step_layout(cu_seqlens_q, context_lens)
+        runs = [(b, layout.starts[b], 1, layout.context_lens[b]) for b in layout.decode]
+        runs += [run for run in layout.prefills if run[2] <= PREFILL_ROWS_IN_C]
+        prefills = [run for run in layout.prefills if run[2] > PREFILL_ROWS_IN_C]
+        seqs = [b for b, _, n, _ in runs for _ in range(n)]
+        q_rows = [row for _, start, n, _ in runs for row in range(start, start + n)]
+        lens = [length for _, _, n, ctx in runs for length in range(ctx - n + 1, ctx + 1)]
+        index = torch.tensor(seqs, dtype=torch.long)
+        plan = _Plan(key, (num_blocks, block_size), layout.starts[-1], torch.arange(len(seqs), dtype=torch.int32),
+                     block_tables.to(torch.int32)[index].contiguous(),
+                     torch.tensor(q_rows + [layout.starts[-1]], dtype=torch.int32),
+                     torch.tensor(lens, dtype=torch.int32), prefills)
+        _check_tables(plan, num_blocks, block_size)
+        _last_plan = plan
+    return plan
+
+
+def _check_tables(plan: _Plan, num_blocks: int, block_size: int) -> None:
+    """The C kernel trusts the block tables: a bad id would read outside the pool, so check the
+    blocks each row's context covers, once a step, before any layer reads them.
+    Raised, not asserted, so that ``python -O`` keeps the check."""
+    if not plan.rows.numel():
+        return
+    lens, tables = plan.context_lens.long(), plan.tables.long()  # int64: no wrap near 2^31
+    if int(lens.min()) < 1:
+        raise ValueError("a query token has an empty context")
+    blocks = (lens + block_size - 1) // block_size  # [R] blocks each context covers
+    if int(blocks.max()) > tables.shape[1]:
+        raise ValueError("a block table is shorter than its context")
+    ids = tables[torch.arange(tables.shape[1])[None, :] < blocks[:, None]]
+    if not bool(((ids >= 0) & (ids < num_blocks)).all()):
+        raise ValueError(f"a block table holds an id outside the KV pool of {num_blocks} blocks within its context")
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32, pad -1
+    cu_seqlens_q: torch.Tensor,  # [B+1] int32
+    context_lens: torch.Tensor,  # [B] int32, KV length including this step's tokens
+    scale: float,
+    **hints,
+) -> torch.Tensor:
+    """Same contract as the twin, kernels.torch.attention.paged_attention (docs/CONTRACTS.md)."""
+    assert q.shape[1] % k_cache.shape[2] == 0, f"Hq={q.shape[1]} not a multiple of Hkv={k_cache.shape[2]}"
+    if q.shape[0] == 0 or cu_seqlens_q.shape[0] < 2 or build.load() is None or not supports(q, k_cache, v_cache):
+        return twin.paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, **hints)
+    plan = _plan(block_tables, cu_seqlens_q, context_lens, k_cache.shape[0], k_cache.shape[1])
+    assert plan.num_tokens == q.shape[0], f"cu_seqlens_q ends at {plan.num_tokens}, q has {q.shape[0]} tokens"
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    if plan.rows.numel():
+        paged_decode(q, k_cache, v_cache, plan.tables, plan.q_rows, plan.context_lens, plan.rows, out, scale)
+    for b, s, n, ctx in plan.prefills:
+        out[s : s + n] = twin.prefill_attention(q[s : s + n], k_cache, v_cache, block_tables[b], ctx, scale)
+    return out
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the C decode kernel takes these tensors (else: the torch twin)."""
+    _, hq, d = q.shape
+    _, bs, hkv, cache_d = k_cache.shape
+    return (q.device.type == "cpu" and k_cache.device.type == "cpu" and q.dtype in build.DTYPES
+            and k_cache.dtype == q.dtype and v_cache.dtype == q.dtype and v_cache.shape == k_cache.shape
+            and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and hkv > 0 and hq % hkv == 0 and hq // hkv <= MAX_GROUP
+            and 0 < d <= MAX_HEAD_DIM and cache_d == d and 0 < bs <= MAX_BLOCK)
+
+
+def paged_decode(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    cu_seqlens_q: torch.Tensor,  # [B+1] int32
+    context_lens: torch.Tensor,  # [B] int32
+    seq_ids: torch.Tensor,  # [Bd] int32: the decode sequences (one query token each)
+    out: torch.Tensor,  # [T, Hq, D]: the rows of those tokens are written
+    scale: float,
+) -> None:
+    """Attention of the decode tokens of ``seq_ids``; the caller has checked that every block id
+    their contexts cover lies in the pool (paged_attention does, once a step): the kernel trusts them.
+    Errors are raised, not asserted, so that ``python -O`` keeps them: this reads raw memory."""
+    lib = build.load()
+    if lib is None:
+        raise RuntimeError("the C decode attention is not built: check build.load() first")
+    if not supports(q, k_cache, v_cache):
+        raise ValueError(f"the C decode does not take q {q.dtype} {tuple(q.shape)} with caches "
+                         f"{k_cache.dtype} {tuple(k_cache.shape)} (see supports())")
+    for name, t, dtype in [("q", q, q.dtype), ("out", out, q.dtype), ("block_tables", block_tables, torch.int32),
+                           ("cu_seqlens_q", cu_seqlens_q, torch.int32), ("context_lens", context_lens, torch.int32),
+                           ("seq_ids", seq_ids, torch.int32)]:
+        if not (t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu"):
+            raise ValueError(f"{name} must be a contiguous CPU {dtype} tensor, got {t.dtype}, strides {t.stride()}")
+    num_seqs = context_lens.shape[0]
+    if out.shape != q.shape or cu_seqlens_q.shape[0] != num_seqs + 1 or block_tables.shape[0] != num_seqs:
+        raise ValueError("out must match q, and cu_seqlens_q, block_tables and context_lens cover the same sequences")
+    _, hq, d = q.shape
+    _, bs, hkv, _ = k_cache.shape
+    fn = getattr(lib, f"paged_decode_{build.DTYPES[q.dtype]}")
+    # the kernel checks seq_ids and their query rows before it reads through them (a range check
+    # here costs several torch ops on every layer)
+    rc = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+            context_lens.data_ptr(), cu_seqlens_q.data_ptr(), num_seqs, seq_ids.data_ptr(), seq_ids.numel(),
+            q.shape[0], out.data_ptr(), hq, hkv, d, bs, scale, torch.get_num_threads())
+    if rc == 2:
+        raise ValueError(f"seq_ids must index the {num_seqs} sequences")
+    if rc == 3:
+        raise ValueError("a decode sequence's token lies outside q")
+    if rc != 0:
+        raise RuntimeError(f"the C decode refused Hq={hq} Hkv={hkv} D={d} block size {bs}")

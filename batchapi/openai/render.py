@@ -1,0 +1,126 @@
+"""Rendering: a request's outcome as an OpenAI response body and as its output or error line.
+
+Shapes of API.md. The engine's results come in as plain objects (``GenerationResult``: ids,
+token counts, outputs with text and logprobs); this module never imports the engine, so the
+API process can use it without torch. ``workers.codec`` binds it to the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+
+from batchapi.openai.body import ParsedBody
+from batchapi.openai.errors import ErrorCode, RequestError
+
+# why requests that never ran (or were cut short) are in the error file
+NOT_RUN_MESSAGES = {
+    ErrorCode.BATCH_CANCELLED: "The batch was cancelled before this request finished.",
+    ErrorCode.BATCH_EXPIRED: "The batch expired before this request finished.",
+    ErrorCode.SHARD_FAILED: "The workers running this request failed too many times; it was not run.",
+}
+
+
+def _dump(record: dict) -> bytes:
+    return json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+
+
+def _ids() -> tuple[str, str]:
+    return f"batch_req_{secrets.token_hex(12)}", f"req_{secrets.token_hex(12)}"
+
+
+def succeeded(custom_id: str, body: dict) -> bytes:
+    line_id, request_id = _ids()
+    return _dump({
+        "id": line_id,
+        "custom_id": custom_id,
+        "response": {"status_code": 200, "request_id": request_id, "body": body},
+        "error": None,
+    })
+
+
+def rejected(custom_id: str | None, error: RequestError) -> bytes:
+    """A request that ran (or was read) and was refused: a 400 with an OpenAI error body."""
+    body = {"error": {"message": error.message, "type": "invalid_request_error", "param": error.param,
+                      "code": str(error.code)}}
+    line_id, request_id = _ids()
+    return _dump({
+        "id": line_id,
+        "custom_id": custom_id,
+        "response": {"status_code": 400, "request_id": request_id, "body": body},
+        "error": None,
+    })
+
+
+def never_ran(custom_id: str, code: ErrorCode) -> bytes:
+    line_id, _ = _ids()
+    return _dump({
+        "id": line_id,
+        "custom_id": custom_id,
+        "response": None,
+        "error": {"code": str(code), "message": NOT_RUN_MESSAGES[code]},
+    })
+
+
+def usage(result) -> dict:
+    return {
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": result.completion_tokens,
+        "total_tokens": result.prompt_tokens + result.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
+    }
+
+
+def completion_body(parsed: ParsedBody, result, model: str, tokenizer) -> dict:
+    """The ``chat.completion`` or ``text_completion`` body of a request the engine finished."""
+    assert result.error is None, f"request {result.request_id} failed ({result.error}); render it rejected"
+    chat = parsed.messages is not None
+    choices = []
+    for out in result.outputs:
+        choice: dict = {"index": out.index, "finish_reason": out.finish_reason}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": out.text}
+            choice["logprobs"] = _chat_logprobs(out.logprobs, tokenizer) if parsed.logprobs else None
+        else:
+            choice["text"] = out.text
+            choice["logprobs"] = _completion_logprobs(out.logprobs, tokenizer) if parsed.logprobs else None
+        choices.append(choice)
+    return {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{result.request_id}",
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage(result),
+    }
+
+
+def _token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id])
+
+
+def _chat_entry(tokenizer, token_id: int, logprob: float) -> dict:
+    text = _token_text(tokenizer, token_id)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
+def _chat_logprobs(logprobs: list | None, tokenizer) -> dict:
+    content = []
+    for step in logprobs or []:
+        entry = _chat_entry(tokenizer, step.token_id, step.logprob)
+        entry["top_logprobs"] = [_chat_entry(tokenizer, t, lp) for t, lp in step.top_logprobs]
+        content.append(entry)
+    return {"content": content}
+
+
+def _completion_logprobs(logprobs: list | None, tokenizer) -> dict:
+    tokens, token_logprobs, top, offsets, offset = [], [], [], [], 0
+    for step in logprobs or []:
+        text = _token_text(tokenizer, step.token_id)
+        tokens.append(text)
+        token_logprobs.append(step.logprob)
+        top.append({_token_text(tokenizer, t): lp for t, lp in step.top_logprobs} if step.top_logprobs else None)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}

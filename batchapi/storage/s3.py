@@ -1,0 +1,112 @@
+"""Storage in an S3-compatible bucket (AWS S3, MinIO, SeaweedFS) through boto3.
+
+Uploads go through boto3's managed transfer, which switches to a multipart upload above
+``MULTIPART_THRESHOLD`` and reads the source stream part by part; downloads stream the body.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import BinaryIO
+
+import boto3
+from boto3.s3.transfer import TransferConfig
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError
+
+from batchapi.errors import NotFound, StorageError
+from batchapi.storage.streams import CHUNK, ChunkReader, CountingReader
+
+MULTIPART_THRESHOLD = 16 * 1024 * 1024
+TRANSFER = TransferConfig(
+    multipart_threshold=MULTIPART_THRESHOLD, multipart_chunksize=MULTIPART_THRESHOLD, max_concurrency=4
+)
+MISSING = {"NoSuchKey", "404", "NotFound"}
+
+
+class S3Storage:
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        access_key_id: str | None = None,
+        secret_access_key: str | None = None,
+    ):
+        assert bucket, "an s3:// storage URL needs a bucket name"
+        self.bucket = bucket
+        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        self.client = boto3.session.Session().client(
+            "s3",
+            endpoint_url=endpoint_url,
+            region_name=region,
+            aws_access_key_id=access_key_id,
+            aws_secret_access_key=secret_access_key,
+            config=Config(retries={"max_attempts": 5, "mode": "standard"}, s3={"addressing_style": "path"}),
+        )
+
+    def _key(self, key: str) -> str:
+        return self.prefix + key
+
+    def put_stream(self, key: str, stream: BinaryIO) -> int:
+        counted = CountingReader(stream)
+        try:
+            self.client.upload_fileobj(counted, self.bucket, self._key(key), Config=TRANSFER)
+        except (BotoCoreError, ClientError) as exc:
+            raise StorageError(f"upload of {key!r} failed: {exc}") from exc
+        return counted.count
+
+    def put_chunks(self, key: str, chunks: Iterable[bytes]) -> int:
+        return self.put_stream(key, ChunkReader(chunks))
+
+    def iter_chunks(self, key: str, start: int = 0, end: int | None = None) -> Iterator[bytes]:
+        if end is not None and end <= start:
+            return
+        args = {"Bucket": self.bucket, "Key": self._key(key)}
+        if start or end is not None:
+            args["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
+        try:
+            body = self.client.get_object(**args)["Body"]
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in MISSING:
+                raise NotFound(f"no object {key!r}") from None
+            if exc.response.get("Error", {}).get("Code") == "InvalidRange":
+                return  # a range starting at the end of the object: nothing to read
+            raise StorageError(f"download of {key!r} failed: {exc}") from exc
+        except BotoCoreError as exc:
+            raise StorageError(f"download of {key!r} failed: {exc}") from exc
+        with body:
+            try:
+                yield from body.iter_chunks(CHUNK)
+            except BotoCoreError as exc:  # the connection broke mid-stream
+                raise StorageError(f"download of {key!r} broke off: {exc}") from exc
+
+    def size(self, key: str) -> int:
+        try:
+            return self.client.head_object(Bucket=self.bucket, Key=self._key(key))["ContentLength"]
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in MISSING:
+                raise NotFound(f"no object {key!r}") from None
+            raise StorageError(f"head of {key!r} failed: {exc}") from exc
+        except BotoCoreError as exc:
+            raise StorageError(f"head of {key!r} failed: {exc}") from exc
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.size(key)
+        except NotFound:
+            return False
+        return True
+
+    def delete(self, key: str) -> None:
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
+        except (BotoCoreError, ClientError) as exc:
+            raise StorageError(f"delete of {key!r} failed: {exc}") from exc
+
+    def check(self) -> None:
+        try:
+            self.client.head_bucket(Bucket=self.bucket)
+        except (BotoCoreError, ClientError) as exc:
+            raise StorageError(f"bucket {self.bucket!r} is not reachable: {exc}") from exc

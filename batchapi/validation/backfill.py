@@ -1,0 +1,94 @@
+"""Exact prompt token counts of a started batch, shard by shard, off the validation path.
+
+Validation proves each prompt fits the context (tokenizing only prompts near the limit) and
+starts the batch in seconds; this pass then tokenizes every prompt and records the counts on
+the shard rows (``prompt_token_counts``) and the exact estimate on the batch. Each shard's
+write is conditional on ``tokens_counted`` being false, so two counters never clash, and a
+pass that dies is finished by the next sweep.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from sqlalchemy import func, select, update
+
+from batchapi.batches import states
+from batchapi.batches.context import Jobs
+from batchapi.batches.states import BatchStatus
+from batchapi.db.models import Batch, File, Shard
+from batchapi.db.session import session_scope
+from batchapi.model_store import served_model
+from batchapi.openai.lines import iter_lines, parse_line
+from batchapi.validation.token_counts import PromptCounter, counter_for, exact_counts, output_bound
+
+log = logging.getLogger(__name__)
+
+
+def batches_to_count(jobs: Jobs) -> list[str]:
+    with jobs.sessions() as session:
+        query = (
+            select(Shard.batch_id).join(Batch, Batch.id == Shard.batch_id)
+            .where(Shard.tokens_counted.is_(False), Batch.status.in_(sorted(states.ACTIVE)))
+            .distinct()
+        )
+        return list(session.scalars(query))
+
+
+def count_batch(
+    jobs: Jobs, batch_id: str, counter: PromptCounter | None = None, stop: Callable[[], bool] = lambda: False
+) -> int:
+    """Count the prompts of every uncounted shard of ``batch_id``; returns shards counted.
+    ``stop()`` is asked between shards, so a shutting-down process leaves the rest to a sweep."""
+    with jobs.sessions() as session:
+        batch = session.get(Batch, batch_id)
+        if batch is None or batch.status not in states.ACTIVE:
+            return 0
+        file = session.get(File, batch.input_file_id)
+        shards = list(session.scalars(
+            select(Shard).where(Shard.batch_id == batch_id, Shard.tokens_counted.is_(False)).order_by(Shard.index)
+        ))
+    counter = counter or counter_for(served_model(jobs.settings).path)
+    done = 0
+    for shard in shards:
+        if stop() or not _still_wanted(jobs, batch_id):
+            break
+        counts, outputs = _count_shard(jobs, counter, batch.endpoint, file.storage_key, shard)
+        with session_scope(jobs.sessions) as session:
+            done += session.execute(
+                update(Shard).where(Shard.id == shard.id, Shard.tokens_counted.is_(False)).values(
+                    prompt_token_counts=counts, prompt_tokens=sum(counts), estimated_output_tokens=outputs,
+                    tokens_counted=True,
+                )
+            ).rowcount
+    _refresh_estimate(jobs, batch_id)
+    return done
+
+
+def _still_wanted(jobs: Jobs, batch_id: str) -> bool:
+    with jobs.sessions() as session:
+        status = session.scalar(select(Batch.status).where(Batch.id == batch_id))
+    return status in (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS)
+
+
+def _count_shard(jobs: Jobs, counter: PromptCounter, endpoint: str, key: str, shard: Shard) -> tuple[list[int], int]:
+    chunks = jobs.storage.iter_chunks(key, shard.start_byte, shard.end_byte)
+    lines = [parse_line(content, shard.first_line + number - 1, endpoint)
+             for number, _, _, content in iter_lines(chunks) if content.strip()]
+    assert all(line.error is None for line in lines), f"shard {shard.id} holds a line validation refused"
+    parsed = [line.body for line in lines]
+    assert len(parsed) == shard.request_count, f"shard {shard.id}: {len(parsed)} lines, {shard.request_count} expected"
+    counts = exact_counts(counter, parsed)
+    context = counter.context_length
+    return counts, sum(output_bound(p, c, context) for p, c in zip(parsed, counts, strict=True))
+
+
+def _refresh_estimate(jobs: Jobs, batch_id: str) -> None:
+    with session_scope(jobs.sessions) as session:
+        prompt, output = session.execute(
+            select(func.sum(Shard.prompt_tokens), func.sum(Shard.estimated_output_tokens)).where(
+                Shard.batch_id == batch_id)
+        ).one()
+        session.execute(update(Batch).where(Batch.id == batch_id).values(
+            estimated_input_tokens=prompt or 0, estimated_output_tokens=output or 0))

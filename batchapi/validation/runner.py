@@ -1,0 +1,189 @@
+"""Running validation: claim a ``validating`` batch, scan its file, record the outcome.
+
+A claim is the batch's validation lease (``batches.leases``), so a validator that dies leaves
+a batch that the sweeper hands to a live ``ValidationRunner`` once the lease runs out (at
+start-up and on every sweep). The outcome is one transaction: the batch moves to
+``in_progress`` together with its shard rows, or to ``failed`` with its errors; only after the
+commit is the dispatcher told.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from sqlalchemy import delete
+from sqlalchemy.exc import OperationalError
+
+from batchapi.batches import leases, states
+from batchapi.batches.context import Jobs
+from batchapi.batches.states import BatchStatus, ShardStatus
+from batchapi.db.clock import now
+from batchapi.db.ids import shard_id
+from batchapi.db.models import Batch, File, Shard
+from batchapi.db.session import session_scope
+from batchapi.errors import NotFound, StorageError
+from batchapi.model_store import served_model
+from batchapi.openai.errors import ErrorCode
+from batchapi.validation.backfill import batches_to_count, count_batch
+from batchapi.validation.scanner import Limits, LineError, Scanner, ScanResult
+from batchapi.validation.token_counts import counter_for
+
+log = logging.getLogger(__name__)
+
+
+def validate_batch(jobs: Jobs, batch_id: str) -> str:
+    """Validate a batch whose lease this process holds; returns the status it ends in."""
+    with jobs.sessions() as session:
+        batch = session.get(Batch, batch_id)
+        if batch is None or batch.status != BatchStatus.VALIDATING:
+            return batch.status if batch else "missing"
+        file = session.get(File, batch.input_file_id)
+        endpoint = batch.endpoint
+    if file is None or file.deleted_at is not None:
+        return _fail(jobs, batch_id, [LineError(ErrorCode.FILE_NOT_FOUND, f"the input file {batch.input_file_id} is gone")])
+    try:
+        size = jobs.storage.size(file.storage_key)
+    except NotFound:
+        return _fail(jobs, batch_id, [LineError(ErrorCode.FILE_NOT_FOUND, "the input file's content is missing")])
+    limit = jobs.settings.max_file_bytes
+    if size > limit:
+        return _fail(jobs, batch_id, [LineError(ErrorCode.FILE_TOO_LARGE, f"the file is {size} bytes; the limit is {limit}")])
+    if size == 0:
+        return _fail(jobs, batch_id, [LineError(ErrorCode.EMPTY_FILE, "the file is empty")])
+
+    try:
+        served = served_model(jobs.settings)
+    except LookupError as exc:  # the operator has not pulled the model: say so on the batch
+        return _fail(jobs, batch_id, [LineError(ErrorCode.MODEL_NOT_AVAILABLE, f"the served model is not available: {exc}")])
+    limits = Limits(
+        endpoint=endpoint, served_model=served.id, model_aliases=served.aliases,
+        max_lines=jobs.settings.max_file_lines, shard_size=jobs.settings.shard_size,
+    )
+    scanner = Scanner(limits, counter_for(served.path))
+    result = scanner.scan(jobs.storage.iter_chunks(file.storage_key), lambda scan: _renew(jobs, batch_id, scan))
+    if result.errors:
+        return _fail(jobs, batch_id, result.errors)
+    return _start(jobs, batch_id, result)
+
+
+def _renew(jobs: Jobs, batch_id: str, scanner: Scanner) -> bool:
+    """Extend the lease while the scan runs and show the estimate so far; False when the batch
+    left ``validating``."""
+    return leases.renew_validation(jobs, batch_id, estimated_input_tokens=scanner.prompt_tokens,
+                                   estimated_output_tokens=scanner.output_tokens)
+
+
+def _fail(jobs: Jobs, batch_id: str, errors: list[LineError]) -> str:
+    body = {"object": "list", "data": [e.as_dict() for e in errors]}
+    with session_scope(jobs.sessions) as session:
+        if states.transition(session, batch_id, BatchStatus.FAILED, sources={BatchStatus.VALIDATING}, errors=body,
+                             validation_lease_expires_at=None):
+            return BatchStatus.FAILED
+    return leases.settle_cancelled_validation(jobs, batch_id)
+
+
+def _start(jobs: Jobs, batch_id: str, result: ScanResult) -> str:
+    t = now()
+    shard_ids = [shard_id(batch_id, plan.index) for plan in result.shards]
+    with session_scope(jobs.sessions) as session:
+        moved = states.transition(
+            session, batch_id, BatchStatus.IN_PROGRESS, sources={BatchStatus.VALIDATING},
+            model=result.model, request_total=result.request_count, validation_lease_expires_at=None,
+            estimated_input_tokens=result.prompt_tokens, estimated_output_tokens=result.max_output_tokens,
+        )
+        if moved:
+            session.execute(delete(Shard).where(Shard.batch_id == batch_id))
+            session.add_all(
+                Shard(
+                    id=sid, batch_id=batch_id, index=plan.index, first_line=plan.first_line,
+                    last_line=plan.last_line, start_byte=plan.start_byte, end_byte=plan.end_byte,
+                    request_count=plan.request_count, prompt_tokens=plan.prompt_tokens,
+                    estimated_output_tokens=plan.estimated_output_tokens, status=ShardStatus.QUEUED, created_at=t,
+                )
+                for sid, plan in zip(shard_ids, result.shards, strict=True)
+            )
+    if not moved:
+        return leases.settle_cancelled_validation(jobs, batch_id)
+    log.info("batch %s valid: %d requests in %d shards", batch_id, result.request_count, len(shard_ids))
+    jobs.dispatcher.batch_ready(batch_id, shard_ids)
+    return BatchStatus.IN_PROGRESS
+
+
+def resume(jobs: Jobs, batch_id: str) -> bool:
+    """Take over the validation of a batch whose validator died; False if another live one has it."""
+    if not leases.claim_validation(jobs, batch_id, stale_only=True):
+        return False
+    log.warning("resuming the validation of batch %s", batch_id)
+    run_claimed(jobs, batch_id)
+    return True
+
+
+def run_claimed(jobs: Jobs, batch_id: str) -> str:
+    """Validate, and never let one batch's surprise kill the validator thread."""
+    try:
+        return validate_batch(jobs, batch_id)
+    except (StorageError, OperationalError) as exc:  # transient: the lease runs out, a sweep retries
+        log.warning("validation of batch %s interrupted, will retry: %s", batch_id, exc)
+        return BatchStatus.VALIDATING
+    except Exception:  # an unexpected bug: the batch fails with a message rather than hanging
+        log.exception("validation of batch %s crashed", batch_id)
+        return _fail(jobs, batch_id, [LineError(ErrorCode.VALIDATION_ERROR, "the file could not be validated (internal error)")])
+
+
+class ValidationRunner:
+    """Validates batches on a background thread of the API process and counts the prompt tokens
+    of started ones on another (so counting a big batch never holds up the next validation).
+    It is the sweeper's ``Validator``: the sweep hands it batches whose validator died and asks
+    it to count what is left uncounted."""
+
+    def __init__(self, jobs: Jobs):
+        self.jobs = jobs
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchapi-validate")
+        self._counting = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchapi-count")
+        self._counting_now: set[str] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+
+    def submit(self, batch_id: str) -> None:
+        """Validate ``batch_id``, whose lease was taken when it was created."""
+        self._pool.submit(self._validate, batch_id)
+
+    def resume(self, batch_id: str) -> None:
+        """Validate ``batch_id`` if its lease is still stale when its turn comes."""
+        self._pool.submit(self._resume, batch_id)
+
+    def backfill(self) -> None:
+        """Count the prompts of every started batch not counted yet."""
+        for batch_id in batches_to_count(self.jobs):
+            self._count(batch_id)
+
+    def _validate(self, batch_id: str) -> None:
+        if run_claimed(self.jobs, batch_id) == BatchStatus.IN_PROGRESS:
+            self._count(batch_id)
+
+    def _resume(self, batch_id: str) -> None:
+        if not self._stop.is_set() and resume(self.jobs, batch_id):
+            self._count(batch_id)
+
+    def _count(self, batch_id: str) -> None:
+        with self._lock:
+            if batch_id in self._counting_now:
+                return
+            self._counting_now.add(batch_id)
+        self._counting.submit(self._count_now, batch_id)
+
+    def _count_now(self, batch_id: str) -> None:
+        try:
+            count_batch(self.jobs, batch_id, stop=self._stop.is_set)
+        except Exception:  # the sweep tries again; counts are an estimate, never a gate
+            log.exception("counting the prompt tokens of batch %s failed", batch_id)
+        finally:
+            with self._lock:
+                self._counting_now.discard(batch_id)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._counting.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,222 @@
+"""Validation of a batch's input file: one streaming pass, every problem with its line number.
+
+``scan`` reads the file in chunks, checks each line (JSON object, ``custom_id``, method, url,
+model, body) with ``openai.lines.parse_line``, counts prompt tokens in batches and cuts the
+valid requests into shards. It touches no database: ``runner`` claims the batch, calls it and
+records the outcome.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from batchapi.openai.body import ParsedBody
+from batchapi.openai.errors import ErrorCode
+from batchapi.openai.lines import iter_lines, parse_line
+from batchapi.validation.token_counts import PromptCounter, exact_counts, output_bound, prompt_bound
+
+MAX_REPORTED_ERRORS = 100
+MAX_MESSAGE = 300
+TOKENIZE_BATCH = 1024
+
+
+@dataclass(frozen=True)
+class LineError:
+    """One entry of a failed batch's ``errors.data``."""
+
+    code: ErrorCode
+    message: str
+    line: int | None = None
+    param: str | None = None
+
+    def as_dict(self) -> dict:
+        return {"code": str(self.code), "message": self.message, "param": self.param, "line": self.line}
+
+
+@dataclass
+class ShardPlan:
+    index: int
+    first_line: int
+    last_line: int
+    start_byte: int
+    end_byte: int
+    request_count: int = 0
+    prompt_tokens: int = 0  # an upper bound (see ``Scanner.count_tokens``)
+    estimated_output_tokens: int = 0
+
+
+@dataclass
+class ScanResult:
+    errors: list[LineError]
+    model: str | None = None
+    request_count: int = 0
+    prompt_tokens: int = 0  # upper bound
+    max_output_tokens: int = 0
+    shards: list[ShardPlan] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Limits:
+    endpoint: str
+    served_model: str  # the id requests must name
+    model_aliases: frozenset[str]  # other names that mean the served model
+    max_lines: int
+    shard_size: int
+
+
+@dataclass
+class _Request:
+    line: int
+    start: int
+    end: int
+    parsed: ParsedBody
+    prompt_tokens: int = 0  # exact when it was counted, else an upper bound
+    exact: bool = False
+
+
+class _Valid(NamedTuple):
+    line: int
+    start: int
+    end: int
+    prompt_tokens: int  # exact, or an upper bound
+    output_tokens: int  # upper bound
+
+
+class Scanner:
+    def __init__(self, limits: Limits, counter: PromptCounter):
+        self.limits = limits
+        self.counter = counter
+        self.errors: list[LineError] = []
+        self.seen_ids: set[str] = set()
+        self.first_model: tuple[str, int] | None = None
+        self.pending: list[_Request] = []
+        self.done: list[_Valid] = []  # compact: the bodies are dropped once checked
+        # running upper bounds of the valid requests so far, for the estimate while validating
+        self.prompt_tokens = 0
+        self.output_tokens = 0
+
+    def error(self, code: ErrorCode, message: str, line: int | None = None, param: str | None = None) -> None:
+        if len(self.errors) < MAX_REPORTED_ERRORS:
+            if len(message) > MAX_MESSAGE:  # messages quote the input, which may be huge
+                message = message[: MAX_MESSAGE - 1] + "…"
+            self.errors.append(LineError(code, message, line, (param or "")[:MAX_MESSAGE] or None))
+
+    @property
+    def full(self) -> bool:
+        return len(self.errors) >= MAX_REPORTED_ERRORS
+
+    def scan(self, chunks: Iterable[bytes], progress: Callable[[Scanner], bool] | None = None) -> ScanResult:
+        """Check every line; ``progress(self)`` is called now and then and may return False to
+        stop early (the batch was cancelled)."""
+        lines = 0
+        requests = 0
+        for lines, start, end, content in iter_lines(chunks):
+            if lines > self.limits.max_lines:
+                self.error(ErrorCode.TOO_MANY_LINES, f"the file has more than {self.limits.max_lines} lines", lines)
+                break
+            request = self.check_line(lines, content)
+            if request is not None:
+                request.start, request.end = start, end
+                self.pending.append(request)
+                requests += 1
+            if len(self.pending) >= TOKENIZE_BATCH:
+                self.count_tokens()
+            if self.full or (progress is not None and lines % 4096 == 0 and progress(self) is False):
+                break
+        self.count_tokens()
+        if requests == 0 and not self.errors:
+            self.error(ErrorCode.EMPTY_FILE, "the file holds no requests", None)
+        return self.result()
+
+    def check_line(self, line: int, content: bytes) -> _Request | None:
+        if not content.strip():
+            return None  # blank lines are not requests
+        parsed = parse_line(content, line, self.limits.endpoint)
+        if parsed.custom_id is not None:
+            if parsed.custom_id in self.seen_ids:
+                self.error(ErrorCode.DUPLICATE_CUSTOM_ID, f"custom_id {parsed.custom_id!r} appears more than once",
+                           line, "custom_id")
+                return None
+            self.seen_ids.add(parsed.custom_id)
+        if parsed.error is not None:
+            self.error(parsed.error.code, parsed.error.message, line, parsed.error.line_param)
+            return None
+        return self.check_model(line, parsed.body)
+
+    def check_model(self, line: int, parsed: ParsedBody) -> _Request | None:
+        model = self.limits.served_model if parsed.model in self.limits.model_aliases else parsed.model
+        if self.first_model is None:
+            self.first_model = (model, line)
+        elif model != self.first_model[0]:
+            first, first_line = self.first_model
+            self.error(
+                ErrorCode.MISMATCHED_MODEL,
+                f"a batch uses one model; line {first_line} uses {first!r} and this line {parsed.model!r}",
+                line, "body.model",
+            )
+            return None
+        if model != self.limits.served_model:
+            self.error(
+                ErrorCode.MODEL_NOT_FOUND,
+                f"the model {parsed.model!r} does not exist; this service runs {self.limits.served_model!r}",
+                line, "body.model",
+            )
+            return None
+        return _Request(line, 0, 0, parsed)
+
+    def count_tokens(self) -> None:
+        """Check the pending requests against the context, tokenizing only where needed.
+
+        A prompt has at most as many tokens as UTF-8 bytes (plus what the tokenizer adds), so
+        most prompts are proven to fit without tokenizing; the rest are counted exactly, in
+        one batch. Exact counts of every prompt are recorded later (``backfill``), off
+        the path that holds the batch in ``validating``.
+        """
+        if not self.pending:
+            return
+        context = self.counter.context_length
+        for request in self.pending:
+            request.prompt_tokens, request.exact = prompt_bound(self.counter, request.parsed)
+        unsure = [r for r in self.pending if not r.exact and not _fits(r, context)]
+        for request, count in zip(unsure, exact_counts(self.counter, [r.parsed for r in unsure]), strict=True):
+            request.prompt_tokens, request.exact = count, True
+        for request in self.pending:
+            if _fits(request, context):
+                output = output_bound(request.parsed, request.prompt_tokens if request.exact else 1, context)
+                self.done.append(_Valid(request.line, request.start, request.end, request.prompt_tokens, output))
+                self.prompt_tokens += request.prompt_tokens
+                self.output_tokens += output
+                continue
+            count, wanted = request.prompt_tokens, request.parsed.max_tokens
+            if count >= context:
+                message = f"the prompt is {count} tokens; the model's context is {context} tokens"
+                param = "body.messages" if request.parsed.messages is not None else "body.prompt"
+            else:
+                message = (f"the prompt ({count} tokens) and max_tokens ({wanted}) exceed the model's "
+                           f"context of {context} tokens")
+                param = "body.max_tokens"
+            self.error(ErrorCode.CONTEXT_LENGTH_EXCEEDED, message, request.line, param)
+        self.pending = []
+
+    def result(self) -> ScanResult:
+        if self.errors:
+            return ScanResult(errors=self.errors)
+        result = ScanResult(errors=[], model=self.limits.served_model, request_count=len(self.done))
+        size = self.limits.shard_size
+        for index, begin in enumerate(range(0, len(self.done), size)):
+            chunk = self.done[begin : begin + size]
+            shard = ShardPlan(index, chunk[0].line, chunk[-1].line, chunk[0].start, chunk[-1].end, len(chunk))
+            for request in chunk:
+                shard.prompt_tokens += request.prompt_tokens
+                shard.estimated_output_tokens += request.output_tokens
+            result.prompt_tokens += shard.prompt_tokens
+            result.max_output_tokens += shard.estimated_output_tokens
+            result.shards.append(shard)
+        return result
+
+
+def _fits(request: _Request, context: int) -> bool:
+    wanted = request.parsed.max_tokens or 0
+    return request.prompt_tokens < context and request.prompt_tokens + wanted <= context

@@ -1,0 +1,267 @@
+"""Prompt token counts for validation, without torch: exact counts, byte bounds, output bounds.
+
+The ``tokenizers`` library reads the model directory's ``tokenizer.json`` and the chat template
+is rendered with Jinja in the same sandboxed environment ``transformers`` uses for
+``apply_chat_template``, so the counts match what a worker feeds the engine (a test checks
+this against ``AutoTokenizer``). Importing ``transformers`` would pull torch into the API
+process, which must not need it.
+
+Speed: templates are rendered once per shape of conversation (the sequence of roles) with
+placeholders, and later conversations of that shape are string concatenation; tokenizing is
+batched through the Rust tokenizer, which uses every core, and text between added tokens that
+was seen before is not tokenized again (``SegmentCounter``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Sequence
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+
+import jinja2
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from batchapi.openai.body import ParsedBody
+
+log = logging.getLogger(__name__)
+
+Messages = Sequence[dict[str, str]]
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+
+class PromptCounter:
+    def __init__(self, model_dir: str | Path):
+        model_dir = Path(model_dir)
+        self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self.tokenizer.no_padding()
+        self.tokenizer.no_truncation()
+        self._segments = SegmentCounter(self.tokenizer)
+        tok_config = _read_json(model_dir / "tokenizer_config.json")
+        self.context_length = _context_length(_read_json(model_dir / "config.json"), tok_config)
+        self._specials = {name: _token_text(tok_config.get(name)) for name in SPECIAL_TOKEN_NAMES}
+        source = _chat_template(model_dir, tok_config)
+        self._template = _environment().from_string(source) if source else None
+        self._shapes: dict[tuple[str, ...], list[str] | None] = {}
+
+    def render_chat(self, messages: Messages) -> str:
+        """The prompt text ``apply_chat_template(messages, add_generation_prompt=True)`` gives."""
+        assert self._template is not None, "the model has no chat template"
+        shape = tuple(m["role"] for m in messages)
+        if shape not in self._shapes:
+            self._shapes[shape] = self._pieces(shape)
+        pieces = self._shapes[shape]
+        if pieces is None:
+            return self._render(messages)
+        parts = [pieces[0]]
+        for message, piece in zip(messages, pieces[1:], strict=True):
+            parts.append(message["content"])
+            parts.append(piece)
+        return "".join(parts)
+
+    def count_texts(self, texts: list[str], add_special_tokens: bool) -> list[int]:
+        return self._segments.count(texts, add_special_tokens)
+
+    def upper_bound(self, text: str, add_special_tokens: bool) -> int:
+        """At least as many tokens as ``text`` encodes to, without tokenizing: every token of a
+        byte-level or byte-fallback vocabulary spans at least one byte, plus one for a
+        SentencePiece-style prefix space and the tokens the post-processor adds."""
+        return len(text.encode("utf-8")) + 1 + (self._added_tokens if add_special_tokens else 0)
+
+    @property
+    def _added_tokens(self) -> int:
+        return self.tokenizer.num_special_tokens_to_add(False)
+
+    def _render(self, messages: Messages) -> str:
+        return self._template.render(
+            messages=list(messages), add_generation_prompt=True, tools=None, documents=None, **self._specials
+        )
+
+    def _pieces(self, shape: tuple[str, ...]) -> list[str] | None:
+        """The fixed text around each message's content, or None when the template reads the
+        content (trims it, tests it), so only a full render is right."""
+        marks = [f"\n \ue000{i}\ue001 \n" for i in range(len(shape))]
+        try:
+            text = self._render([{"role": r, "content": m} for r, m in zip(shape, marks, strict=True)])
+        except jinja2.TemplateError:
+            return None
+        pieces = []
+        for mark in marks:
+            before, found, text = text.partition(mark)
+            if not found or mark in text:
+                return None
+            pieces.append(before)
+        pieces.append(text)
+        return pieces
+
+
+def output_bound(parsed: ParsedBody, prompt_tokens: int, context: int) -> int:
+    """The most tokens a request may generate: max_tokens, or the rest of the context."""
+    return (parsed.max_tokens or max(context - prompt_tokens, 0)) * parsed.n
+
+
+def prompt_text(counter: PromptCounter, parsed: ParsedBody) -> tuple[str, bool] | None:
+    """The text a request's prompt is tokenized from and whether special tokens are added;
+    None for a prompt given as token ids."""
+    if parsed.messages is not None:
+        return counter.render_chat(parsed.messages), False
+    if isinstance(parsed.prompt, list):
+        return None
+    return parsed.prompt, True
+
+
+def prompt_bound(counter: PromptCounter, parsed: ParsedBody) -> tuple[int, bool]:
+    """``(tokens, exact)``: exact for token-id prompts, else an upper bound from the bytes."""
+    text = prompt_text(counter, parsed)
+    if text is None:
+        return len(parsed.prompt), True
+    return counter.upper_bound(*text), False
+
+
+def exact_counts(counter: PromptCounter, requests: list[ParsedBody]) -> list[int]:
+    """Exact prompt token counts, tokenized in batches."""
+    texts = [prompt_text(counter, p) for p in requests]
+    chat = [t for t, add in (x for x in texts if x is not None) if not add]
+    plain = [t for t, add in (x for x in texts if x is not None) if add]
+    chat_counts = iter(counter.count_texts(chat, add_special_tokens=False))
+    plain_counts = iter(counter.count_texts(plain, add_special_tokens=True))
+    out = []
+    for parsed, text in zip(requests, texts, strict=True):
+        if text is None:
+            out.append(len(parsed.prompt))
+        else:
+            out.append(next(plain_counts if text[1] else chat_counts))
+    return out
+
+
+MAX_REMEMBERED = 200_000  # pieces a SegmentCounter keeps counts of
+CHECKED_TEXTS = 64
+
+
+class SegmentCounter:
+    """Token counts that reuse the work done for text seen before (shared system prompts,
+    few-shot examples).
+
+    A Hugging Face tokenizer first cuts the text at its added tokens (``<|im_start|>`` ...) and
+    tokenizes each piece between them on its own, so a prompt's count is the number of added
+    tokens plus the counts of the pieces. Pieces are counted once and remembered by hash. This
+    only holds for tokenizers whose pieces do not depend on their position or neighbours, so it
+    is switched on only for those (no stripping added tokens, no normalizer, no SentencePiece
+    prefix), and checked against whole-text encoding on the first prompts before it is trusted.
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self._splitter = _added_token_splitter(tokenizer)
+        self._counts: dict[int, int] = {}
+        self._to_check = CHECKED_TEXTS
+
+    @property
+    def enabled(self) -> bool:
+        return self._splitter is not None
+
+    def count(self, texts: list[str], add_special_tokens: bool) -> list[int]:
+        if not texts:
+            return []
+        if self._splitter is None:
+            return self._whole(texts, add_special_tokens)
+        counts = self._segmented(texts, add_special_tokens)
+        if self._to_check > 0:
+            self._check(texts[: self._to_check], counts, add_special_tokens)
+        return counts if self._splitter is not None else self._whole(texts, add_special_tokens)
+
+    def _whole(self, texts: list[str], add_special_tokens: bool) -> list[int]:
+        encodings = self.tokenizer.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
+        return [len(e.ids) for e in encodings]
+
+    def _segmented(self, texts: list[str], add_special_tokens: bool) -> list[int]:
+        split = [self._splitter.split(text) for text in texts]  # text, added, text, added, ..., text
+        unknown: dict[int, str] = {}
+        for parts in split:
+            for piece in parts[::2]:
+                key = hash(piece)
+                if piece and key not in self._counts:
+                    unknown[key] = piece
+        if len(self._counts) + len(unknown) > MAX_REMEMBERED:
+            self._counts.clear()
+            unknown = {hash(p): p for parts in split for p in parts[::2] if p}
+        self._counts.update(zip(unknown, self._whole(list(unknown.values()), False), strict=True))
+        extra = self.tokenizer.num_special_tokens_to_add(False) if add_special_tokens else 0
+        return [
+            extra + len(parts) // 2 + sum(self._counts[hash(p)] for p in parts[::2] if p) for parts in split
+        ]
+
+    def _check(self, texts: list[str], counts: list[int], add_special_tokens: bool) -> None:
+        self._to_check -= len(texts)
+        if self._whole(texts, add_special_tokens) != counts[: len(texts)]:
+            log.warning("piecewise token counts differ from whole-text counts; counting whole texts")
+            self._splitter = None
+
+
+def _added_token_splitter(tokenizer: Tokenizer) -> re.Pattern | None:
+    spec = json.loads(tokenizer.to_str())
+    if spec.get("normalizer") is not None or "Metaspace" in json.dumps(spec.get("pre_tokenizer")):
+        return None
+    added = list(tokenizer.get_added_tokens_decoder().values())
+    if not added or any(t.lstrip or t.rstrip or t.single_word or t.normalized for t in added):
+        return None
+    # longest first, so the regex takes the longest token at the leftmost match, as the tokenizer does
+    contents = sorted({t.content for t in added}, key=len, reverse=True)
+    return re.compile("(" + "|".join(re.escape(c) for c in contents) + ")")
+
+
+@lru_cache(maxsize=4)
+def counter_for(model_dir: str | Path) -> PromptCounter:
+    """One counter per model directory and process (loading a tokenizer takes a while)."""
+    return PromptCounter(model_dir)
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _token_text(token) -> str | None:
+    if isinstance(token, dict):  # the AddedToken form
+        return token.get("content")
+    return token
+
+
+def _context_length(config: dict, tok_config: dict) -> int:
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        if isinstance(config.get(key), int):
+            return config[key]
+    limit = tok_config.get("model_max_length")
+    return limit if isinstance(limit, int) and limit < 10**9 else 2048
+
+
+def _chat_template(model_dir: Path, tok_config: dict) -> str | None:
+    path = model_dir / "chat_template.jinja"
+    if path.is_file():
+        return path.read_text()
+    template = tok_config.get("chat_template")
+    if isinstance(template, list):  # named templates: the default one
+        named = {t.get("name"): t.get("template") for t in template}
+        template = named.get("default")
+    return template
+
+
+def _raise_exception(message: str):
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+@lru_cache(maxsize=1)
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env

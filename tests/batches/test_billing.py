@@ -1,0 +1,33 @@
+from __future__ import annotations
+
+from decimal import Decimal
+
+from batchapi.batches.billing import (
+    DEFAULT_PRICE,
+    PRICES,
+    Price,
+    discounted,
+    format_amount,
+    list_amount,
+    price_for,
+)
+from batchapi.config import load_settings
+
+
+def test_list_amount_is_exact():
+    price = Price(Decimal("0.15"), Decimal("0.075"), Decimal("0.60"))
+    # 476 uncached and 1024 cached input tokens, 500 output tokens
+    amount = list_amount(price, 1500, 1024, 500)
+    assert amount == Decimal("0.0004482")
+    assert discounted(amount, Decimal(50)) == Decimal("0.0002241")
+    assert format_amount(discounted(amount, Decimal(50))) == "0.0002241"
+    assert format_amount(Decimal(0)) == "0.00"
+    assert format_amount(list_amount(price, 10**9, 0, 0)) == "150.00"
+
+
+def test_prices_come_from_the_table_and_settings_override():
+    assert price_for(load_settings(), "smollm2-135m-instruct") == PRICES["smollm2-135m-instruct"]
+    assert price_for(load_settings(), "some-local-dir") == DEFAULT_PRICE
+    settings = load_settings(price_output_per_mtok="1.25")
+    assert price_for(settings, "some-local-dir").output == Decimal("1.25")
+    assert price_for(settings, "some-local-dir").input == DEFAULT_PRICE.input
