@@ -16,7 +16,7 @@ def check_kernels(report, device: str, dtypes, big: bool) -> None:
     import torch
 
     from batchapi.kernels import TORCH_OPS, build_rope_cache, get_ops
-    from batchapi.kernels import attention as triton_attention
+    from batchapi.kernels.triton import attention as triton_attention
     from tests.kernels.paged import make_case
 
     tol = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
@@ -75,14 +75,15 @@ def attention_bandwidth(report, device: str, sizes=((256, 1024), (4, 16384))) ->
     """Decode attention at the 8B shape: KV bytes read per second, Triton vs the twin (SDPA)."""
     import torch
 
-    from batchapi.kernels import attention, attention_ref
+    from batchapi.kernels.torch import attention as twin_attention
+    from batchapi.kernels.triton import attention
     from tests.kernels.paged import make_case
 
     for batch, ctx in sizes:
         case = make_case([1] * batch, [ctx] * batch, 32, 8, 128, dtype=torch.bfloat16, seed=3, device=device)
         kv_bytes = 2 * batch * ctx * 8 * 128 * 2
         rates = []
-        for fn in (attention.paged_attention, attention_ref.paged_attention):
+        for fn in (attention.paged_attention, twin_attention.paged_attention):
             fn(*case.args(), case.scale)
             sync(device)
             start, reps = time.perf_counter(), 20
@@ -97,10 +98,10 @@ def attention_bandwidth(report, device: str, sizes=((256, 1024), (4, 16384))) ->
 
 
 def _attention_err(case, attention, splits) -> float:
-    from batchapi.kernels import attention_ref
+    from batchapi.kernels.torch import attention as twin_attention
 
     out = attention.paged_attention(*case.args(), case.scale, num_splits=splits)
-    ref = attention_ref.paged_attention(*case.args(), case.scale)
+    ref = twin_attention.paged_attention(*case.args(), case.scale)
     return _err(out, ref)
 
 

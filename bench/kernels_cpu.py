@@ -12,7 +12,7 @@ v_library / v_gqa_bool 3-5x, v_sdpa 1.5-2.3x, zeroing masked slots (v_gqa_bool_c
 chunking the batch (v_chunk*) lose their gain, one SDPA per sequence (v_loop) 0.3-0.6x.
 Later, best of 25 at lower load: v_einsum 11.8, v_gqa_bool 5.1, v_gqa_bool_2d 4.9, v_library 4.9
 (the 2-D-view gather of v_gqa_bool_2d is what v_library now does).
-v_native is the C kernel the engine now uses on CPU (kernels/csrc/paged_decode.c).
+v_native is the C kernel the engine now uses on CPU (kernels/cpu/csrc/paged_decode.c).
 With contexts 60..600 (--ctx 330 --spread 270), best of 10 under load: v_gqa_bool 15.0-15.8,
 v_library 10.8-12.3 (it now runs one SDPA per bucket of similar context lengths, x1.2-1.5); at
 the default +-50 spread the two are within noise.
@@ -223,15 +223,15 @@ def v_chunk24(q, kc, vc, tables, lens, scale):
 
 
 def v_library(q, kc, vc, tables, lens, scale):
-    from batchapi.kernels.attention_ref import paged_attention
+    from batchapi.kernels.torch.attention import paged_attention
 
     cu = torch.arange(q.shape[0] + 1, dtype=torch.int32)
     return paged_attention(q, kc, vc, tables, cu, lens, scale)
 
 
 def v_native(q, kc, vc, tables, lens, scale):
-    # the engine's CPU default: decode attention in C reading the blocks in place (kernels/native.py)
-    from batchapi.kernels.attention_cpu import paged_attention
+    # the engine's CPU default: decode attention in C reading the blocks in place (kernels/cpu/attention.py)
+    from batchapi.kernels.cpu.attention import paged_attention
 
     cu = torch.arange(q.shape[0] + 1, dtype=torch.int32)
     return paged_attention(q, kc, vc, tables, cu, lens, scale)
@@ -271,7 +271,7 @@ def main():
     ap.add_argument("--no-mallopt", action="store_true", help="leave glibc returning big buffers to the OS")
     a = ap.parse_args()
     if not a.no_mallopt:  # as the engine does on CPU: no page faults on every step's buffers
-        from batchapi.engine.model_runner import keep_freed_memory
+        from batchapi.engine.platform import keep_freed_memory
 
         keep_freed_memory()
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32

@@ -14,6 +14,7 @@ import torch
 
 from batchapi.engine.sampler import Sampler, SampleRow
 from batchapi.engine.sampling_params import SamplingParams
+from batchapi.kernels import get_ops
 
 CASES = {
     "greedy": lambda i: SamplingParams(temperature=0),
@@ -91,7 +92,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
     logits = make_logits(args.batch, args.vocab)
-    sampler, gen = Sampler(seed=0), torch.Generator().manual_seed(0)
+    sampler, gen = Sampler(get_ops("auto", "cpu"), seed=0), torch.Generator().manual_seed(0)  # the engine's CPU kernels
     print(f"batch {args.batch}, vocab {args.vocab}, {torch.get_num_threads()} threads; best of {args.repeat}")
     print(f"{'case':26s} {'sampler ms':>11s} {'peer ms':>9s} {'speed-up':>9s}")
     for name, make in CASES.items():

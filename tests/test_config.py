@@ -68,3 +68,14 @@ def test_cli_reports_bad_settings_without_a_traceback(monkeypatch, capsys):
         main(["models", "list"])
     assert exc.value.code == 2
     assert "BATCHAPI_DTYPE" in capsys.readouterr().out
+
+
+def test_dtype_and_kernel_choices_are_the_engines():
+    """config.py may not import the engine, so its lists are checked against the engine's here."""
+    from typing import get_args
+
+    from batchapi.config import Settings
+    from batchapi.engine.config import DTYPES, KERNELS
+
+    assert get_args(Settings.model_fields["dtype"].annotation) == DTYPES
+    assert get_args(Settings.model_fields["kernels"].annotation) == KERNELS

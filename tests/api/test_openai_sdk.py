@@ -112,9 +112,9 @@ def test_cancel_while_validating_ends_cancelled(client, model_id, pg_server):
     finally:
         pg_server.jobs.on_batch_created = runner_paused
     assert client.batches.cancel(batch.id).status == "cancelling"
-    from batchapi.validation.runner import _settle_cancel
+    from batchapi.batches.leases import settle_cancelled_validation
 
-    assert _settle_cancel(pg_server.jobs, batch.id) == "cancelled"
+    assert settle_cancelled_validation(pg_server.jobs, batch.id) == "cancelled"
     assert client.batches.retrieve(batch.id).cancelled_at is not None
 
 

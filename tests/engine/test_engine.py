@@ -8,7 +8,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from batchapi.engine import EngineConfig, GenerationRequest, LLMEngine, SamplingParams, UnsupportedModelError
+from batchapi.engine import (
+    DuplicateRequestId,
+    EngineConfig,
+    ErrorCode,
+    GenerationRequest,
+    LLMEngine,
+    SamplingParams,
+    UnsupportedModelError,
+)
 
 PROMPTS = [
     "The quick brown fox",
@@ -167,10 +175,12 @@ def test_stop_string_is_excluded_and_stops(tiny_llama_dir):
 def test_unfittable_request_finishes_with_an_error(tiny_llama_dir):
     engine = engine_for(tiny_llama_dir, max_model_len=32)
     long, short = tokenize(tiny_llama_dir, [" ".join(["word"] * 40), "Hi"])
-    results = run(engine, [long, short, [10**9]], greedy(4))
+    results = run(engine, [long, short, [10**9], []], greedy(4))
     assert results[0].outputs[0].finish_reason == "error" and "at most 32 tokens" in results[0].error
-    assert results[1].error is None and results[1].completion_tokens == 4
-    assert "outside the vocabulary" in results[2].error
+    assert results[0].error_code is ErrorCode.PROMPT_TOO_LONG
+    assert results[1].error is None and results[1].error_code is None and results[1].completion_tokens == 4
+    assert "outside the vocabulary" in results[2].error and results[2].error_code is ErrorCode.INVALID_REQUEST
+    assert results[3].error == "the prompt is empty" and results[3].error_code is ErrorCode.PROMPT_EMPTY
     # max_tokens past the context: the sequence stops at the context length
     capped = run(engine, [short], [greedy(100)])[0]
     assert capped.outputs[0].finish_reason == "length" and capped.prompt_tokens + capped.completion_tokens == 32
@@ -193,11 +203,24 @@ def test_abort_drops_a_request(tiny_llama_dir):
     engine.step()
     aborted = engine.abort("a")
     assert aborted.error == "aborted" and aborted.outputs[0].finish_reason == "error"
+    assert aborted.error_code is ErrorCode.ABORTED
     assert engine.abort("a") is None
     done = []
     while engine.has_unfinished():
         done += engine.step()
     assert [r.request_id for r in done] == ["b"] and engine.num_running() == 0
+
+
+def test_a_duplicate_request_id_is_refused_while_the_first_runs(tiny_llama_dir):
+    engine = engine_for(tiny_llama_dir)
+    engine.add_request(GenerationRequest("a", [1, 2, 3], greedy(3)))
+    with pytest.raises(DuplicateRequestId, match="'a' is already in the engine"):
+        engine.add_request(GenerationRequest("a", [4, 5], greedy(3)))
+    done = []
+    while engine.has_unfinished():
+        done += engine.step()
+    assert [(r.request_id, r.completion_tokens) for r in done] == [("a", 3)]
+    engine.add_request(GenerationRequest("a", [4, 5], greedy(2)))  # finished: the id is free again
 
 
 def test_unsupported_architecture_is_refused(tmp_path):

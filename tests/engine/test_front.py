@@ -6,7 +6,14 @@ import threading
 
 import pytest
 
-from batchapi.engine import EngineConfig, EngineFront, GenerationRequest, SamplingParams
+from batchapi.engine import (
+    DuplicateRequestId,
+    EngineConfig,
+    EngineFront,
+    ErrorCode,
+    GenerationRequest,
+    SamplingParams,
+)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +56,7 @@ def test_submit_from_threads_resolves_every_future_and_callback(front):
 
 def test_duplicate_in_flight_id_is_refused(front):
     first = front.submit(request("dup", max_tokens=40))
-    with pytest.raises(ValueError, match="already in flight"):
+    with pytest.raises(DuplicateRequestId, match="already in flight"):
         front.submit(request("dup"))
     first.result(timeout=60)
 
@@ -59,6 +66,7 @@ def test_abort_resolves_the_future_with_an_error(front):
     front.abort("long")
     result = blocker.result(timeout=60)
     assert result.error == "aborted" and result.outputs[0].finish_reason == "error"
+    assert result.error_code is ErrorCode.ABORTED
     assert front.submit(request("after")).result(timeout=60).error is None
 
 

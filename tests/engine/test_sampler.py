@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import pytest
@@ -9,10 +10,10 @@ from batchapi.engine.sampler import (
     SampleRow,
     _apply_penalties,
     _keep_thresholds,
-    first_argmax,
     seeded_uniform,
 )
 from batchapi.engine.sampling_params import SamplingParams
+from batchapi.kernels import CPU_OPS, TORCH_OPS
 
 VOCAB = 1000
 # a hand-built distribution: top_p, min_p and top_k cuts fall well away from ties and rounding
@@ -42,32 +43,16 @@ def test_greedy_is_argmax(dtype):
     assert out == logits.argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_first_argmax_is_argmax_with_ties_nan_and_inf(dtype):
-    g = torch.Generator().manual_seed(0)
-    x = torch.randint(-3, 3, (16, 4096), generator=g).to(dtype)  # many ties across chunks
-    x[3, 2000] = x[3, 100] = float("nan")
-    x[5] = float("-inf")
-    x[6, 4095] = 10
-    assert first_argmax(x).tolist() == x.argmax(-1).tolist()
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("in_c", [True, False])
-def test_first_argmax_in_c_and_without_it(dtype, in_c, monkeypatch):
-    from batchapi.kernels import native
-
+@pytest.mark.parametrize("kernels", [TORCH_OPS, CPU_OPS], ids=lambda ops: ops.name)
+def test_greedy_rows_take_the_argmax_of_the_runners_kernels(kernels):
     calls = []
-    real = native.argmax
-    monkeypatch.setattr(native, "argmax", lambda x: calls.append(x.shape) or (real(x) if in_c else None))
-    g = torch.Generator().manual_seed(1)
-    wide = torch.randint(-3, 3, (7, 1001 + 64), generator=g).to(dtype)
-    x = wide[:, 32:1033]  # rows 1001 wide, a step of 1065 apart: odd sizes, not contiguous
-    x[2, 999] = x[2, 3] = float("nan")
-    x[4] = float("-inf")
-    x[5, 1000] = 9
-    assert first_argmax(x).tolist() == x.argmax(-1).tolist()
-    assert calls == [x.shape] and native.load_elementwise() is not None
+    ops = dataclasses.replace(kernels, argmax=lambda x: calls.append(tuple(x.shape)) or kernels.argmax(x))
+    logits = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(2))
+    greedy = rows_of(SamplingParams(temperature=0), 4)
+    mixed = greedy[:2] + rows_of(SamplingParams(temperature=0.8, top_k=5), 2)
+    assert tokens(Sampler(ops, seed=0), logits[:4], greedy) == logits[:4].argmax(-1).tolist()
+    assert tokens(Sampler(ops, seed=0), logits[:4], mixed)[:2] == logits[:2].argmax(-1).tolist()
+    assert calls == [(4, VOCAB), (2, VOCAB)]  # the fast path, then the greedy block of a mixed batch
 
 
 def test_greedy_rows_stay_argmax_in_a_mixed_batch():

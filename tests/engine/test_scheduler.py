@@ -1,6 +1,7 @@
 """Scheduler: token budget, chunked prefill, mixed steps, preemption, rejection, prefix grouping."""
 
 from batchapi.engine.block_manager import BlockManager
+from batchapi.engine.request import ErrorCode
 from batchapi.engine.scheduler import Scheduler
 from batchapi.engine.sequence import Sequence, SequenceStatus
 
@@ -77,9 +78,11 @@ def test_request_that_can_never_fit_is_rejected_with_an_error():
     sched = make(max_model_len=16)
     s = add(sched, "big", range(16))
     assert s.is_finished and s.finish_reason == "error" and "at most 16 tokens" in s.error
+    assert s.error_code is ErrorCode.PROMPT_TOO_LONG
     assert sched.rejected == [s] and len(sched.waiting) == 0
     empty = add(sched, "empty", [])
-    assert empty.finish_reason == "error" and sched.schedule().seqs == []
+    assert empty.finish_reason == "error" and empty.error_code is ErrorCode.PROMPT_EMPTY
+    assert sched.schedule().seqs == []
 
 
 def test_waiting_requests_grouped_by_shared_prefix():

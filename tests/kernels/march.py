@@ -2,18 +2,18 @@
 
 from pathlib import Path
 
-from batchapi.kernels import native
+from batchapi.kernels.cpu import build
 
 
 def build_for(march: str, needs: set[str], source: Path, tmp_path: Path, monkeypatch) -> bool:
-    """Point native's builds at ``tmp_path`` with ``-march=march``; True if this CPU has the
+    """Point the C builds at ``tmp_path`` with ``-march=march``; True if this CPU has the
     ``needs`` flags to run that build. Where it has not, the build must still succeed: it is done
     here, and False returned."""
     monkeypatch.setenv("BATCHAPI_NATIVE_DIR", str(tmp_path))
-    monkeypatch.setattr(native, "CFLAGS", [f"-march={march}" if f == "-march=native" else f for f in native.CFLAGS])
-    if needs <= set(native._cpu_flags().split()):
+    monkeypatch.setattr(build, "CFLAGS", [f"-march={march}" if f == "-march=native" else f for f in build.CFLAGS])
+    if needs <= set(build._cpu_flags().split()):
         return True
-    target = native.library_path(native._compiler(), source)
-    native._build(native._compiler(), target, source)
+    target = build.library_path(build._compiler(), source)
+    build._build(build._compiler(), target, source)
     assert target.stat().st_size > 0
     return False

@@ -37,7 +37,7 @@ def compile_for_sm90(kernel, types: dict[str, str], constexprs: dict, report: bo
 
 
 def _attention_cases():
-    attention = importlib.import_module("batchapi.kernels.attention")
+    attention = importlib.import_module("batchapi.kernels.triton.attention")
     for dtype in ("bf16", "fp16"):
         for group, head_dim in ((4, 128), (4, 64), (3, 64), (5, 128), (7, 64)):
             for max_q, splits in ((1, 1), (1, 16), (512, 1)):
@@ -58,10 +58,10 @@ def _attention_cases():
 
 
 def _elementwise_cases():
-    kvcache = importlib.import_module("batchapi.kernels.kvcache")
-    norm = importlib.import_module("batchapi.kernels.norm")
-    rotary = importlib.import_module("batchapi.kernels.rotary_embedding")
-    activation = importlib.import_module("batchapi.kernels.activation")
+    kvcache = importlib.import_module("batchapi.kernels.triton.kvcache")
+    norm = importlib.import_module("batchapi.kernels.triton.norm")
+    rotary = importlib.import_module("batchapi.kernels.triton.rotary")
+    activation = importlib.import_module("batchapi.kernels.triton.activation")
     bf = "*bf16"
     yield "store_kvcache", kvcache._store_kvcache_kernel, {"slot_mapping_ptr": "*i64", "*": "i32", **dict.fromkeys(
         ["key_ptr", "value_ptr", "k_cache_ptr", "v_cache_ptr"], bf)}, dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16,

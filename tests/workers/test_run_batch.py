@@ -1,4 +1,4 @@
-"""run_batch and openai_io: a JSONL batch file through a real engine on a tiny model."""
+"""run_batch and the codec: a JSONL batch file through a real engine on a tiny model."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 import pytest
 
 from batchapi.engine import EngineConfig, EngineFront
-from batchapi.openai.body import parse_body
-from batchapi.workers import openai_io
+from batchapi.openai.lines import parse_line
+from batchapi.workers.codec import Codec
 from batchapi.workers.run_batch import run_batch
 
 
@@ -62,13 +62,27 @@ def test_run_batch_writes_one_line_per_input_line(tmp_path, front):
     assert out["bad-temp"]["response"]["status_code"] == 400
     assert out["bad-temp"]["response"]["body"]["error"]["param"] == "temperature"
     assert out["too-long"]["response"]["body"]["error"]["code"] == "context_length_exceeded"
-    assert out[None]["response"]["body"]["error"]["code"] == "invalid_json"
+    assert out[None]["response"]["body"]["error"]["code"] == "invalid_json_line"  # validation's code
     assert front.num_in_flight() == 0
 
 
+def test_lines_are_refused_with_the_codes_validation_gives(tmp_path, front):
+    chat = "/v1/chat/completions"
+    no_method = json.dumps({"custom_id": "no-method", "url": chat, "body": {"model": "m", "messages": []}})
+    lines = [no_method, line("bad-url", "/v1/embeddings"), json.dumps({"url": chat}), "[1]"]
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    counts = run_batch(src, dst, front=front, progress=False)
+    assert (counts.completed, counts.failed) == (0, 4)
+    errors = [(r["custom_id"], r["response"]["body"]["error"]["code"], r["response"]["body"]["error"]["param"])
+              for r in map(json.loads, dst.read_text().splitlines())]
+    assert errors == [("no-method", "invalid_method", "method"), ("bad-url", "invalid_url", "url"),
+                      (None, "missing_custom_id", "custom_id"), (None, "invalid_json_line", None)]
+
+
 def test_chat_template_is_applied(front):
-    parsed = parse_body("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "Hi"}]})
-    request = openai_io.to_request(parsed, front.tokenizer, "x")
+    content = line("c", "/v1/chat/completions", messages=[{"role": "user", "content": "Hi"}]).encode()
+    request = Codec(front.tokenizer, "m").request(parse_line(content, 1, None), "x")
     text = front.tokenizer.decode(request.prompt_token_ids)
     assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
     assert request.params.max_tokens is None and request.params.temperature == 1.0

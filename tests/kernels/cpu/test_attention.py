@@ -1,11 +1,12 @@
-"""The C decode attention (kernels/native.py, csrc/paged_decode.c) against dense attention and the twin."""
+"""The C paged attention (kernels.cpu.attention, csrc/paged_decode.c) against dense attention and the twin."""
 
 import random
 
 import pytest
 import torch
 
-from batchapi.kernels import CPU_OPS, TORCH_OPS, attention_cpu, attention_ref, get_ops, native
+from batchapi.kernels.cpu import attention, build
+from batchapi.kernels.torch import attention as twin
 from tests.kernels.march import build_for
 from tests.kernels.paged import dense_attention, make_case
 
@@ -14,7 +15,7 @@ TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
 @pytest.fixture(scope="module", autouse=True)
 def built():
-    assert native.load() is not None, "the test machine has a C compiler: the kernel must build"
+    assert build.load() is not None, "the test machine has a C compiler: the kernel must build"
 
 
 @pytest.fixture
@@ -22,9 +23,9 @@ def c_only(monkeypatch):
     """Decode rows must go to the C kernel: the twin's own decode path fails the test, and the
     calls into C are counted."""
     calls = []
-    real = native.paged_decode
-    monkeypatch.setattr(native, "paged_decode", lambda *a, **k: calls.append(a[6].numel()) or real(*a, **k))
-    monkeypatch.setattr(attention_ref, "_decode", lambda *a, **k: pytest.fail("decode rows went to the twin"))
+    real = attention.paged_decode
+    monkeypatch.setattr(attention, "paged_decode", lambda *a, **k: calls.append(a[6].numel()) or real(*a, **k))
+    monkeypatch.setattr(twin, "_decode", lambda *a, **k: pytest.fail("decode rows went to the twin"))
     return calls
 
 
@@ -38,7 +39,7 @@ def test_decode_matches_dense(seed, dtype, c_only):
     ctx_lens = [rng.choice([1, block_size, block_size + 1, rng.randint(1, 300)]) for _ in range(rng.randint(1, 9))]
     case = make_case([1] * len(ctx_lens), ctx_lens, hkv * group, hkv, d, block_size=block_size, dtype=dtype,
                      seed=seed)
-    out = attention_cpu.paged_attention(*case.args(), case.scale)
+    out = attention.paged_attention(*case.args(), case.scale)
     assert not out.isnan().any(), "a block no sequence owns (NaN) was read"
     torch.testing.assert_close(out, dense_attention(case), atol=TOL[dtype], rtol=TOL[dtype])
     assert c_only == [len(ctx_lens)]
@@ -53,7 +54,7 @@ def test_decode_matches_dense(seed, dtype, c_only):
 def test_decode_edges_match_dense(hkv, group, d, block_size, dtype, c_only):
     ctx_lens = [1, block_size, block_size + 1, 3 * block_size - 1, 97]
     case = make_case([1] * 5, ctx_lens, hkv * group, hkv, d, block_size=block_size, dtype=dtype, seed=d)
-    out = attention_cpu.paged_attention(*case.args(), case.scale)
+    out = attention.paged_attention(*case.args(), case.scale)
     torch.testing.assert_close(out, dense_attention(case), atol=TOL[dtype], rtol=TOL[dtype])
     assert c_only == [5]
 
@@ -66,7 +67,7 @@ def test_decode_edges_match_dense(hkv, group, d, block_size, dtype, c_only):
 def test_chunks_of_16_at_their_edges_match_dense(d, block_size, dtype, c_only):
     ctx_lens = [1, 15, 16, 17, 31, 32, 33, block_size - 1, block_size + 1, 2 * block_size, 100]
     case = make_case([1] * len(ctx_lens), ctx_lens, 9, 3, d, block_size=block_size, dtype=dtype, seed=d + block_size)
-    out = attention_cpu.paged_attention(*case.args(), case.scale)
+    out = attention.paged_attention(*case.args(), case.scale)
     torch.testing.assert_close(out, dense_attention(case), atol=TOL[dtype], rtol=TOL[dtype])
     assert c_only == [len(ctx_lens)]
 
@@ -80,7 +81,7 @@ def test_rows_past_the_context_in_its_last_block_are_not_read(dtype, c_only):
         last = int(case.block_tables[b, (n - 1) // 32])
         case.k_cache[last, (n - 1) % 32 + 1:] = float("nan")
         case.v_cache[last, (n - 1) % 32 + 1:] = float("nan")
-    out = attention_cpu.paged_attention(*case.args(), case.scale)
+    out = attention.paged_attention(*case.args(), case.scale)
     assert not out.isnan().any(), "a row past the context was read"
     torch.testing.assert_close(out, dense_attention(case), atol=TOL[dtype], rtol=TOL[dtype])
     assert c_only == [5]
@@ -98,7 +99,7 @@ def test_a_maximum_that_keeps_rising_matches_dense(step, c_only):
         keys[:, 0] = keys[:, 0] * 0.1 + torch.arange(n, dtype=torch.float32)[:, None] * step / (q @ q * case.scale) * q
         for t in range(n):
             case.k_cache[int(case.block_tables[b, t // 16]), t % 16, 0] = keys[t, 0]
-    out = attention_cpu.paged_attention(*case.args(), case.scale)
+    out = attention.paged_attention(*case.args(), case.scale)
     torch.testing.assert_close(out, dense_attention(case), atol=1e-4, rtol=1e-4)
     assert c_only == [2]
 
@@ -109,18 +110,18 @@ def test_a_maximum_that_keeps_rising_matches_dense(step, c_only):
 @pytest.mark.parametrize(("march", "needs"), [("x86-64", {"sse2"}), ("haswell", {"avx2", "fma"}),
                                               ("skylake-avx512", {"avx512f", "avx512bw", "avx512vl", "avx512dq"})])
 def test_every_vector_path_matches_dense(march, needs, tmp_path, monkeypatch):
-    if not build_for(march, needs, native.SOURCE, tmp_path, monkeypatch):
+    if not build_for(march, needs, build.SOURCE, tmp_path, monkeypatch):
         return  # a CPU without them: built, not run
-    lib = native._load()
+    lib = build._load()
     assert lib is not None
-    monkeypatch.setattr(native, "load", lambda: lib)
+    monkeypatch.setattr(build, "load", lambda: lib)
     shapes = [(3, 3, 64, 16), (1, 16, 128, 32), (2, 4, 36, 17), (1, 1, 256, 1), (4, 2, 8, 15), (2, 3, 80, 8)]
     for seed, (hkv, group, d, block_size) in enumerate(shapes):
         ctx_lens = [1, block_size, block_size + 1, 16, 17, 50, 97]
         for dtype in (torch.float32, torch.bfloat16):
             case = make_case([1] * len(ctx_lens), ctx_lens, hkv * group, hkv, d, block_size=block_size, dtype=dtype,
                              seed=seed)
-            out = attention_cpu.paged_attention(*case.args(), case.scale)
+            out = attention.paged_attention(*case.args(), case.scale)
             assert not out.isnan().any(), "a block no sequence owns (NaN) was read"
             torch.testing.assert_close(out, dense_attention(case), atol=TOL[dtype], rtol=TOL[dtype])
 
@@ -131,7 +132,7 @@ def test_mixed_step_decode_and_short_prefills_in_c(dtype, c_only):
     # the prefills' tokens go to C as rows of their own (routing: the end of this file)
     q_lens, ctx_lens = [1, 20, 1, 7, 1], [50, 20, 1, 40, 129]
     case = make_case(q_lens, ctx_lens, 6, 2, 64, dtype=dtype, seed=3)
-    out = attention_cpu.paged_attention(*case.args(), case.scale)
+    out = attention.paged_attention(*case.args(), case.scale)
     torch.testing.assert_close(out, dense_attention(case), atol=TOL[dtype], rtol=TOL[dtype])
     assert c_only == [3 + 20 + 7]
 
@@ -140,7 +141,7 @@ def test_long_context_with_large_logits(c_only):
     # scores spanning hundreds: the online softmax rescales many times and must not overflow
     case = make_case([1, 1, 1], [1500, 977, 3], 4, 2, 64, seed=5)
     case.q.mul_(40.0)
-    out = attention_cpu.paged_attention(*case.args(), case.scale)
+    out = attention.paged_attention(*case.args(), case.scale)
     torch.testing.assert_close(out, dense_attention(case), atol=1e-4, rtol=1e-4)
     assert c_only == [3]
 
@@ -150,7 +151,7 @@ def test_block_ids_whose_element_offsets_pass_int32(c_only):
     # left untouched but for the blocks the sequences own)
     case = make_case([1, 1, 1], [40, 17, 3], 4, 1, 128, dtype=torch.bfloat16, seed=8, num_blocks=1_100_000)
     assert int(case.block_tables.max()) * 16 * 128 > 2**31
-    out = attention_cpu.paged_attention(*case.args(), case.scale)
+    out = attention.paged_attention(*case.args(), case.scale)
     torch.testing.assert_close(out, dense_attention(case), atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
     assert c_only == [3]
 
@@ -160,9 +161,9 @@ def test_threads_split_the_work_without_changing_it(c_only):
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = attention_cpu.paged_attention(*case.args(), case.scale)
+        one = attention.paged_attention(*case.args(), case.scale)
         torch.set_num_threads(2)
-        two = attention_cpu.paged_attention(*case.args(), case.scale)
+        two = attention.paged_attention(*case.args(), case.scale)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)  # each (sequence, head) is one task: no cross-thread sums
@@ -177,10 +178,10 @@ def test_threads_split_the_work_without_changing_it(c_only):
     (2, 1, 320, 16, torch.float32),  # heads over 256
 ])
 def test_what_the_kernel_does_not_take_goes_to_the_twin_whole(hq, hkv, d, block_size, dtype, monkeypatch):
-    monkeypatch.setattr(native, "paged_decode", lambda *a, **k: pytest.fail("sent to the C kernel"))
+    monkeypatch.setattr(attention, "paged_decode", lambda *a, **k: pytest.fail("sent to the C kernel"))
     case = make_case([1, 3, 1], [10, 30, 70], hq, hkv, d, block_size=block_size, dtype=dtype, seed=2)
-    assert not native.supports(case.q, case.k_cache, case.v_cache)
-    out = attention_cpu.paged_attention(*case.args(), case.scale)
+    assert not attention.supports(case.q, case.k_cache, case.v_cache)
+    out = attention.paged_attention(*case.args(), case.scale)
     tol = {torch.float16: 2e-3, torch.float32: 2e-5, torch.bfloat16: 2e-2}[dtype]
     torch.testing.assert_close(out, dense_attention(case), atol=tol, rtol=tol)
 
@@ -193,7 +194,7 @@ def test_launcher_refuses_what_would_read_outside_its_tensors():
     def call(**changes):
         args = dict(q=case.q, k_cache=case.k_cache, v_cache=case.v_cache, block_tables=case.block_tables,
                     cu_seqlens_q=case.cu_seqlens_q, context_lens=case.context_lens, seq_ids=ids, out=out)
-        native.paged_decode(**(args | changes), scale=case.scale)
+        attention.paged_decode(**(args | changes), scale=case.scale)
 
     with pytest.raises(ValueError, match="seq_ids must be a contiguous CPU torch.int32"):
         call(seq_ids=ids.long())
@@ -209,80 +210,17 @@ def test_launcher_refuses_what_would_read_outside_its_tensors():
     torch.testing.assert_close(out, dense_attention(case), atol=2e-5, rtol=2e-5)
 
 
-def test_auto_picks_the_c_kernel_on_cpu_and_torch_stays_pure():
-    assert get_ops("auto", "cpu") is CPU_OPS
-    assert get_ops("cpu", "cpu") is CPU_OPS
-    assert get_ops("torch", "cpu") is TORCH_OPS
-    assert CPU_OPS.paged_attention is attention_cpu.paged_attention
-
-
-def test_build_is_cached_per_source_and_cpu(tmp_path, monkeypatch):
-    monkeypatch.setenv("BATCHAPI_NATIVE_DIR", str(tmp_path))
-    lib = native._load()
-    assert lib is not None
-    built = list(tmp_path.glob("paged_decode-*.so"))
-    assert len(built) == 1
-    mtime = built[0].stat().st_mtime_ns
-    assert native._load() is not None
-    assert built[0].stat().st_mtime_ns == mtime, "a second load rebuilt the library"
-    assert [p.name for p in tmp_path.iterdir()] == [built[0].name], "a temporary file was left behind"
-    assert built[0].stat().st_mode & 0o044 == 0o044, "others sharing the directory could not load it"
-
-
-def test_no_home_directory_means_the_twin_not_a_crash(monkeypatch, caplog):
-    monkeypatch.delenv("BATCHAPI_NATIVE_DIR", raising=False)
-    monkeypatch.setattr(native.Path, "home", classmethod(lambda cls: (_ for _ in ()).throw(
-        RuntimeError("Could not determine home directory"))))
-    assert native._load() is None
-    assert "Could not determine home directory" in caplog.text
-
-
-def test_without_a_compiler_auto_falls_back_to_the_twins(tmp_path, monkeypatch, caplog):
-    monkeypatch.setenv("BATCHAPI_NATIVE_DIR", str(tmp_path))
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setattr(native, "_state", {})
-    assert native.load() is None
-    assert "building paged_decode.c failed" in caplog.text
-    assert get_ops("auto", "cpu") is TORCH_OPS
-    with pytest.raises(AssertionError, match="kernel mode cpu needs a C compiler"):
-        get_ops("cpu", "cpu")
-    case = make_case([1, 5], [9, 5], 4, 2, 64, seed=4)
-    out = attention_cpu.paged_attention(*case.args(), case.scale)  # the twin, whole
-    torch.testing.assert_close(out, dense_attention(case), atol=2e-5, rtol=2e-5)
-
-
-def test_auto_takes_the_c_set_when_only_one_library_builds(monkeypatch):
-    monkeypatch.setattr(native, "_state", {})
-    monkeypatch.setattr(native, "_load", lambda: None)  # decode attention failed to build
-    assert native.load() is None and native.load_elementwise() is not None
-    assert get_ops("auto", "cpu") is CPU_OPS and get_ops("cpu", "cpu") is CPU_OPS
-    case = make_case([1, 5], [9, 5], 4, 2, 64, seed=4)
-    out = attention_cpu.paged_attention(*case.args(), case.scale)  # the twin, whole
-    torch.testing.assert_close(out, dense_attention(case), atol=2e-5, rtol=2e-5)
-
-
-def test_a_broken_compiler_output_is_reported_not_raised(tmp_path, monkeypatch, caplog):
-    fake = tmp_path / "cc"
-    fake.write_text("#!/bin/sh\necho 'cc: error: unsupported option' >&2\nexit 1\n")
-    fake.chmod(0o755)
-    monkeypatch.setenv("BATCHAPI_NATIVE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("CC", str(fake))
-    assert native._load() is None
-    assert "unsupported option" in caplog.text
-    assert not list((tmp_path / "cache").glob("*.so"))
-
-
 @pytest.mark.parametrize("bad", [-1, 10_000])
 def test_a_bad_block_id_is_refused_before_the_kernel_reads_it(bad):
     case = make_case([1, 1], [40, 20], 4, 2, 64, seed=6)
     tables = case.block_tables.clone()
     tables[0, 1] = bad  # inside sequence 0's context (blocks 0..2)
     with pytest.raises(ValueError, match="outside the KV pool"):
-        attention_cpu.paged_attention(case.q, case.k_cache, case.v_cache, tables, case.cu_seqlens_q,
+        attention.paged_attention(case.q, case.k_cache, case.v_cache, tables, case.cu_seqlens_q,
                                       case.context_lens, case.scale)
     tables = case.block_tables.clone()
     tables[1, 2:] = bad  # past sequence 1's context (two blocks): padding, never read
-    out = attention_cpu.paged_attention(case.q, case.k_cache, case.v_cache, tables, case.cu_seqlens_q,
+    out = attention.paged_attention(case.q, case.k_cache, case.v_cache, tables, case.cu_seqlens_q,
                                         case.context_lens, case.scale)
     torch.testing.assert_close(out, dense_attention(case), atol=2e-5, rtol=2e-5)
 
@@ -291,14 +229,14 @@ def test_a_context_length_near_2_31_does_not_wrap_the_check():
     case = make_case([1, 1], [10, 20], 4, 2, 64, seed=6)
     lens = torch.tensor([2**31 - 1, 20], dtype=torch.int32)
     with pytest.raises(ValueError, match="shorter than its context"):
-        attention_cpu.paged_attention(case.q, case.k_cache, case.v_cache, case.block_tables, case.cu_seqlens_q,
+        attention.paged_attention(case.q, case.k_cache, case.v_cache, case.block_tables, case.cu_seqlens_q,
                                       lens, case.scale)
 
 
 def test_a_decreasing_cu_seqlens_is_refused():
     case = make_case([1, 1], [4, 5], 4, 2, 64, seed=6)
     with pytest.raises(ValueError, match="never decrease"):
-        attention_cpu.paged_attention(case.q, case.k_cache, case.v_cache, case.block_tables,
+        attention.paged_attention(case.q, case.k_cache, case.v_cache, case.block_tables,
                                       torch.tensor([0, 2, 1], dtype=torch.int32), case.context_lens, case.scale)
 
 
@@ -308,31 +246,31 @@ def test_a_decreasing_cu_seqlens_is_refused():
 @pytest.fixture
 def routed(monkeypatch):
     """(rows the C kernel gets per call, prefill runs the twin gets), counted per layer call."""
-    calls, twin = [], []
-    real_c, real_twin = native.paged_decode, attention_ref._prefill_one
-    monkeypatch.setattr(native, "paged_decode", lambda *a, **k: calls.append(a[6].numel()) or real_c(*a, **k))
-    monkeypatch.setattr(attention_ref, "_prefill_one", lambda q, *a: twin.append(q.shape[0]) or real_twin(q, *a))
-    monkeypatch.setattr(attention_ref, "_decode", lambda *a, **k: pytest.fail("decode rows went to the twin"))
-    return calls, twin
+    calls, prefills = [], []
+    real_c, real_twin = attention.paged_decode, twin.prefill_attention
+    monkeypatch.setattr(attention, "paged_decode", lambda *a, **k: calls.append(a[6].numel()) or real_c(*a, **k))
+    monkeypatch.setattr(twin, "prefill_attention", lambda q, *a: prefills.append(q.shape[0]) or real_twin(q, *a))
+    monkeypatch.setattr(twin, "_decode", lambda *a, **k: pytest.fail("decode rows went to the twin"))
+    return calls, prefills
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_short_prefills_run_in_c_as_rows_with_causal_contexts(dtype, routed):
     # decode rows; a whole prompt; a chunk on a cached prefix; a run of exactly the limit; one
     # token past it (the twin's); one-token contexts
-    limit = attention_cpu.PREFILL_ROWS_IN_C
+    limit = attention.PREFILL_ROWS_IN_C
     q_lens = [1, 20, 1, 7, limit, limit + 1, 1]
     ctx_lens = [50, 20, 1, 40, limit + 3, limit + 30, 129]
     case = make_case(q_lens, ctx_lens, 6, 2, 64, dtype=dtype, seed=3)
-    out = attention_cpu.paged_attention(*case.args(), case.scale)
+    out = attention.paged_attention(*case.args(), case.scale)
     torch.testing.assert_close(out, dense_attention(case), atol=TOL[dtype], rtol=TOL[dtype])
-    calls, twin = routed
-    assert calls == [3 + 20 + 7 + limit] and twin == [limit + 1]
+    calls, prefills = routed
+    assert calls == [3 + 20 + 7 + limit] and prefills == [limit + 1]
 
 
 def test_a_step_of_prefills_alone_runs_in_c(routed):
     case = make_case([3, 16, 2], [3, 33, 18], 4, 4, 32, block_size=8, seed=4)
-    out = attention_cpu.paged_attention(*case.args(), case.scale)
+    out = attention.paged_attention(*case.args(), case.scale)
     torch.testing.assert_close(out, dense_attention(case), atol=TOL[torch.float32], rtol=TOL[torch.float32])
     assert routed == ([21], [])
 
@@ -341,4 +279,4 @@ def test_a_prefill_row_past_the_pool_is_refused(routed):
     case = make_case([5, 1], [40, 9], 4, 2, 32, seed=6)
     case.block_tables[0, 2] = case.k_cache.shape[0]  # the prefill's third block: outside the pool
     with pytest.raises(ValueError, match="outside the KV pool"):
-        attention_cpu.paged_attention(*case.args(), case.scale)
+        attention.paged_attention(*case.args(), case.scale)

@@ -1,4 +1,4 @@
-"""The C elementwise kernels (kernels/native.py, csrc/elementwise.c) against their torch twins.
+"""The C elementwise kernels and argmax (kernels.cpu.elementwise, csrc/elementwise.c) against their torch twins.
 
 fp32 matches the twin to rounding (silu's exp differs, and off x86 the variance sum's order may);
 bf16 matches it element for element but for rare one-ulp differences where such an fp32 difference
@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from batchapi.kernels import CPU_OPS, TORCH_OPS, get_ops, native
-from batchapi.kernels.rope import build_rope_cache
+from batchapi.kernels import TORCH_OPS, build_rope_cache
+from batchapi.kernels.cpu import build, elementwise
 from tests.kernels.march import build_for
 
 TWIN = TORCH_OPS
@@ -23,7 +23,7 @@ ELEMENTWISE = ["rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul", "stor
 
 @pytest.fixture(scope="module", autouse=True)
 def built():
-    assert native.load_elementwise() is not None, "the test machine has a C compiler: the kernels must build"
+    assert build.load_elementwise() is not None, "the test machine has a C compiler: the kernels must build"
 
 
 @pytest.fixture
@@ -32,7 +32,7 @@ def c_only(monkeypatch):
     def fail(name):
         return lambda *a, **k: pytest.fail(f"{name} went to the twin")
 
-    monkeypatch.setattr(native, "reference", SimpleNamespace(**{name: fail(name) for name in ELEMENTWISE}))
+    monkeypatch.setattr(elementwise, "twin", SimpleNamespace(**{name: fail(name) for name in ELEMENTWISE}))
 
 
 def randn(*shape, dtype, scale=1.0, seed=0):
@@ -58,8 +58,8 @@ def assert_matches(out: torch.Tensor, twin: torch.Tensor) -> None:
 def test_norms_match_the_twin(rows, hidden, dtype, c_only):
     x, residual = randn(rows, hidden, dtype=dtype, seed=1), randn(rows, hidden, dtype=dtype, scale=3, seed=2)
     weight = randn(hidden, dtype=dtype, seed=3)
-    assert_matches(native.rms_norm(x, weight, 1e-6), TWIN.rms_norm(x, weight, 1e-6))
-    normed, summed = native.fused_add_rms_norm(x, residual, weight, 1e-5)
+    assert_matches(elementwise.rms_norm(x, weight, 1e-6), TWIN.rms_norm(x, weight, 1e-6))
+    normed, summed = elementwise.fused_add_rms_norm(x, residual, weight, 1e-5)
     twin_normed, twin_summed = TWIN.fused_add_rms_norm(x, residual, weight, 1e-5)
     assert torch.equal(summed, twin_summed), "one add, rounded once: no room for a difference"
     assert_matches(normed, twin_normed)
@@ -78,15 +78,15 @@ def test_norms_add_the_squares_in_torchs_order(hidden, dtype, c_only):
 
     x = randn(8, hidden, dtype=dtype, scale=5, seed=hidden)
     residual, weight = randn(8, hidden, dtype=dtype, seed=1), randn(hidden, dtype=dtype, seed=2)
-    same(native.rms_norm(x, weight, 1e-6), TWIN.rms_norm(x, weight, 1e-6))
-    same(native.fused_add_rms_norm(x, residual, weight, 1e-6)[0], TWIN.fused_add_rms_norm(x, residual, weight, 1e-6)[0])
+    same(elementwise.rms_norm(x, weight, 1e-6), TWIN.rms_norm(x, weight, 1e-6))
+    same(elementwise.fused_add_rms_norm(x, residual, weight, 1e-6)[0], TWIN.fused_add_rms_norm(x, residual, weight, 1e-6)[0])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("rows", "inter"), SHAPES + [(96, 1536)])
 def test_silu_and_mul_matches_the_twin(rows, inter, dtype, c_only):
     x = randn(rows, 2 * inter, dtype=dtype, scale=4, seed=inter)  # gates far into both tails of the exp
-    assert_matches(native.silu_and_mul(x), TWIN.silu_and_mul(x))
+    assert_matches(elementwise.silu_and_mul(x), TWIN.silu_and_mul(x))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -95,7 +95,7 @@ def test_silu_and_mul_at_the_edges_of_the_exp(dtype, c_only):
                           -200.0, 3e38, -3e38, float("inf"), float("-inf"), float("nan"), 0.5, -0.5, 1.0])
     up = torch.linspace(-3, 3, gates.numel())
     x = torch.cat([gates, up])[None].to(dtype)  # [1, 2I]
-    assert_matches(native.silu_and_mul(x), TWIN.silu_and_mul(x))
+    assert_matches(elementwise.silu_and_mul(x), TWIN.silu_and_mul(x))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -103,8 +103,8 @@ def test_norms_keep_nan_and_inf(dtype, c_only):
     x = randn(4, 40, dtype=dtype, seed=5)
     x[1, 3], x[2, 7], x[3, 0] = float("nan"), float("inf"), 1e30
     residual, weight = randn(4, 40, dtype=dtype, seed=6), randn(40, dtype=dtype, seed=7)
-    assert_matches(native.rms_norm(x, weight, 1e-6), TWIN.rms_norm(x, weight, 1e-6))
-    for out, twin in zip(native.fused_add_rms_norm(x, residual, weight, 1e-6),
+    assert_matches(elementwise.rms_norm(x, weight, 1e-6), TWIN.rms_norm(x, weight, 1e-6))
+    for out, twin in zip(elementwise.fused_add_rms_norm(x, residual, weight, 1e-6),
                          TWIN.fused_add_rms_norm(x, residual, weight, 1e-6), strict=True):
         assert_matches(out, twin)
 
@@ -113,7 +113,7 @@ def test_norms_keep_nan_and_inf(dtype, c_only):
 def test_denormal_results_round_as_the_twin_rounds(dtype, c_only):
     x = randn(3, 48, dtype=dtype, seed=17)
     weight = torch.full((48,), 3e-39).to(dtype)  # weight * y lands below fp32's smallest normal
-    out = native.rms_norm(x, weight, 1e-6)
+    out = elementwise.rms_norm(x, weight, 1e-6)
     assert (out != 0).any() and (out.abs() < 1.1754944e-38).all()
     assert torch.equal(out, TWIN.rms_norm(x, weight, 1e-6))
 
@@ -133,7 +133,7 @@ def test_rotary_matches_the_twin(rows, hq, hkv, d, dtype, cache_dtype, c_only):
     q, k, _ = qkv_views(rows, hq, hkv, d, dtype, seed=d)
     cos_sin = build_rope_cache(d, 4096, 10000.0, None, "cpu", cache_dtype)
     positions = torch.randperm(4096, generator=torch.Generator().manual_seed(rows))[:rows]  # out of order
-    for out, twin in zip(native.rotary(q, k, positions, cos_sin), TWIN.rotary(q, k, positions, cos_sin),
+    for out, twin in zip(elementwise.rotary(q, k, positions, cos_sin), TWIN.rotary(q, k, positions, cos_sin),
                          strict=True):
         assert_matches(out, twin)
 
@@ -144,7 +144,7 @@ def test_store_kvcache_matches_the_twin(dtype, slot_dtype, c_only):
     _, k, v = qkv_views(7, 6, 2, 64, dtype)
     slots = torch.tensor([5, -1, 63, 0, 17, -1, 40], dtype=slot_dtype)  # -1: skipped
     caches = [torch.zeros(4, 16, 2, 64, dtype=dtype) for _ in range(4)]
-    native.store_kvcache(k, v, caches[0], caches[1], slots)
+    elementwise.store_kvcache(k, v, caches[0], caches[1], slots)
     TWIN.store_kvcache(k, v, caches[2], caches[3], slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
 
@@ -152,14 +152,14 @@ def test_store_kvcache_matches_the_twin(dtype, slot_dtype, c_only):
 def test_non_contiguous_inputs_are_copied_not_misread(c_only):
     x = randn(72, 5, dtype=torch.bfloat16, seed=8).t()  # [5, 72], columns dense: no row is
     weight = randn(144, dtype=torch.bfloat16, seed=9)[::2]
-    assert_matches(native.rms_norm(x, weight, 1e-6), TWIN.rms_norm(x, weight, 1e-6))
+    assert_matches(elementwise.rms_norm(x, weight, 1e-6), TWIN.rms_norm(x, weight, 1e-6))
     gate_up = randn(64, 6, dtype=torch.float32, seed=10).t()
-    assert_matches(native.silu_and_mul(gate_up), TWIN.silu_and_mul(gate_up))
+    assert_matches(elementwise.silu_and_mul(gate_up), TWIN.silu_and_mul(gate_up))
     q = randn(3, 64, 4, dtype=torch.float32, seed=11).transpose(1, 2)  # [3, 4, 64], heads interleaved
     k = randn(3, 2, 64, dtype=torch.float32, seed=12)
     cos_sin = build_rope_cache(64, 16, 10000.0, None, "cpu", torch.float32)
     positions = torch.tensor([3, 0, 15])
-    for out, twin in zip(native.rotary(q, k, positions, cos_sin), TWIN.rotary(q, k, positions, cos_sin),
+    for out, twin in zip(elementwise.rotary(q, k, positions, cos_sin), TWIN.rotary(q, k, positions, cos_sin),
                          strict=True):
         assert_matches(out, twin)
 
@@ -171,8 +171,8 @@ def test_threads_split_rows_without_changing_them():
     cos_sin, positions = build_rope_cache(64, 512, 10000.0, None, "cpu", torch.bfloat16), torch.arange(96) * 5
 
     def run():
-        return [*native.fused_add_rms_norm(x, residual, weight, 1e-5), native.silu_and_mul(gate_up),
-                *native.rotary(q, k, positions, cos_sin)]
+        return [*elementwise.fused_add_rms_norm(x, residual, weight, 1e-5), elementwise.silu_and_mul(gate_up),
+                *elementwise.rotary(q, k, positions, cos_sin)]
 
     threads = torch.get_num_threads()
     try:
@@ -191,25 +191,25 @@ class _Untouchable:
 
 
 def test_what_c_does_not_take_goes_to_the_twin(monkeypatch):
-    monkeypatch.setattr(native, "load_elementwise", _Untouchable)
+    monkeypatch.setattr(elementwise, "load_elementwise", _Untouchable)
 
     def same(out, twin):
         return all(torch.equal(a, b) for a, b in zip(out, twin, strict=True))
 
     x16, w16 = randn(3, 64, dtype=torch.float16), randn(64, dtype=torch.float16)
-    assert torch.equal(native.rms_norm(x16, w16, 1e-6), TWIN.rms_norm(x16, w16, 1e-6))  # no fp16 in C
+    assert torch.equal(elementwise.rms_norm(x16, w16, 1e-6), TWIN.rms_norm(x16, w16, 1e-6))  # no fp16 in C
     x, w32 = randn(3, 64, dtype=torch.bfloat16), randn(64, dtype=torch.float32)  # the twin promotes to fp32
-    assert torch.equal(native.rms_norm(x, w32, 1e-6), TWIN.rms_norm(x, w32, 1e-6))
-    assert same(native.fused_add_rms_norm(x, x.float(), w32, 1e-6), TWIN.fused_add_rms_norm(x, x.float(), w32, 1e-6))
+    assert torch.equal(elementwise.rms_norm(x, w32, 1e-6), TWIN.rms_norm(x, w32, 1e-6))
+    assert same(elementwise.fused_add_rms_norm(x, x.float(), w32, 1e-6), TWIN.fused_add_rms_norm(x, x.float(), w32, 1e-6))
     x3 = randn(2, 3, 64, dtype=torch.bfloat16)  # not [N, H]
-    assert torch.equal(native.silu_and_mul(x3), TWIN.silu_and_mul(x3))
+    assert torch.equal(elementwise.silu_and_mul(x3), TWIN.silu_and_mul(x3))
     for d, dtype in [(64, torch.float16), (520, torch.float32)]:  # fp16; heads over 512
         q, k, _ = qkv_views(3, 2, 1, d, dtype)
         cos_sin = build_rope_cache(d, 8, 10000.0, None, "cpu", dtype)
-        assert same(native.rotary(q, k, torch.arange(3), cos_sin), TWIN.rotary(q, k, torch.arange(3), cos_sin))
+        assert same(elementwise.rotary(q, k, torch.arange(3), cos_sin), TWIN.rotary(q, k, torch.arange(3), cos_sin))
     _, k, v = qkv_views(3, 2, 1, 64, torch.float16)
     caches = [torch.zeros(2, 4, 1, 64, dtype=torch.bfloat16) for _ in range(4)]  # fp16 rows into bf16 caches
-    native.store_kvcache(k, v, caches[0], caches[1], torch.arange(3))
+    elementwise.store_kvcache(k, v, caches[0], caches[1], torch.arange(3))
     TWIN.store_kvcache(k, v, caches[2], caches[3], torch.arange(3))
     assert same(caches[:2], caches[2:])
 
@@ -219,61 +219,56 @@ def test_a_position_outside_cos_sin_is_refused(bad):
     q, k, _ = qkv_views(3, 2, 1, 64, torch.bfloat16)
     cos_sin = build_rope_cache(64, 16, 10000.0, None, "cpu", torch.bfloat16)
     with pytest.raises(ValueError, match=rf"positions \[{bad}\] lie outside cos_sin's 16 rows"):
-        native.rotary(q, k, torch.tensor([0, bad, 2]), cos_sin)
+        elementwise.rotary(q, k, torch.tensor([0, bad, 2]), cos_sin)
 
 
 def test_a_slot_past_the_caches_is_refused_before_anything_is_written():
     _, k, v = qkv_views(3, 2, 1, 64, torch.float32)
     k_cache, v_cache = torch.zeros(2, 4, 1, 64), torch.zeros(2, 4, 1, 64)
     with pytest.raises(ValueError, match=r"slots \[8\] lie outside the KV caches' 8 slots"):
-        native.store_kvcache(k, v, k_cache, v_cache, torch.tensor([0, 8, -1]))
+        elementwise.store_kvcache(k, v, k_cache, v_cache, torch.tensor([0, 8, -1]))
     assert not k_cache.any() and not v_cache.any()
-
-
-def test_cpu_ops_use_the_c_kernels():
-    assert get_ops("cpu", "cpu") is CPU_OPS
-    assert [getattr(CPU_OPS, name) for name in ELEMENTWISE] == [getattr(native, name) for name in ELEMENTWISE]
-
-
-def test_build_is_cached_apart_from_the_decode_kernel(tmp_path, monkeypatch):
-    monkeypatch.setenv("BATCHAPI_NATIVE_DIR", str(tmp_path))
-    assert native._load_elementwise() is not None
-    built = [p.name for p in tmp_path.iterdir()]
-    assert len(built) == 1 and built[0].startswith("elementwise-") and built[0].endswith(".so")
-    mtime = (tmp_path / built[0]).stat().st_mtime_ns
-    assert native._load_elementwise() is not None
-    assert (tmp_path / built[0]).stat().st_mtime_ns == mtime, "a second load rebuilt the library"
-
-
-def test_a_failed_build_leaves_these_ops_on_the_twins(tmp_path, monkeypatch, caplog):
-    monkeypatch.setenv("BATCHAPI_NATIVE_DIR", str(tmp_path))
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setattr(native, "_state", {})
-    assert native.load_elementwise() is None
-    assert "building elementwise.c failed" in caplog.text
-    x, w = randn(3, 64, dtype=torch.bfloat16), randn(64, dtype=torch.bfloat16)
-    assert torch.equal(CPU_OPS.rms_norm(x, w, 1e-6), TWIN.rms_norm(x, w, 1e-6))
 
 
 @pytest.mark.parametrize(("march", "needs"), [("x86-64", {"sse2"}), ("haswell", {"avx2", "fma"})])
 def test_the_portable_c_matches_the_twin_too(march, needs, tmp_path, monkeypatch):
     """The loops for CPUs without AVX-512, built here for x86 CPUs that lack it."""
-    if not build_for(march, needs, native.ELEMENTWISE_SOURCE, tmp_path, monkeypatch):
+    if not build_for(march, needs, build.ELEMENTWISE_SOURCE, tmp_path, monkeypatch):
         return  # a CPU without them: built, not run
-    monkeypatch.setattr(native, "_state", {})
-    assert native.load_elementwise() is not None
+    monkeypatch.setattr(build, "_state", {})
+    assert build.load_elementwise() is not None
     for dtype in DTYPES:
         x, residual = randn(5, 100, dtype=dtype, seed=1), randn(5, 100, dtype=dtype, seed=2)
         weight = randn(100, dtype=dtype, seed=3)
-        for out, twin in zip(native.fused_add_rms_norm(x, residual, weight, 1e-5),
+        for out, twin in zip(elementwise.fused_add_rms_norm(x, residual, weight, 1e-5),
                              TWIN.fused_add_rms_norm(x, residual, weight, 1e-5), strict=True):
             assert_matches(out, twin)
-        assert_matches(native.rms_norm(x, weight, 1e-5), TWIN.rms_norm(x, weight, 1e-5))
+        assert_matches(elementwise.rms_norm(x, weight, 1e-5), TWIN.rms_norm(x, weight, 1e-5))
         gate_up = randn(7, 2 * 72, dtype=dtype, scale=4, seed=4)
-        assert_matches(native.silu_and_mul(gate_up), TWIN.silu_and_mul(gate_up))
+        assert_matches(elementwise.silu_and_mul(gate_up), TWIN.silu_and_mul(gate_up))
         q, k, _ = qkv_views(5, 3, 1, 72, dtype)
         cos_sin = build_rope_cache(72, 64, 10000.0, None, "cpu", dtype)
         positions = torch.tensor([9, 3, 63, 0, 10])
-        for out, twin in zip(native.rotary(q, k, positions, cos_sin), TWIN.rotary(q, k, positions, cos_sin),
+        for out, twin in zip(elementwise.rotary(q, k, positions, cos_sin), TWIN.rotary(q, k, positions, cos_sin),
                              strict=True):
             assert_matches(out, twin)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("in_c", [True, False])
+def test_argmax_in_c_and_without_it_is_torchs(dtype, in_c, monkeypatch):
+    if not in_c:
+        monkeypatch.setattr(elementwise, "load_elementwise", lambda: None)  # as where the library did not build
+    g = torch.Generator().manual_seed(1)
+    wide = torch.randint(-3, 3, (7, 1001 + 64), generator=g).to(dtype)
+    x = wide[:, 32:1033]  # rows 1001 wide, a step of 1065 apart: odd sizes, not contiguous
+    x[2, 999] = x[2, 3] = float("nan")
+    x[4] = float("-inf")
+    x[5, 1000] = 9
+    assert elementwise.argmax(x).tolist() == x.argmax(-1).tolist()
+
+
+def test_argmax_hands_what_c_does_not_take_to_the_twin(monkeypatch):
+    monkeypatch.setattr(elementwise, "load_elementwise", _Untouchable)
+    for x in (torch.randn(3, 64).half(), torch.randn(64, 3).t(), torch.zeros(0, 64)):  # fp16, column stride, no rows
+        assert elementwise.argmax(x).tolist() == x.argmax(-1).tolist()

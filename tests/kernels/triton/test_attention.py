@@ -1,4 +1,4 @@
-"""The Triton paged-attention kernel (under TRITON_INTERPRET=1 on CPU) against its twin.
+"""The Triton paged-attention kernel (kernels.triton.attention, interpreted on CPU) against its twin.
 
 Sizes stay small: the interpreter runs each program instance in numpy (about 0.4 ms each) and
 cannot do bf16 arithmetic, so the dtypes are fp32 and fp16.
@@ -11,7 +11,8 @@ import random
 import pytest
 import torch
 
-from batchapi.kernels import attention, attention_ref
+from batchapi.kernels.torch import attention as twin
+from batchapi.kernels.triton import attention
 from tests.kernels.paged import dense_attention, make_case
 
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
@@ -31,7 +32,7 @@ def _mixed_lens(rng: random.Random, num_seqs: int, max_ctx: int):
 
 def _check(case, dtype, **kwargs):
     out = attention.paged_attention(*case.args(), case.scale, **kwargs)
-    expected = attention_ref.paged_attention(*case.args(), case.scale)
+    expected = twin.paged_attention(*case.args(), case.scale)
     torch.testing.assert_close(out, expected, atol=TOL[dtype], rtol=TOL[dtype])
 
 
@@ -78,7 +79,7 @@ def test_twin_and_kernel_match_dense_on_block_edges():
     # contexts one below, at and one above a block boundary; prefill exactly one block
     case = make_case([1, 1, 1, 16, 2], [15, 16, 17, 16, 33], 4, 2, 64, block_size=16, seed=3)
     expected = dense_attention(case)
-    for fn in (attention.paged_attention, attention_ref.paged_attention):
+    for fn in (attention.paged_attention, twin.paged_attention):
         torch.testing.assert_close(fn(*case.args(), case.scale), expected, atol=1e-5, rtol=1e-5)
 
 
@@ -96,7 +97,7 @@ def test_launcher_rejects_bad_inputs():
 def test_host_hints_change_nothing_but_the_launch():
     # the engine may pass the step's maxima it knows on the host; wrong-but-valid tilings stay exact
     case = make_case([1, 6, 1], [30, 6, 12], 4, 2, 64, seed=4)
-    expected = attention_ref.paged_attention(*case.args(), case.scale, max_seqlen_q=6, max_context_len=30)
+    expected = twin.paged_attention(*case.args(), case.scale, max_seqlen_q=6, max_context_len=30)
     for hints in ({"max_seqlen_q": 6, "max_context_len": 30}, {"max_seqlen_q": 1, "max_context_len": 30}):
         out = attention.paged_attention(*case.args(), case.scale, **hints)
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)

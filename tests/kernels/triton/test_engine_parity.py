@@ -1,5 +1,7 @@
 """The engine's greedy outputs with the twins, with the Triton kernels (interpreted) and from HF.
 
+Here, not in the suite's process, because the Triton kernels need the interpreter (conftest.py).
+
 A tiny random Llama (GQA 3, llama3 rope scaling, untied head) in fp32: the interpreter cannot do
 bf16, and fp32 keeps all three bit-close, so the greedy tokens must be identical.
 """

@@ -1,0 +1,72 @@
+"""The one line parser: every way a line can be wrong has its own code and names its field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from batchapi.openai.errors import ErrorCode
+from batchapi.openai.lines import iter_lines, parse_line
+
+CHAT = "/v1/chat/completions"
+GOOD_BODY = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+
+
+def encode(record) -> bytes:
+    return json.dumps(record).encode()
+
+
+def good(custom_id="a", **overrides) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": CHAT, "body": GOOD_BODY, **overrides}
+
+
+def test_a_good_line_gives_its_body():
+    line = parse_line(encode(good()), 7, CHAT)
+    assert (line.line, line.custom_id, line.error) == (7, "a", None)
+    assert line.body.messages == [{"role": "user", "content": "Hi"}] and line.body.max_tokens == 3
+
+
+@pytest.mark.parametrize(("content", "code", "param", "custom_id"), [
+    (b"\xff{}", ErrorCode.INVALID_ENCODING, None, None),
+    (b"{not json", ErrorCode.INVALID_JSON_LINE, None, None),
+    (b"[1, 2]", ErrorCode.INVALID_JSON_LINE, None, None),
+    (encode(good(custom_id="")), ErrorCode.MISSING_CUSTOM_ID, "custom_id", None),
+    (encode({k: v for k, v in good().items() if k != "method"}), ErrorCode.INVALID_METHOD, "method", "a"),
+    (encode(good(method="GET")), ErrorCode.INVALID_METHOD, "method", "a"),
+    (encode(good(url="/v1/completions")), ErrorCode.INVALID_URL, "url", "a"),
+    (encode(good(body={"model": "m"})), ErrorCode.MISSING_REQUIRED_PARAMETER, "body.messages", "a"),
+    (encode(good(body={**GOOD_BODY, "temperature": "hot"})), ErrorCode.INVALID_TYPE, "body.temperature", "a"),
+    (encode(good(body={**GOOD_BODY, "tools": []})), ErrorCode.UNKNOWN_PARAMETER, "body.tools", "a"),
+    (encode(good(body=[])), ErrorCode.INVALID_TYPE, "body", "a"),
+])
+def test_each_problem_has_its_code_and_field(content, code, param, custom_id):
+    line = parse_line(content, 1, CHAT)
+    assert line.body is None
+    assert (line.error.code, line.error.line_param, line.custom_id) == (code, param, custom_id)
+
+
+def test_body_errors_name_the_field_as_the_endpoint_sees_it():
+    error = parse_line(encode(good(body={**GOOD_BODY, "top_p": 0})), 1, CHAT).error
+    assert (error.param, error.line_param, error.in_body) == ("top_p", "body.top_p", True)
+
+
+def test_without_a_batch_endpoint_any_supported_url_is_taken():
+    completion = good(url="/v1/completions", body={"model": "m", "prompt": "Once"})
+    assert parse_line(encode(completion), 1, None).body.prompt == "Once"
+    assert parse_line(encode(good(url="/v1/embeddings")), 1, None).error.code == ErrorCode.INVALID_URL
+
+
+def test_a_byte_order_mark_is_taken_before_the_first_line_only():
+    content = "\ufeff".encode() + encode(good())
+    assert parse_line(content, 1, CHAT).error is None
+    assert parse_line(content, 2, CHAT).error.code == ErrorCode.INVALID_JSON_LINE
+
+
+def test_iter_lines_gives_byte_ranges_across_chunks():
+    data = b'{"a": 1}\n\n{"b": 2}\r\n{"c": 3}'
+    chunks = [data[i:i + 3] for i in range(0, len(data), 3)]
+    lines = list(iter_lines(chunks))
+    assert [(n, s, e, c) for n, s, e, c in lines] == [
+        (1, 0, 9, b'{"a": 1}'), (2, 9, 10, b""), (3, 10, 20, b'{"b": 2}\r'), (4, 20, 28, b'{"c": 3}')]
+    assert all(data[s:e].rstrip(b"\n") == c for _, s, e, c in lines)
