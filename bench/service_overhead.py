@@ -147,17 +147,19 @@ def _healthy(http: httpx.Client) -> bool:
 def through_engine(args, lines: list[dict], warmup: list[dict]) -> tuple[float, float, int]:
     from batchapi.config import load_settings
     from batchapi.engine import EngineFront
-    from batchapi.openai.body import parse_body
-    from batchapi.workers import openai_io
+    from batchapi.openai.lines import parse_line
+    from batchapi.workers.codec import Codec
     from batchapi.workers.engine_setup import engine_config_from
 
     settings = load_settings(model=args.model)
     with EngineFront(engine_config_from(settings)) as front:
+        codec = Codec(front.tokenizer, args.model)
+
         def run(batch: list[dict]) -> tuple[float, float, int]:
             cpu, start = time.process_time(), time.perf_counter()
             futures = [
-                front.submit(openai_io.to_request(parse_body(line["url"], line["body"]), front.tokenizer,
-                                                  f"{line['custom_id']}-{start}"))
+                front.submit(codec.request(parse_line(json.dumps(line).encode(), 1, None),
+                                           f"{line['custom_id']}-{start}"))
                 for line in batch
             ]
             tokens = sum(f.result().completion_tokens for f in futures)

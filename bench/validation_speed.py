@@ -19,8 +19,8 @@ from pathlib import Path
 
 from batchapi.config import load_settings
 from batchapi.model_store import model_id, resolve_model
-from batchapi.openai.body import CHAT, parse_body
-from batchapi.openai.lines import iter_lines
+from batchapi.openai.body import CHAT
+from batchapi.openai.lines import iter_lines, parse_line
 from batchapi.validation.scanner import Limits, Scanner
 from batchapi.validation.token_counts import PromptCounter, exact_counts
 
@@ -77,7 +77,7 @@ def main() -> None:
     print(f"json.loads floor: {floor:.2f} s; validate / floor = {took / floor:.1f}x")
     if args.exact:
         start = time.perf_counter()
-        parsed = [parse_body(CHAT, json.loads(line)["body"]) for _, _, _, line in iter_lines(chunks(path))]
+        parsed = [parse_line(line, n, CHAT).body for n, _, _, line in iter_lines(chunks(path))]
         tokens = sum(exact_counts(counter, parsed))
         took = time.perf_counter() - start
         print(f"exact counting pass (background, after the batch started): {took:.1f} s, "
