@@ -1,4 +1,4 @@
-"""The import directions of DESIGN.md hold: checked on the source, module by module, lazy
+"""The import directions of docs/DESIGN.md hold: checked on the source, module by module, lazy
 imports (inside functions) included, and no package imports another in a circle."""
 
 import ast

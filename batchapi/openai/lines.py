@@ -1,6 +1,6 @@
 """The one parser of batch input lines: validation, the shard reader and ``run-batch`` use it.
 
-A line is ``{"custom_id", "method": "POST", "url", "body"}`` (API.md). ``iter_lines`` cuts a
+A line is ``{"custom_id", "method": "POST", "url", "body"}`` (docs/API.md). ``iter_lines`` cuts a
 stream of bytes into lines with their byte ranges; ``parse_line`` checks one of them and
 returns what it holds, or why it cannot run, with an ``ErrorCode``.
 """

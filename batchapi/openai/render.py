@@ -1,6 +1,6 @@
 """Rendering: a request's outcome as an OpenAI response body and as its output or error line.
 
-Shapes of API.md. The engine's results come in as plain objects (``GenerationResult``: ids,
+Shapes of docs/API.md. The engine's results come in as plain objects (``GenerationResult``: ids,
 token counts, outputs with text and logprobs); this module never imports the engine, so the
 API process can use it without torch. ``workers.codec`` binds it to the engine.
 """

@@ -1,4 +1,4 @@
-"""Output and error lines in the shapes of API.md, with the codes of ``ErrorCode``."""
+"""Output and error lines in the shapes of docs/API.md, with the codes of ``ErrorCode``."""
 
 from __future__ import annotations
 
