@@ -2,7 +2,7 @@
 # Base on a CUDA runtime so the worker finds the GPU; the api and beat never touch it.
 FROM nvidia/cuda:12.4.1-runtime-ubuntu22.04
 # gcc and the Python headers: Triton compiles its kernel launchers at first use, and the CPU path
-# builds its C decode attention (batchapi/kernels/native.py) the same way
+# builds its C decode attention (batchapi/kernels/cpu/build.py) the same way
 RUN apt-get update && apt-get install -y --no-install-recommends python3.11 python3.11-venv python3.11-dev \
         python3-pip gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
