@@ -26,41 +26,29 @@ def _dump(record: dict) -> bytes:
     return json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
 
 
-def _ids() -> tuple[str, str]:
-    return f"batch_req_{secrets.token_hex(12)}", f"req_{secrets.token_hex(12)}"
+def _line(custom_id: str | None, response: dict | None, error: dict | None) -> bytes:
+    return _dump({"id": f"batch_req_{secrets.token_hex(12)}", "custom_id": custom_id, "response": response,
+                  "error": error})
+
+
+def _response(status_code: int, body: dict) -> dict:
+    return {"status_code": status_code, "request_id": f"req_{secrets.token_hex(12)}", "body": body}
 
 
 def succeeded(custom_id: str, body: dict) -> bytes:
-    line_id, request_id = _ids()
-    return _dump({
-        "id": line_id,
-        "custom_id": custom_id,
-        "response": {"status_code": 200, "request_id": request_id, "body": body},
-        "error": None,
-    })
+    return _line(custom_id, _response(200, body), None)
 
 
 def rejected(custom_id: str | None, error: RequestError) -> bytes:
     """A request that ran (or was read) and was refused: a 400 with an OpenAI error body."""
     body = {"error": {"message": error.message, "type": "invalid_request_error", "param": error.param,
                       "code": str(error.code)}}
-    line_id, request_id = _ids()
-    return _dump({
-        "id": line_id,
-        "custom_id": custom_id,
-        "response": {"status_code": 400, "request_id": request_id, "body": body},
-        "error": None,
-    })
+    return _line(custom_id, _response(400, body), None)
 
 
-def never_ran(custom_id: str, code: ErrorCode) -> bytes:
-    line_id, _ = _ids()
-    return _dump({
-        "id": line_id,
-        "custom_id": custom_id,
-        "response": None,
-        "error": {"code": str(code), "message": NOT_RUN_MESSAGES[code]},
-    })
+def never_ran(custom_id: str | None, code: ErrorCode) -> bytes:
+    """A request that was not run (or not to the end): no response, the reason as ``error``."""
+    return _line(custom_id, None, {"code": str(code), "message": NOT_RUN_MESSAGES[code]})
 
 
 def usage(result) -> dict:
