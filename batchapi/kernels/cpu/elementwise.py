@@ -99,7 +99,7 @@ def rotary(
                     positions.data_ptr(), cos_sin.data_ptr(), cos_sin.stride(0), max_pos,
                     cos_sin.dtype is torch.bfloat16, n, d, q.dtype is torch.bfloat16, torch.get_num_threads())
     if rc == -2:
-        raise RuntimeError(f"native rotary refused head size {d}")
+        raise RuntimeError(f"the C rotary refused head size {d}")
     if rc != 0:
         bad = positions[(positions < 0) | (positions >= max_pos)]
         raise ValueError(f"positions {bad[:8].tolist()} lie outside cos_sin's {max_pos} rows")
