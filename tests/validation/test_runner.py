@@ -12,16 +12,16 @@ from sqlalchemy import select, update
 from batchapi.batches import states
 from batchapi.batches.billing import cost, estimated_cost
 from batchapi.batches.files import delete_file, upload_file
+from batchapi.batches.leases import claim_validation
 from batchapi.batches.service import create_batch, get_batch
 from batchapi.batches.states import BatchStatus
+from batchapi.batches.sweeper import sweep
 from batchapi.db.models import Batch, File, Shard
 from batchapi.db.projects import get_or_create_project
 from batchapi.db.session import session_scope
 from batchapi.model_store import served_model
 from batchapi.storage.streams import TooLarge
 from batchapi.validation.backfill import count_batch
-from batchapi.batches.leases import claim_validation
-from batchapi.batches.sweeper import sweep
 from batchapi.validation.runner import resume, validate_batch
 from batchapi.validation.token_counts import counter_for
 from tests.utils.batch_service import jsonl, request_line
