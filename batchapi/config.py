@@ -56,7 +56,7 @@ class Settings(BaseSettings):
     auth_required: bool = True
     max_upload_bytes: int = Field(default=512 * 1024 * 1024, ge=1)
     validation_lease_seconds: int = Field(default=300, ge=5)
-    # list prices per 1M tokens for the served model; unset: the table in batchapi/jobs/pricing.py
+    # list prices per 1M tokens for the served model; unset: the table in batchapi/batches/billing.py
     price_input_per_mtok: Decimal | None = Field(default=None, ge=0)
     price_cached_input_per_mtok: Decimal | None = Field(default=None, ge=0)
     price_output_per_mtok: Decimal | None = Field(default=None, ge=0)

@@ -2,7 +2,7 @@
 
 Plain Python (no torch), so the scheduler side and the workers can build and pass it around.
 Bounds are those OpenAI documents, or wider where the engine has no reason to refuse
-(temperature above 2, any top_k); ``batchapi.jobs.request_body`` applies the API's own limits.
+(temperature above 2, any top_k); ``batchapi.openai.body`` applies the API's own limits.
 """
 
 from __future__ import annotations
