@@ -88,7 +88,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from batchapi.workers.embedded import EmbeddedWorker
 
         worker = EmbeddedWorker()
-        serve(settings, dispatcher=worker, hook=worker.run)
+        serve(settings, dispatcher=worker, hook=worker.run, sweep_shards=True)  # no beat: it sweeps
     else:
         from batchapi.workers.celery_app import CeleryDispatcher, make_celery
 

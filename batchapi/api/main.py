@@ -33,16 +33,18 @@ def create_app(
     dispatcher: Dispatcher | None = None,
     storage: Storage | None = None,
     hook: Hook | None = None,
+    sweep_shards: bool = False,
 ) -> FastAPI:
     """The API. ``dispatcher`` hears about validated and cancelled batches; ``hook(jobs)`` is a
-    context manager entered for the app's lifetime (the embedded worker runs inside it)."""
+    context manager entered for the app's lifetime (the embedded worker runs inside it). The API
+    always sweeps for validations; ``sweep_shards`` adds the sweeper's shard steps, which are
+    ``batchapi beat``'s in production and the embedded worker's host's without a broker."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         jobs = open_jobs(settings, dispatcher=dispatcher, storage=storage)
         runner = ValidationRunner(jobs)
-        # the shard steps are the beat's in production; the embedded default has no beat
-        sweeper = SweepLoop(jobs, settings.sweep_seconds, runner, shards=settings.embedded)
+        sweeper = SweepLoop(jobs, settings.sweep_seconds, runner, shards=sweep_shards)
         jobs.on_batch_created = runner.submit
         jobs.on_batch_cancelled = lambda _batch_id: sweeper.poke()
         app.state.jobs = jobs
@@ -69,7 +71,8 @@ def create_app(
     return app
 
 
-def serve(settings: Settings, *, dispatcher: Dispatcher | None = None, hook: Hook | None = None) -> None:
+def serve(settings: Settings, *, dispatcher: Dispatcher | None = None, hook: Hook | None = None,
+          sweep_shards: bool = False) -> None:
     """``batchapi serve``: the API on settings.host:port (a SQLite database is migrated first)."""
     import uvicorn
 
@@ -77,5 +80,5 @@ def serve(settings: Settings, *, dispatcher: Dispatcher | None = None, hook: Hoo
         from batchapi.db.migrate import upgrade
 
         upgrade(settings)
-    app = create_app(settings, dispatcher=dispatcher, hook=hook)
+    app = create_app(settings, dispatcher=dispatcher, hook=hook, sweep_shards=sweep_shards)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")

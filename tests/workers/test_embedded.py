@@ -38,7 +38,7 @@ def embedded(tmp_path_factory, tiny_llama_dir):
     settings = service_settings(tmp_path_factory.mktemp("embedded"), tiny_llama_dir, **EMBEDDED)
     upgrade(settings)
     worker = EmbeddedWorker()
-    with live_server(settings, dispatcher=worker, hook=worker.run) as server:
+    with live_server(settings, dispatcher=worker, hook=worker.run, sweep_shards=True) as server:
         yield server
 
 
