@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import re
-import time
 
 import pytest
+import redis
 from sqlalchemy import select
 
 from batchapi.batches import leases
 from batchapi.db.models import Shard
 from batchapi.workers.celery_app import make_celery, send_shards
+from tests.utils.batch_service import wait_until
 from tests.workers.helpers import (
     assert_each_once,
     assert_usage_matches,
@@ -23,6 +24,16 @@ from tests.workers.helpers import (
 )
 
 pytestmark = pytest.mark.slow
+
+
+def wait_consumed(cluster, queue: str, timeout: float = 120) -> None:
+    """Until no message of ``queue`` waits and none is unacknowledged: with late acks a task's
+    message stays in kombu's ``unacked`` hash until the task has returned."""
+    client = redis.Redis.from_url(cluster.redis.url)
+    try:
+        wait_until(lambda: client.llen(queue) == 0 and client.hlen("unacked") == 0, timeout, interval=0.1)
+    finally:
+        client.close()
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +89,7 @@ def test_duplicated_task_messages_do_no_work_twice(cluster, two_workers, model):
         shard_ids = [s[0] for s in before]
         send_shards(app, cluster.settings.celery_queue, shard_ids + shard_ids)
         assert leases.claim(cluster.jobs, shard_ids[0], "someone-else") is None
-        time.sleep(3)
+        wait_consumed(cluster, cluster.settings.celery_queue)  # the workers have handled every copy
         after = [(s.id, s.attempts, s.finished_at, s.output_key) for s in shards_of(cluster, batch_id)]
         assert after == before
         again = get(http, batch_id)
