@@ -18,9 +18,9 @@ from batchapi.config import Settings, SettingsError, load_settings
 console = Console()
 
 
-def _settings() -> Settings:
+def _settings(**overrides) -> Settings:
     try:
-        return load_settings()
+        return load_settings(**overrides)
     except SettingsError as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise SystemExit(2) from None
@@ -68,7 +68,8 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
     except ModelNotFound as exc:
         console.print(f"[red]error:[/red] {exc}")
         return 1
-    counts = run_batch(Path(args.input), Path(args.output), config, progress=not args.quiet)
+    counts = run_batch(Path(args.input), Path(args.output), config, progress=not args.quiet,
+                       max_line_bytes=settings.max_line_bytes)
     console.print(counts)
     return 0
 
@@ -80,20 +81,36 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """The API; with no broker, the embedded worker runs in the same process."""
     from batchapi.api.main import serve
 
-    settings = _settings()
     overrides = {name: getattr(args, name) for name in ("host", "port") if getattr(args, name) is not None}
-    if overrides:
-        settings = settings.model_copy(update=overrides)
+    if args.workers is not None:
+        overrides["api_workers"] = args.workers
+    settings = _settings(**overrides)  # --workers is checked as BATCHAPI_API_WORKERS is: it needs a broker
     if settings.embedded:
         from batchapi.workers.embedded import EmbeddedWorker
 
         worker = EmbeddedWorker()
         serve(settings, dispatcher=worker, hook=worker.run, sweep_shards=True)  # no beat: it sweeps
+    elif settings.api_workers > 1:
+        serve(settings, factory="batchapi.cli:api_app")
     else:
-        from batchapi.workers.celery_app import CeleryDispatcher, make_celery
-
-        serve(settings, dispatcher=CeleryDispatcher(make_celery(settings), settings.celery_queue))
+        serve(settings, dispatcher=_celery_dispatcher(settings))
     return 0
+
+
+def _celery_dispatcher(settings: Settings):
+    from batchapi.workers.celery_app import CeleryDispatcher, make_celery
+
+    return CeleryDispatcher(make_celery(settings), settings.celery_queue)
+
+
+def api_app():
+    """The app of one of `batchapi serve --workers N`'s processes: uvicorn imports and calls this
+    in each, and each reads its settings from the environment again."""
+    from batchapi.api.main import create_app
+
+    _configure_logging(verbose=False)
+    settings = _settings()
+    return create_app(settings, dispatcher=_celery_dispatcher(settings))
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -203,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="the API (with the embedded worker when no broker is set)")
     serve.add_argument("--host", default=None, help="default: BATCHAPI_HOST")
     serve.add_argument("--port", type=int, default=None, help="default: BATCHAPI_PORT")
+    serve.add_argument("--workers", type=int, default=None,
+                       help="API processes on the one port (needs BATCHAPI_BROKER_URL); default: BATCHAPI_API_WORKERS")
     serve.set_defaults(func=cmd_serve)
     worker = sub.add_parser("worker", help="a Celery GPU worker (one per GPU)")
     worker.add_argument("-n", "--name", default=None, help="Celery node name")
@@ -240,11 +259,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _configure_logging(args.verbose)
+    return args.func(args)
+
+
+def _configure_logging(verbose: bool) -> None:
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
+        level=logging.DEBUG if verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    return args.func(args)
 
 
 if __name__ == "__main__":

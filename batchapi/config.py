@@ -50,11 +50,21 @@ class Settings(BaseSettings):
     # service
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
+    api_workers: int = Field(default=1, ge=1)  # API processes of `batchapi serve`; >1 needs a broker
+    access_log: bool = True  # uvicorn's line per request
+    # database connections per process; past them a request waits (0 overflow: none opened per request)
+    db_pool_size: int = Field(default=20, ge=1)
+    db_max_overflow: int = Field(default=0, ge=0)
     max_file_bytes: int = Field(default=200 * 1024 * 1024, ge=1)
     max_file_lines: int = Field(default=50_000, ge=1)
+    # one input line (one request); longer lines fail validation as line_too_long unread
+    max_line_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     batch_discount_percent: Decimal = Field(default=Decimal(50), ge=0, le=100)
     auth_required: bool = True
-    max_upload_bytes: int = Field(default=512 * 1024 * 1024, ge=1)
+    # a key's lookup is reused this long per API process, so a revoked key is refused within it
+    auth_cache_seconds: float = Field(default=2.0, ge=0, le=60)
+    # one upload; unset: max_file_bytes (a larger upload would only fail validation later)
+    max_upload_bytes: int | None = Field(default=None, ge=1)
     validation_lease_seconds: int = Field(default=300, ge=5)
     # list prices per 1M tokens for the served model; unset: the table in batchapi/batches/billing.py
     price_input_per_mtok: Decimal | None = Field(default=None, ge=0)
@@ -99,6 +109,21 @@ class Settings(BaseSettings):
         if value and not value.startswith(("redis://", "rediss://", "amqp://", "pyamqp://")):
             raise ValueError("must be a redis:// or amqp:// URL")
         return value
+
+    @model_validator(mode="after")
+    def _upload_within_file_limit(self) -> Settings:
+        if self.max_upload_bytes is None:
+            self.max_upload_bytes = self.max_file_bytes
+        elif self.max_upload_bytes > self.max_file_bytes:
+            raise ValueError("BATCHAPI_MAX_UPLOAD_BYTES must be at most BATCHAPI_MAX_FILE_BYTES")
+        return self
+
+    @model_validator(mode="after")
+    def _api_workers_need_broker(self) -> Settings:
+        if self.api_workers > 1 and not self.broker_url:
+            raise ValueError("BATCHAPI_API_WORKERS above 1 needs BATCHAPI_BROKER_URL (without one, the "
+                             "worker runs inside the one API process)")
+        return self
 
     @model_validator(mode="after")
     def _heartbeat_inside_lease(self) -> Settings:

@@ -5,25 +5,44 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import Depends, Header, Request
+from fastapi.concurrency import run_in_threadpool
 
 from batchapi.batches.context import Jobs
-from batchapi.db.projects import authenticate
+from batchapi.db.projects import KeyCache, authenticate
 
 
-def get_jobs(request: Request) -> Jobs:
+async def get_jobs(request: Request) -> Jobs:  # async: no threadpool round trip for a lookup
     return request.app.state.jobs
 
 
 JobsDep = Annotated[Jobs, Depends(get_jobs)]
 
 
-def get_project_id(request: Request, jobs: JobsDep) -> str:
-    """The project of the request's API key (``Authorization: Bearer KEY``)."""
+async def get_project_id(request: Request, jobs: JobsDep) -> str:
+    """The project of the request's API key (``Authorization: Bearer KEY``). Async, so that a key
+    seen in the last BATCHAPI_AUTH_CACHE_SECONDS costs neither a thread nor a query."""
     if not jobs.settings.auth_required:
         return request.app.state.default_project_id
     scheme, _, key = (request.headers.get("authorization") or "").partition(" ")
+    key = key.strip() if scheme.lower() == "bearer" else None
+    cache = _key_cache(request, jobs)
+    project_id = cache.get(key) if key else None
+    if project_id is None:
+        project_id = await run_in_threadpool(_authenticate, jobs, key)
+        cache.put(key, project_id)
+    return project_id
+
+
+def _key_cache(request: Request, jobs: Jobs) -> KeyCache:
+    cache = getattr(request.app.state, "key_cache", None)
+    if cache is None:  # made on first use: only the event loop's thread gets here
+        cache = request.app.state.key_cache = KeyCache(jobs.settings.auth_cache_seconds)
+    return cache
+
+
+def _authenticate(jobs: Jobs, key: str | None) -> str:
     with jobs.sessions() as session:
-        return authenticate(session, key.strip() if scheme.lower() == "bearer" else None)
+        return authenticate(session, key)
 
 
 ProjectDep = Annotated[str, Depends(get_project_id)]

@@ -9,12 +9,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DataError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from batchapi.errors import Conflict, InvalidRequest, NotFound, ServiceError, StorageError, Unauthenticated
+from batchapi.storage.streams import TooLarge
 
 log = logging.getLogger(__name__)
 
-STATUS = {NotFound: 404, InvalidRequest: 400, Conflict: 409, Unauthenticated: 401, StorageError: 503}
+# the first class that matches wins: TooLarge is an InvalidRequest
+STATUS = {NotFound: 404, TooLarge: 413, InvalidRequest: 400, Conflict: 409, Unauthenticated: 401, StorageError: 503}
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
@@ -42,11 +45,22 @@ async def _validation_error(_request: Request, exc: RequestValidationError) -> J
     return error_response(400, message, param, first.get("type"))
 
 
-async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     messages = {404: "Not found.", 405: "Method not allowed."}
     message = exc.detail if isinstance(exc.detail, str) and exc.detail else messages.get(exc.status_code, "error")
     type_ = "server_error" if exc.status_code >= 500 else "invalid_request_error"
-    return error_response(exc.status_code, message, None, None, type_, getattr(exc, "headers", None))
+    headers = getattr(exc, "headers", None)
+    if exc.status_code == 405:  # Starlette names the methods of the first route on the path only
+        headers = {**(headers or {}), "Allow": ", ".join(_allowed_methods(request))}
+    return error_response(exc.status_code, message, None, None, type_, headers)
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    def served(method: str) -> bool:
+        scope = {**request.scope, "method": method}
+        return any(route.matches(scope)[0] == Match.FULL for route in request.app.routes)
+
+    return [method for method in ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE") if served(method)]
 
 
 async def _bad_value(_request: Request, exc: DataError) -> JSONResponse:

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractContextManager, asynccontextmanager, nullcontext
 
 from fastapi import FastAPI
 
-from batchapi.api import errors
+from batchapi.api import errors, openapi
+from batchapi.api.limits import BodyLimit, server_options
 from batchapi.api.routes import batches, files, health, models
 from batchapi.api.schemas import ModelObject
+from batchapi.api.uploads import FORM_OVERHEAD_BYTES
 from batchapi.batches.context import Jobs, open_jobs
 from batchapi.batches.dispatch import Dispatcher
 from batchapi.batches.sweeper import SweepLoop
@@ -19,7 +22,7 @@ from batchapi.db.clock import now
 from batchapi.db.projects import DEFAULT_PROJECT, get_or_create_project
 from batchapi.db.session import session_scope
 from batchapi.model_store import served_model_id
-from batchapi.storage import Storage
+from batchapi.storage import Storage, remove_partial_writes
 from batchapi.validation.runner import ValidationRunner
 
 log = logging.getLogger(__name__)
@@ -43,6 +46,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         jobs = open_jobs(settings, dispatcher=dispatcher, storage=storage)
+        threading.Thread(target=remove_partial_writes, args=(jobs.storage,), name="remove-partial", daemon=True).start()
         runner = ValidationRunner(jobs)
         sweeper = SweepLoop(jobs, settings.sweep_seconds, runner, shards=sweep_shards)
         jobs.on_batch_created = runner.submit
@@ -66,19 +70,27 @@ def create_app(
 
     app = FastAPI(title="batchapi", version="0.1.0", lifespan=lifespan)
     errors.install(app)
+    app.add_middleware(BodyLimit, per_path={"/v1/files": settings.max_upload_bytes + FORM_OVERHEAD_BYTES})
+    openapi.install(app)
     for router in (files.router, batches.router, models.router, health.router):
         app.include_router(router)
     return app
 
 
 def serve(settings: Settings, *, dispatcher: Dispatcher | None = None, hook: Hook | None = None,
-          sweep_shards: bool = False) -> None:
-    """``batchapi serve``: the API on settings.host:port (a SQLite database is migrated first)."""
+          sweep_shards: bool = False, factory: str | None = None) -> None:
+    """``batchapi serve``: the API on settings.host:port (a SQLite database is migrated first).
+    With ``factory``, the import string of a function that builds the app from the environment,
+    uvicorn runs settings.api_workers processes on the one port, each calling it."""
     import uvicorn
 
     if settings.sqlalchemy_url.startswith("sqlite"):
         from batchapi.db.migrate import upgrade
 
         upgrade(settings)
+    options = dict(host=settings.host, port=settings.port, log_level="info", access_log=settings.access_log)
+    if factory is not None:
+        uvicorn.run(factory, factory=True, workers=settings.api_workers, **options, **server_options())
+        return
     app = create_app(settings, dispatcher=dispatcher, hook=hook, sweep_shards=sweep_shards)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
+    uvicorn.run(app, **options, **server_options())

@@ -138,3 +138,32 @@ class Health(BaseModel):
     status: Literal["ok", "unavailable"]
     database: str
     storage: str
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error response, as OpenAI's."""
+
+    error: ErrorDetail
+
+
+ERRORS = {
+    400: "The request is malformed or holds a value the service does not take.",
+    401: "The API key is missing, unknown or revoked.",
+    404: "No such object in this project (another project's objects look the same).",
+    409: "The object's state does not allow this (a finished batch cancelled, an idempotency key reused).",
+    413: "The request body is larger than the limit.",
+    431: "The request line and headers are larger than the limit.",
+    503: "The database or the storage cannot be reached.",
+}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict]:
+    """The ``responses=`` of a route or router that may answer with these error statuses."""
+    return {status: {"model": ErrorResponse, "description": ERRORS[status]} for status in statuses}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
 from sqlalchemy import select
@@ -16,20 +16,41 @@ from batchapi.db.models import Batch, File
 from batchapi.db.paging import page
 from batchapi.db.session import session_scope
 from batchapi.errors import InvalidRequest, NotFound
+from batchapi.openai.errors import ErrorCode
+from batchapi.openai.text import storable
 from batchapi.storage.keys import file_key
 from batchapi.storage.streams import LimitedReader
 
 UPLOAD_PURPOSES = ("batch",)
 
 
-def upload_file(jobs: Jobs, project_id: str, filename: str, purpose: str, stream: BinaryIO) -> File:
-    if purpose not in UPLOAD_PURPOSES:
-        raise InvalidRequest(f"'{purpose}' is not a supported purpose; expected 'batch'", "purpose")
+def check_text(value: str | None, param: str) -> None:
+    """Refuse request text that has no UTF-8 form before anything is stored (``openai.text``)."""
+    if value is not None and not storable(value):
+        raise InvalidRequest(f"'{param}' holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), which "
+                             "is not valid Unicode text", param, code=str(ErrorCode.INVALID_ENCODING))
+
+
+def upload_file(
+    jobs: Jobs, project_id: str, filename: str, purpose: str | Callable[[], str], stream: BinaryIO
+) -> File:
+    """Store ``stream`` as a new File. ``purpose`` may be a callable that tells it once ``stream``
+    has been read (a form may send the purpose after the file); a bad one removes the object."""
+    if isinstance(purpose, str):
+        _check_purpose(purpose)
     if not filename:
         raise InvalidRequest("the upload needs a file name", "file")
+    check_text(filename, "file")
     fid = file_id()
     key = file_key(fid)
     size = jobs.storage.put_stream(key, LimitedReader(stream, jobs.settings.max_upload_bytes))
+    if not isinstance(purpose, str):
+        try:
+            purpose = purpose()
+            _check_purpose(purpose)
+        except InvalidRequest:
+            jobs.storage.delete(key)
+            raise
     row = File(
         id=fid, project_id=project_id, filename=filename.replace("\x00", "")[:512], purpose=purpose, bytes=size,
         storage_key=key, created_at=now(),
@@ -37,6 +58,11 @@ def upload_file(jobs: Jobs, project_id: str, filename: str, purpose: str, stream
     with session_scope(jobs.sessions) as session:
         session.add(row)
     return row
+
+
+def _check_purpose(purpose: str) -> None:
+    if purpose not in UPLOAD_PURPOSES:
+        raise InvalidRequest(f"'{purpose}' is not a supported purpose; expected 'batch'", "purpose")
 
 
 def register_file(session: Session, project_id: str, filename: str, purpose: str, storage_key: str, size: int) -> File:

@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 from batchapi.batches import states
 from batchapi.batches.billing import price_for
 from batchapi.batches.context import Jobs
-from batchapi.batches.files import get_file_row
+from batchapi.batches.files import check_text, get_file_row
 from batchapi.batches.states import DONE_SHARDS, BatchStatus
 from batchapi.db.clock import now
 from batchapi.db.ids import batch_id as new_batch_id
@@ -54,8 +54,10 @@ def check_metadata(metadata: dict | None) -> None:
     for key, value in metadata.items():
         if not isinstance(key, str) or not 0 < len(key) <= 64:
             raise InvalidRequest("metadata keys must be strings of 1 to 64 characters", "metadata")
+        check_text(key, "metadata")
         if not isinstance(value, str) or len(value) > 512:
             raise InvalidRequest(f"metadata[{key!r}] must be a string of at most 512 characters", "metadata")
+        check_text(value, "metadata")
 
 
 def _fingerprint(input_file_id: str, endpoint: str, window: str, metadata: dict | None) -> str:
@@ -74,6 +76,8 @@ def create_batch(
 ) -> Batch:
     """A new ``validating`` batch (validation starts after the commit), or, for a repeated
     ``idempotency_key`` with the same parameters, the batch the first request created."""
+    for value, param in ((input_file_id, "input_file_id"), (idempotency_key, "Idempotency-Key")):
+        check_text(value, param)
     if endpoint not in ENDPOINTS:
         raise InvalidRequest(f"endpoint {endpoint!r} is not supported; expected one of {list(ENDPOINTS)}", "endpoint")
     seconds = window_seconds(completion_window)

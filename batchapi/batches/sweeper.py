@@ -10,7 +10,9 @@
   worker within seconds; once nothing is open the batch is finalized, finished results kept;
 - batches left with nothing open (a worker died between its last shard and the finalize),
   or stuck in ``finalizing``, are finalized.
-Every step is a conditional UPDATE, so two sweepers (or a sweeper and a worker) never both act.
+Every step is a conditional UPDATE, so two sweepers (or a sweeper and a worker) never both act,
+and every row is handled alone: one that raises is logged and skipped, never blocking the rest
+(a shard whose input cannot be read back is still closed, its requests unnamed).
 ``batchapi beat`` runs the shard steps as a Celery periodic task; the API process runs a
 ``SweepLoop`` with its validator (and, in the embedded default, the shard steps too).
 """
@@ -19,8 +21,9 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from sqlalchemy import exists, select
 from sqlalchemy.exc import OperationalError
@@ -43,6 +46,7 @@ log = logging.getLogger(__name__)
 OWNER = "sweeper"
 # what a sweep may meet and the next one retries: the database or the storage briefly away
 TRANSIENT = (OperationalError, StorageError, OSError)
+T = TypeVar("T")
 
 
 class Validator(Protocol):
@@ -65,32 +69,53 @@ class SweepReport:
 
 def sweep(jobs: Jobs, validator: Validator | None = None, *, shards: bool = True) -> SweepReport:
     """One pass over everything stale; ``shards`` False leaves the shard steps to another
-    process (``batchapi beat`` in production)."""
+    process (``batchapi beat`` in production). Each row is acted on alone (``_each``): one that
+    raises is logged and skipped, and the rest of the sweep goes on."""
     report = SweepReport()
-    _validations(jobs, report, validator)
-    if shards:
-        _end_batches(jobs, report)
-        _expired_leases(jobs, report)
-        _finalize_leftovers(jobs, report)
+    steps = [_validations, _backfill] + ([_end_batches, _expired_leases, _finalize_leftovers] if shards else [])
+    _each(steps, "the sweep step", lambda step: step(jobs, report, validator))
     if report.resumed or report.requeued or report.closed or report.finalized:
         log.info("sweep: %d validations resumed, %d requeued, %d closed, %d finalized", len(report.resumed),
                  len(report.requeued), len(report.closed), len(report.finalized))
     return report
 
 
+def _each(rows: Iterable[T], what: str, act: Callable[[T], object]) -> None:
+    """``act`` on every row; a row that raises does not stop the others. A transient error is
+    retried by the next sweep; anything else is a bug, logged with its row."""
+    for row in rows:
+        try:
+            act(row)
+        except TRANSIENT:
+            log.warning("sweep: %s %s failed; the next sweep retries", what, _name(row), exc_info=True)
+        except Exception:  # one bad row must not stop the sweep for everyone else
+            log.exception("sweep: %s %s crashed; skipped", what, _name(row))
+
+
+def _name(row: object) -> object:
+    return getattr(row, "__name__", row)
+
+
 def _validations(jobs: Jobs, report: SweepReport, validator: Validator | None) -> None:
     validating, cancelling = leases.stale_validations(jobs)
-    for batch_id in cancelling:
-        leases.settle_cancelled_validation(jobs, batch_id)
+    _each(cancelling, "settling the cancelled validation of", lambda batch_id: leases.settle_cancelled_validation(
+        jobs, batch_id))
     if validator is None:
         return
-    for batch_id in validating:
+
+    def resume(batch_id: str) -> None:
         validator.resume(batch_id)
         report.resumed.append(batch_id)
-    validator.backfill()
+
+    _each(validating, "resuming the validation of", resume)
 
 
-def _end_batches(jobs: Jobs, report: SweepReport) -> None:
+def _backfill(jobs: Jobs, report: SweepReport, validator: Validator | None) -> None:
+    if validator is not None:
+        validator.backfill()
+
+
+def _end_batches(jobs: Jobs, report: SweepReport, validator: Validator | None) -> None:
     t = now()
     with jobs.sessions() as session:
         ending = session.execute(
@@ -99,7 +124,9 @@ def _end_batches(jobs: Jobs, report: SweepReport) -> None:
                 | ((Batch.status == BatchStatus.IN_PROGRESS) & (Batch.expires_at <= t))
             )
         ).all()
-    for batch_id, status in ending:
+
+    def end(row) -> None:
+        batch_id, status = row
         reason = ErrorCode.BATCH_CANCELLED if status == BatchStatus.CANCELLING else ErrorCode.BATCH_EXPIRED
         with jobs.sessions() as session:
             unowned = list(session.scalars(
@@ -108,14 +135,14 @@ def _end_batches(jobs: Jobs, report: SweepReport) -> None:
                     (Shard.status == ShardStatus.QUEUED) | ((Shard.status == ShardStatus.RUNNING) & (Shard.lease_expires_at < t)),
                 )
             ))
-        for shard_id in unowned:
-            if close_shard(jobs, shard_id, reason):
-                report.closed.append(shard_id)
+        _each(unowned, f"closing ({reason}) shard", lambda shard_id: _close(jobs, report, shard_id, reason))
         if finalize_batch(jobs, batch_id):
             report.finalized.append(batch_id)
 
+    _each(ending, "ending batch", end)
 
-def _expired_leases(jobs: Jobs, report: SweepReport) -> None:
+
+def _expired_leases(jobs: Jobs, report: SweepReport, validator: Validator | None) -> None:
     t = now()
     with jobs.sessions() as session:
         stale = session.execute(
@@ -123,17 +150,20 @@ def _expired_leases(jobs: Jobs, report: SweepReport) -> None:
             .join(Batch, Batch.id == Shard.batch_id)
             .where(Shard.status == ShardStatus.RUNNING, Shard.lease_expires_at < t, Batch.status == BatchStatus.IN_PROGRESS)
         ).all()
-    for shard_id, attempts in stale:
+
+    def recover(row) -> None:
+        shard_id, attempts = row
         if attempts >= jobs.settings.max_shard_attempts:
             log.warning("shard %s failed %d times; closing it", shard_id, attempts)
-            if close_shard(jobs, shard_id, ErrorCode.SHARD_FAILED):
-                report.closed.append(shard_id)
+            _close(jobs, report, shard_id, ErrorCode.SHARD_FAILED)
         elif leases.requeue_expired(jobs, shard_id):
             log.warning("shard %s lost its worker (attempt %d); re-queued", shard_id, attempts)
             report.requeued.append(shard_id)
 
+    _each(stale, "recovering the expired lease of shard", recover)
 
-def _finalize_leftovers(jobs: Jobs, report: SweepReport) -> None:
+
+def _finalize_leftovers(jobs: Jobs, report: SweepReport, validator: Validator | None) -> None:
     t = now()
     any_open = exists().where(Shard.batch_id == Batch.id, Shard.status.in_(OPEN_SHARDS))
     with jobs.sessions() as session:
@@ -143,12 +173,18 @@ def _finalize_leftovers(jobs: Jobs, report: SweepReport) -> None:
                 Batch.status == BatchStatus.FINALIZING, Batch.finalizing_at < t - jobs.settings.lease_seconds
             )
         ))
-    for batch_id in done:
-        if finalize_batch(jobs, batch_id):
+
+    def finalize(batch_id: str, resume: bool) -> None:
+        if finalize_batch(jobs, batch_id, resume=resume):
             report.finalized.append(batch_id)
-    for batch_id in stuck:
-        if finalize_batch(jobs, batch_id, resume=True):
-            report.finalized.append(batch_id)
+
+    _each(done, "finalizing batch", lambda batch_id: finalize(batch_id, False))
+    _each(stuck, "finalizing the stuck batch", lambda batch_id: finalize(batch_id, True))
+
+
+def _close(jobs: Jobs, report: SweepReport, shard_id: str, reason: ErrorCode) -> None:
+    if close_shard(jobs, shard_id, reason):
+        report.closed.append(shard_id)
 
 
 def close_shard(jobs: Jobs, shard_id: str, reason: ErrorCode) -> bool:
@@ -156,16 +192,28 @@ def close_shard(jobs: Jobs, shard_id: str, reason: ErrorCode) -> bool:
     claimed = leases.claim_for_closing(jobs, shard_id, OWNER)
     if claimed is None:
         return False
-    try:
-        custom_ids = read_custom_ids(jobs.storage, claimed)
-    except NotFound:  # the input object is gone: nothing left to name in the error file
-        log.error("the input of shard %s is gone from storage; closing it empty", shard_id)
-        custom_ids = []
+    custom_ids = _custom_ids(jobs, claimed)
     out_key = shard_output_key(claimed.batch_id, claimed.index)
     err_key = shard_error_key(claimed.batch_id, claimed.index)
     jobs.storage.put_chunks(out_key, [b""])
     jobs.storage.put_chunks(err_key, (render.never_ran(cid, reason) for cid in custom_ids))
     return leases.complete(jobs, claimed, OWNER, Outcome(0, len(custom_ids), reason=reason), out_key, err_key)
+
+
+def _custom_ids(jobs: Jobs, claimed: leases.Claimed) -> list[str | None]:
+    """The ids to name in the closed shard's error lines. Closing must always end: input that
+    cannot be read back as validation saw it still gives one error line per request, unnamed."""
+    try:
+        return read_custom_ids(jobs.storage, claimed, jobs.settings.max_line_bytes)
+    except NotFound:  # the input object is gone: nothing left to name in the error file
+        log.error("the input of shard %s is gone from storage; closing it empty", claimed.id)
+        return []
+    except TRANSIENT:
+        raise
+    except Exception:  # a retry would meet it again, and the shard would never close
+        log.exception("the input of shard %s cannot be read back; closing its %d requests unnamed", claimed.id,
+                      claimed.request_count)
+        return [None] * claimed.request_count
 
 
 class SweepLoop:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -73,6 +74,32 @@ def authenticate(session: Session, key: str | None) -> str:
         shown = key[:8] + "…" if len(key) > 8 else "…"
         raise Unauthenticated(f"Incorrect API key provided: {shown}.")
     return found.project_id
+
+
+class KeyCache:
+    """Key hash -> project id for ``seconds`` after a successful lookup, so that polling costs no
+    key query. A revoked key is thus refused at most ``seconds`` after its revocation commits (in
+    each API process); unknown and revoked keys are never cached. 0 turns the cache off. Not
+    locked: it is used from the event loop's thread only."""
+
+    MAX_ENTRIES = 10_000  # cleared when full: a flood of distinct keys cannot grow it
+
+    def __init__(self, seconds: float, clock: Callable[[], float] = time.monotonic):
+        self.seconds, self.clock = seconds, clock
+        self._entries: dict[str, tuple[str, float]] = {}
+
+    def get(self, key: str) -> str | None:
+        entry = self._entries.get(hash_key(key))
+        if entry is None or entry[1] <= self.clock():
+            return None
+        return entry[0]
+
+    def put(self, key: str, project_id: str) -> None:
+        if self.seconds <= 0:
+            return
+        if len(self._entries) >= self.MAX_ENTRIES:
+            self._entries.clear()
+        self._entries[hash_key(key)] = (project_id, self.clock() + self.seconds)
 
 
 def list_api_keys(session: Session, project_name: str | None = None) -> list[KeyInfo]:

@@ -11,7 +11,8 @@ from enum import StrEnum
 
 class ErrorCode(StrEnum):
     # a line of the input file
-    INVALID_ENCODING = "invalid_encoding"
+    INVALID_ENCODING = "invalid_encoding"  # not UTF-8, or a lone UTF-16 surrogate escape in a string
+    LINE_TOO_LONG = "line_too_long"
     INVALID_JSON_LINE = "invalid_json_line"
     MISSING_CUSTOM_ID = "missing_custom_id"
     DUPLICATE_CUSTOM_ID = "duplicate_custom_id"

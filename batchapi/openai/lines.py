@@ -8,11 +8,13 @@ returns what it holds, or why it cannot run, with an ``ErrorCode``.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from batchapi.openai.body import ENDPOINTS, ParsedBody, parse_body
 from batchapi.openai.errors import ErrorCode, RequestError
+from batchapi.openai.text import storable
 
 BOM = "\ufeff"
 
@@ -27,33 +29,59 @@ class InputLine:
     error: RequestError | None = None
 
 
-def iter_lines(chunks: Iterable[bytes]) -> Iterator[tuple[int, int, int, bytes]]:
+@dataclass(frozen=True)
+class LongLine:
+    """What ``iter_lines`` gives in place of a line longer than its limit: the line's bytes
+    were skipped, never held, so one huge line costs no memory."""
+
+    size: int  # bytes of content, the newline not counted
+    limit: int
+
+
+def iter_lines(chunks: Iterable[bytes], max_line_bytes: int | None = None) -> Iterator[tuple[int, int, int, bytes | LongLine]]:
     """``(line_number, start_byte, end_byte, content)`` for each line; the newline is in the
-    byte range but not in the content."""
+    byte range but not in the content. A line of more than ``max_line_bytes`` bytes comes as a
+    ``LongLine`` (``parse_line`` turns it into ``line_too_long``)."""
     pieces: list[bytes] = []
+    held = 0  # bytes in ``pieces``
+    skipped = 0  # bytes of the current line dropped once it passed the limit
     line = 0
     offset = 0  # where the current line starts
     for chunk in chunks:
         start = 0
         while True:
             nl = chunk.find(b"\n", start)
+            size = (len(chunk) if nl < 0 else nl) - start
+            if skipped or (max_line_bytes is not None and held + size > max_line_bytes):
+                skipped += held + size  # counted, not kept
+                pieces, held = [], 0
+            else:
+                pieces.append(chunk[start:] if nl < 0 else chunk[start:nl])
+                held += size
             if nl < 0:
-                pieces.append(chunk[start:])
                 break
-            pieces.append(chunk[start:nl])
-            content = b"".join(pieces) if len(pieces) > 1 else pieces[0]
-            pieces = []
             line += 1
-            end = offset + len(content) + 1
+            content = _content(pieces, skipped, max_line_bytes)
+            end = offset + held + skipped + 1
             yield line, offset, end, content
-            offset = end
+            pieces, held, skipped, offset = [], 0, 0, end
             start = nl + 1
-    rest = b"".join(pieces)
-    if rest:
-        yield line + 1, offset, offset + len(rest), rest
+    if held or skipped:
+        yield line + 1, offset, offset + held + skipped, _content(pieces, skipped, max_line_bytes)
 
 
-def parse_line(content: bytes, line: int, endpoint: str | None) -> InputLine:
+def _content(pieces: list[bytes], skipped: int, limit: int | None) -> bytes | LongLine:
+    if skipped:
+        return LongLine(skipped, limit)
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+
+def is_blank(content: bytes | LongLine) -> bool:
+    """A blank line is no request (an over-long line never is blank)."""
+    return isinstance(content, bytes) and not content.strip()
+
+
+def parse_line(content: bytes | LongLine, line: int, endpoint: str | None) -> InputLine:
     """Check one non-blank line. ``endpoint`` is the batch's (the line's ``url`` must equal
     it), or None to take any supported endpoint (``run-batch``). A UTF-8 byte order mark is
     allowed before the first line."""
@@ -71,7 +99,10 @@ def parse_line(content: bytes, line: int, endpoint: str | None) -> InputLine:
     return InputLine(line, custom_id, body)
 
 
-def _record(content: bytes, line: int) -> tuple[dict, str]:
+def _record(content: bytes | LongLine, line: int) -> tuple[dict, str]:
+    if isinstance(content, LongLine):
+        raise _line_error(f"the line is {content.size} bytes; the limit is {content.limit} bytes per line", None,
+                          ErrorCode.LINE_TOO_LONG)
     try:
         text = content.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -82,6 +113,9 @@ def _record(content: bytes, line: int) -> tuple[dict, str]:
     except json.JSONDecodeError as exc:
         raise _line_error(f"the line is not valid JSON: {exc.msg} (column {exc.colno})", None,
                           ErrorCode.INVALID_JSON_LINE) from None
+    except RecursionError:
+        raise _line_error("the line's JSON is nested too deeply to read", None,
+                          ErrorCode.INVALID_JSON_LINE) from None
     if not isinstance(record, dict):
         raise _line_error(f"the line must be a JSON object, not {type(record).__name__}", None,
                           ErrorCode.INVALID_JSON_LINE)
@@ -89,7 +123,34 @@ def _record(content: bytes, line: int) -> tuple[dict, str]:
     if not isinstance(custom_id, str) or not custom_id:
         raise _line_error("'custom_id' is required and must be a non-empty string", "custom_id",
                           ErrorCode.MISSING_CUSTOM_ID)
+    if _SURROGATE_ESCAPE.search(text):  # only an escape can put one in: the bytes were UTF-8
+        _check_text(record, custom_id)
     return record, custom_id
+
+
+# a \uD800-\uDFFF escape; most are halves of a pair, which json.loads joins into one character
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _check_text(record: dict, custom_id: str) -> None:
+    """Refuse a lone UTF-16 surrogate in any string (key or value) of the line: it is not
+    Unicode text, so it can be neither stored nor written back as UTF-8."""
+    stack: list[tuple[str, object]] = [("", record)]
+    while stack:  # not recursive: the line may be nested as deep as json.loads allows
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if not storable(value):
+                usable = None if path == "custom_id" else custom_id
+                raise _line_error(f"'{path}' holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), "
+                                  "which is not valid Unicode text", path, ErrorCode.INVALID_ENCODING, usable)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if not storable(key):
+                    raise _line_error(f"a key in {path or 'the line'} holds a lone UTF-16 surrogate, which is not "
+                                      "valid Unicode text", path or None, ErrorCode.INVALID_ENCODING, custom_id)
+                stack.append((f"{path}.{key}" if path else key, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
 
 
 def _check_route(record: dict, endpoint: str | None) -> None:

@@ -23,7 +23,11 @@ NOT_RUN_MESSAGES = {
 
 
 def _dump(record: dict) -> bytes:
-    return json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+    try:
+        data = json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode()
+    except UnicodeEncodeError:  # a lone surrogate has no UTF-8: ASCII JSON writes it back as its escape
+        data = json.dumps(record, separators=(",", ":")).encode()
+    return data + b"\n"
 
 
 def _line(custom_id: str | None, response: dict | None, error: dict | None) -> bytes:

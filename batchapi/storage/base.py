@@ -7,10 +7,14 @@ are built in ``keys.py``; the stream adapters both stores share are in ``streams
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator
 from typing import BinaryIO, Protocol
 
 from batchapi.config import Settings
+from batchapi.errors import StorageError
+
+log = logging.getLogger(__name__)
 
 
 class Storage(Protocol):
@@ -33,6 +37,11 @@ class Storage(Protocol):
     def check(self) -> None:
         """Raise ``StorageError`` unless the storage is reachable and writable."""
 
+    def remove_partial(self, older_than: float | None = None) -> int:
+        """Remove what writers killed mid-write left behind (a local ``.tmp-*`` file, an S3
+        multipart upload) older than ``older_than`` seconds (None: the store's grace period, past
+        any write still in progress); return how many went."""
+
 
 def make_storage(settings: Settings) -> Storage:
     url = settings.resolved_storage_url
@@ -51,3 +60,11 @@ def make_storage(settings: Settings) -> Storage:
     from batchapi.storage.local import LocalStorage
 
     return LocalStorage(url[len("file://") :])
+
+
+def remove_partial_writes(storage: Storage) -> None:
+    """``storage.remove_partial()`` at start-up, where an unreachable store is only logged."""
+    try:
+        storage.remove_partial()
+    except StorageError as exc:
+        log.warning("could not look for partial writes in storage: %s", exc)

@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
 from batchapi.errors import NotFound, StorageError
 from batchapi.storage.streams import CHUNK, ChunkReader
+
+log = logging.getLogger(__name__)
+
+TMP_PREFIX = ".tmp-"
+# a write in progress touches its temp file on every chunk; one untouched this long is dead
+PARTIAL_GRACE_SECONDS = 3600
 
 
 class LocalStorage:
@@ -25,14 +33,16 @@ class LocalStorage:
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         # write beside the target and rename, so readers never see half an object
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=TMP_PREFIX)
         try:
             with os.fdopen(fd, "wb") as out:
                 shutil.copyfileobj(stream, out, CHUNK)
                 size = out.tell()
             os.replace(tmp, path)
-        except BaseException:
+        except BaseException as exc:
             Path(tmp).unlink(missing_ok=True)
+            if isinstance(exc, FileNotFoundError):  # remove_partial took a temp file left idle too long
+                raise StorageError(f"write of {key!r} was interrupted: {exc}") from exc
             raise
         return size
 
@@ -75,3 +85,18 @@ class LocalStorage:
             probe.unlink()
         except OSError as exc:
             raise StorageError(f"storage directory {self.root} is not writable: {exc}") from exc
+
+    def remove_partial(self, older_than: float | None = None) -> int:
+        """The ``.tmp-*`` files of writes killed before their rename."""
+        cutoff = time.time() - (PARTIAL_GRACE_SECONDS if older_than is None else older_than)
+        removed = 0
+        for path in self.root.rglob(TMP_PREFIX + "*"):
+            try:
+                if path.is_file() and path.stat().st_mtime < cutoff:
+                    path.unlink()
+                    removed += 1
+            except FileNotFoundError:  # its writer finished or another sweep took it
+                continue
+        if removed:
+            log.info("removed %d partial writes under %s", removed, self.root)
+        return removed

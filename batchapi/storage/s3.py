@@ -6,7 +6,9 @@ Uploads go through boto3's managed transfer, which switches to a multipart uploa
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator
+from datetime import UTC, datetime, timedelta
 from typing import BinaryIO
 
 import boto3
@@ -22,6 +24,10 @@ TRANSFER = TransferConfig(
     multipart_threshold=MULTIPART_THRESHOLD, multipart_chunksize=MULTIPART_THRESHOLD, max_concurrency=4
 )
 MISSING = {"NoSuchKey", "404", "NotFound"}
+# a multipart upload still open after a day lost its writer (a 200 MB upload takes minutes)
+PARTIAL_GRACE_SECONDS = 86400
+
+log = logging.getLogger(__name__)
 
 
 class S3Storage:
@@ -110,3 +116,25 @@ class S3Storage:
             self.client.head_bucket(Bucket=self.bucket)
         except (BotoCoreError, ClientError) as exc:
             raise StorageError(f"bucket {self.bucket!r} is not reachable: {exc}") from exc
+
+    def remove_partial(self, older_than: float | None = None) -> int:
+        """Abort the multipart uploads of writers killed before they completed or aborted them."""
+        grace = PARTIAL_GRACE_SECONDS if older_than is None else older_than
+        cutoff = datetime.now(UTC) - timedelta(seconds=grace)
+        removed = 0
+        try:
+            pages = self.client.get_paginator("list_multipart_uploads").paginate(
+                Bucket=self.bucket, Prefix=self.prefix
+            )
+            for page in pages:
+                for upload in page.get("Uploads", []):
+                    if upload["Initiated"] < cutoff:
+                        self.client.abort_multipart_upload(
+                            Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+                        )
+                        removed += 1
+        except (BotoCoreError, ClientError) as exc:
+            raise StorageError(f"listing the unfinished uploads of {self.bucket!r} failed: {exc}") from exc
+        if removed:
+            log.info("aborted %d unfinished multipart uploads in %s/%s", removed, self.bucket, self.prefix)
+        return removed

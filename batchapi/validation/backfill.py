@@ -13,17 +13,21 @@ import logging
 from collections.abc import Callable
 
 from sqlalchemy import func, select, update
+from sqlalchemy.exc import OperationalError
 
 from batchapi.batches import states
 from batchapi.batches.context import Jobs
 from batchapi.batches.states import BatchStatus
 from batchapi.db.models import Batch, File, Shard
 from batchapi.db.session import session_scope
+from batchapi.errors import StorageError
 from batchapi.model_store import served_model
-from batchapi.openai.lines import iter_lines, parse_line
+from batchapi.openai.lines import is_blank, iter_lines, parse_line
 from batchapi.validation.token_counts import PromptCounter, counter_for, exact_counts, output_bound
 
 log = logging.getLogger(__name__)
+# the storage or the database briefly away: the next sweep counts the shard
+TRANSIENT = (OperationalError, StorageError, OSError)
 
 
 def batches_to_count(jobs: Jobs) -> list[str]:
@@ -54,12 +58,18 @@ def count_batch(
     for shard in shards:
         if stop() or not _still_wanted(jobs, batch_id):
             break
-        counts, outputs = _count_shard(jobs, counter, batch.endpoint, file.storage_key, shard)
+        try:
+            counts, outputs = _count_shard(jobs, counter, batch.endpoint, file.storage_key, shard)
+        except TRANSIENT:
+            raise
+        except Exception:  # it would fail on every sweep: keep validation's bounds, count the other shards
+            log.exception("counting the prompts of shard %s failed; its estimate stays an upper bound", shard.id)
+            counts, outputs = None, shard.estimated_output_tokens
+        values = {"prompt_token_counts": counts, "prompt_tokens": sum(counts)} if counts is not None else {}
         with session_scope(jobs.sessions) as session:
             done += session.execute(
                 update(Shard).where(Shard.id == shard.id, Shard.tokens_counted.is_(False)).values(
-                    prompt_token_counts=counts, prompt_tokens=sum(counts), estimated_output_tokens=outputs,
-                    tokens_counted=True,
+                    estimated_output_tokens=outputs, tokens_counted=True, **values,
                 )
             ).rowcount
     _refresh_estimate(jobs, batch_id)
@@ -75,13 +85,15 @@ def _still_wanted(jobs: Jobs, batch_id: str) -> bool:
 def _count_shard(jobs: Jobs, counter: PromptCounter, endpoint: str, key: str, shard: Shard) -> tuple[list[int], int]:
     chunks = jobs.storage.iter_chunks(key, shard.start_byte, shard.end_byte)
     lines = [parse_line(content, shard.first_line + number - 1, endpoint)
-             for number, _, _, content in iter_lines(chunks) if content.strip()]
-    assert all(line.error is None for line in lines), f"shard {shard.id} holds a line validation refused"
-    parsed = [line.body for line in lines]
-    assert len(parsed) == shard.request_count, f"shard {shard.id}: {len(parsed)} lines, {shard.request_count} expected"
-    counts = exact_counts(counter, parsed)
+             for number, _, _, content in iter_lines(chunks, jobs.settings.max_line_bytes) if not is_blank(content)]
+    assert len(lines) == shard.request_count, f"shard {shard.id}: {len(lines)} lines, {shard.request_count} expected"
+    # a line refused now (a rule or limit changed since validation) is rejected when its shard runs: 0 tokens
+    counts = [0] * len(lines)
+    good = [i for i, line in enumerate(lines) if line.error is None]
+    for i, count in zip(good, exact_counts(counter, [lines[i].body for i in good]), strict=True):
+        counts[i] = count
     context = counter.context_length
-    return counts, sum(output_bound(p, c, context) for p, c in zip(parsed, counts, strict=True))
+    return counts, sum(output_bound(lines[i].body, counts[i], context) for i in good)
 
 
 def _refresh_estimate(jobs: Jobs, batch_id: str) -> None:

@@ -60,6 +60,7 @@ def validate_batch(jobs: Jobs, batch_id: str) -> str:
     limits = Limits(
         endpoint=endpoint, served_model=served.id, model_aliases=served.aliases,
         max_lines=jobs.settings.max_file_lines, shard_size=jobs.settings.shard_size,
+        max_line_bytes=jobs.settings.max_line_bytes,
     )
     scanner = Scanner(limits, counter_for(served.path))
     result = scanner.scan(jobs.storage.iter_chunks(file.storage_key), lambda scan: _renew(jobs, batch_id, scan))

@@ -14,12 +14,19 @@ from typing import NamedTuple
 
 from batchapi.openai.body import ParsedBody
 from batchapi.openai.errors import ErrorCode
-from batchapi.openai.lines import iter_lines, parse_line
-from batchapi.validation.token_counts import PromptCounter, exact_counts, output_bound, prompt_bound
+from batchapi.openai.lines import LongLine, is_blank, iter_lines, parse_line
+from batchapi.validation.token_counts import (
+    PromptCounter,
+    exact_counts,
+    output_bound,
+    prompt_bound,
+    prompt_floor,
+)
 
 MAX_REPORTED_ERRORS = 100
 MAX_MESSAGE = 300
 TOKENIZE_BATCH = 1024
+TOKENIZE_BYTES = 1 << 20  # or this many bytes of lines, so the bodies held stay few when lines are long
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,7 @@ class Limits:
     model_aliases: frozenset[str]  # other names that mean the served model
     max_lines: int
     shard_size: int
+    max_line_bytes: int | None = None  # None: no limit (``Settings.max_line_bytes`` in the service)
 
 
 @dataclass
@@ -72,8 +80,9 @@ class _Request:
     start: int
     end: int
     parsed: ParsedBody
-    prompt_tokens: int = 0  # exact when it was counted, else an upper bound
+    prompt_tokens: int = 0  # exact when it was counted, else an upper bound (a lower one if ``floor``)
     exact: bool = False
+    floor: bool = False
 
 
 class _Valid(NamedTuple):
@@ -92,6 +101,7 @@ class Scanner:
         self.seen_ids: set[str] = set()
         self.first_model: tuple[str, int] | None = None
         self.pending: list[_Request] = []
+        self.pending_bytes = 0
         self.done: list[_Valid] = []  # compact: the bodies are dropped once checked
         # running upper bounds of the valid requests so far, for the estimate while validating
         self.prompt_tokens = 0
@@ -112,7 +122,7 @@ class Scanner:
         stop early (the batch was cancelled)."""
         lines = 0
         requests = 0
-        for lines, start, end, content in iter_lines(chunks):
+        for lines, start, end, content in iter_lines(chunks, self.limits.max_line_bytes):
             if lines > self.limits.max_lines:
                 self.error(ErrorCode.TOO_MANY_LINES, f"the file has more than {self.limits.max_lines} lines", lines)
                 break
@@ -120,8 +130,9 @@ class Scanner:
             if request is not None:
                 request.start, request.end = start, end
                 self.pending.append(request)
+                self.pending_bytes += end - start
                 requests += 1
-            if len(self.pending) >= TOKENIZE_BATCH:
+            if len(self.pending) >= TOKENIZE_BATCH or self.pending_bytes >= TOKENIZE_BYTES:
                 self.count_tokens()
             if self.full or (progress is not None and lines % 4096 == 0 and progress(self) is False):
                 break
@@ -130,8 +141,8 @@ class Scanner:
             self.error(ErrorCode.EMPTY_FILE, "the file holds no requests", None)
         return self.result()
 
-    def check_line(self, line: int, content: bytes) -> _Request | None:
-        if not content.strip():
+    def check_line(self, line: int, content: bytes | LongLine) -> _Request | None:
+        if is_blank(content):
             return None  # blank lines are not requests
         parsed = parse_line(content, line, self.limits.endpoint)
         if parsed.custom_id is not None:
@@ -180,6 +191,11 @@ class Scanner:
         for request in self.pending:
             request.prompt_tokens, request.exact = prompt_bound(self.counter, request.parsed)
         unsure = [r for r in self.pending if not r.exact and not _fits(r, context)]
+        for request in unsure:  # a prompt that surely cannot fit is refused untokenized
+            floor = prompt_floor(self.counter, request.parsed)
+            if floor >= context:
+                request.prompt_tokens, request.floor = floor, True
+        unsure = [r for r in unsure if not r.floor]
         for request, count in zip(unsure, exact_counts(self.counter, [r.parsed for r in unsure]), strict=True):
             request.prompt_tokens, request.exact = count, True
         for request in self.pending:
@@ -191,14 +207,15 @@ class Scanner:
                 continue
             count, wanted = request.prompt_tokens, request.parsed.max_tokens
             if count >= context:
-                message = f"the prompt is {count} tokens; the model's context is {context} tokens"
+                at_least = "at least " if request.floor else ""
+                message = f"the prompt is {at_least}{count} tokens; the model's context is {context} tokens"
                 param = "body.messages" if request.parsed.messages is not None else "body.prompt"
             else:
                 message = (f"the prompt ({count} tokens) and max_tokens ({wanted}) exceed the model's "
                            f"context of {context} tokens")
                 param = "body.max_tokens"
             self.error(ErrorCode.CONTEXT_LENGTH_EXCEEDED, message, request.line, param)
-        self.pending = []
+        self.pending, self.pending_bytes = [], 0
 
     def result(self) -> ScanResult:
         if self.errors:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -32,6 +32,7 @@ from batchapi.openai.body import ParsedBody
 log = logging.getLogger(__name__)
 
 Messages = Sequence[dict[str, str]]
+TOKENIZE_CHARS = 1 << 20
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
 
@@ -42,6 +43,7 @@ class PromptCounter:
         self.tokenizer.no_padding()
         self.tokenizer.no_truncation()
         self._segments = SegmentCounter(self.tokenizer)
+        self.max_token_bytes = _max_token_bytes(self.tokenizer)
         tok_config = _read_json(model_dir / "tokenizer_config.json")
         self.context_length = _context_length(_read_json(model_dir / "config.json"), tok_config)
         self._specials = {name: _token_text(tok_config.get(name)) for name in SPECIAL_TOKEN_NAMES}
@@ -65,13 +67,27 @@ class PromptCounter:
         return "".join(parts)
 
     def count_texts(self, texts: list[str], add_special_tokens: bool) -> list[int]:
-        return self._segments.count(texts, add_special_tokens)
+        """Tokenized in groups of at most ``TOKENIZE_CHARS`` (a longer text alone): the tokenizer
+        holds ~75 bytes per byte of text, so memory is bounded by the longest line, not the batch."""
+        counts = []
+        for group in _groups(texts, TOKENIZE_CHARS):
+            counts.extend(self._segments.count(group, add_special_tokens))
+        return counts
 
     def upper_bound(self, text: str, add_special_tokens: bool) -> int:
         """At least as many tokens as ``text`` encodes to, without tokenizing: every token of a
         byte-level or byte-fallback vocabulary spans at least one byte, plus one for a
         SentencePiece-style prefix space and the tokens the post-processor adds."""
         return len(text.encode("utf-8")) + 1 + (self._added_tokens if add_special_tokens else 0)
+
+    def lower_bound(self, text: str) -> int:
+        """At most as many tokens as ``text`` encodes to, without tokenizing (0 where the
+        tokenizer allows no bound): in a byte-level BPE with no normalizer every token spans at
+        most ``max_token_bytes`` bytes of the text. It spares tokenizing a prompt that surely
+        cannot fit, which would hold ~75 bytes of memory per byte of text."""
+        if self.max_token_bytes is None:
+            return 0
+        return len(text.encode("utf-8")) // self.max_token_bytes
 
     @property
     def _added_tokens(self) -> int:
@@ -100,6 +116,19 @@ class PromptCounter:
         return pieces
 
 
+def _groups(texts: list[str], limit: int) -> Iterator[list[str]]:
+    group: list[str] = []
+    size = 0
+    for text in texts:
+        if group and size + len(text) > limit:
+            yield group
+            group, size = [], 0
+        group.append(text)
+        size += len(text)
+    if group:
+        yield group
+
+
 def output_bound(parsed: ParsedBody, prompt_tokens: int, context: int) -> int:
     """The most tokens a request may generate: max_tokens, or the rest of the context."""
     return (parsed.max_tokens or max(context - prompt_tokens, 0)) * parsed.n
@@ -121,6 +150,12 @@ def prompt_bound(counter: PromptCounter, parsed: ParsedBody) -> tuple[int, bool]
     if text is None:
         return len(parsed.prompt), True
     return counter.upper_bound(*text), False
+
+
+def prompt_floor(counter: PromptCounter, parsed: ParsedBody) -> int:
+    """At most the prompt's token count (``PromptCounter.lower_bound``), without tokenizing."""
+    text = prompt_text(counter, parsed)
+    return len(parsed.prompt) if text is None else counter.lower_bound(text[0])
 
 
 def exact_counts(counter: PromptCounter, requests: list[ParsedBody]) -> list[int]:
@@ -201,6 +236,20 @@ class SegmentCounter:
         if self._whole(texts, add_special_tokens) != counts[: len(texts)]:
             log.warning("piecewise token counts differ from whole-text counts; counting whole texts")
             self._splitter = None
+
+
+def _max_token_bytes(tokenizer: Tokenizer) -> int | None:
+    """The most bytes of text one token can stand for, where the tokenizer bounds it: a BPE over
+    byte-level pre-tokenized text (each vocabulary character is one byte) that no normalizer or
+    pre-tokenizer shortens (whitespace splitting and ``Removed`` splits drop text)."""
+    spec = json.loads(tokenizer.to_str())
+    model, pre = spec.get("model") or {}, json.dumps(spec.get("pre_tokenizer"))
+    if spec.get("normalizer") is not None or model.get("type") != "BPE" or "ByteLevel" not in pre:
+        return None
+    if any(word in pre for word in ("Whitespace", "Removed", "Metaspace")):
+        return None
+    added = [len(t.content.encode("utf-8")) for t in tokenizer.get_added_tokens_decoder().values()]
+    return max([len(token) for token in model.get("vocab", {})] + added, default=None)
 
 
 def _added_token_splitter(tokenizer: Tokenizer) -> re.Pattern | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,8 @@ from rich.progress import (
 
 from batchapi.engine import EngineConfig, EngineFront, GenerationResult
 from batchapi.openai.errors import ErrorCode, RequestError
-from batchapi.openai.lines import InputLine, parse_line
+from batchapi.openai.lines import InputLine, is_blank, iter_lines, parse_line
+from batchapi.storage.streams import CHUNK
 from batchapi.workers.codec import Codec
 
 
@@ -45,9 +47,13 @@ class BatchCounts:
         return self.completion_tokens / self.seconds if self.seconds else 0.0
 
 
-def count_lines(path: Path) -> int:
+def _chunks(path: Path) -> Iterator[bytes]:
     with open(path, "rb") as f:
-        return sum(1 for line in f if line.strip())
+        yield from iter(lambda: f.read(CHUNK), b"")
+
+
+def count_lines(path: Path, max_line_bytes: int | None = None) -> int:
+    return sum(1 for _, _, _, content in iter_lines(_chunks(path), max_line_bytes) if not is_blank(content))
 
 
 class _Writer:
@@ -84,18 +90,20 @@ def _progress(enabled: bool) -> Progress:
 
 
 def run_batch(input_path: Path, output_path: Path, engine_config: EngineConfig | None = None, progress: bool = True,
-              front: EngineFront | None = None, max_in_flight: int | None = None) -> BatchCounts:
-    """Run every line of ``input_path`` and write one output line each to ``output_path``."""
+              front: EngineFront | None = None, max_in_flight: int | None = None,
+              max_line_bytes: int | None = None) -> BatchCounts:
+    """Run every line of ``input_path`` and write one output line each to ``output_path``; a line
+    over ``max_line_bytes`` is refused (``line_too_long``) without being read into memory."""
     own_front = front is None
     if own_front:
         assert engine_config is not None, "pass an engine_config or a started front"
         front = EngineFront(engine_config).start()
     limit = max_in_flight or 2 * front.config.max_num_seqs + 64
-    counts = BatchCounts(total=count_lines(Path(input_path)))
+    counts = BatchCounts(total=count_lines(Path(input_path), max_line_bytes))
     done: queue.Queue[tuple[str, Future]] = queue.Queue()
     started = time.monotonic()
     try:
-        with open(input_path, "rb") as src, open(output_path, "wb") as out, _progress(progress) as bar:
+        with open(output_path, "wb") as out, _progress(progress) as bar:
             writer = _Writer(out, counts, Codec(front.tokenizer, Path(front.config.model_path).name))
             task = bar.add_task("run", total=counts.total, tps=0.0)
 
@@ -111,10 +119,10 @@ def run_batch(input_path: Path, output_path: Path, engine_config: EngineConfig |
                     bar.update(task, completed=counts.completed + counts.failed,
                                tps=counts.completion_tokens / elapsed if elapsed else 0.0)
 
-            for number, content in enumerate(src, start=1):
-                if not content.strip():
+            for number, _, _, content in iter_lines(_chunks(Path(input_path)), max_line_bytes):
+                if is_blank(content):
                     continue
-                line = parse_line(content.rstrip(b"\r\n"), number, None)
+                line = parse_line(content, number, None)
                 if line.error is None:
                     try:
                         request = writer.codec.request(line, f"line-{number}")

@@ -176,7 +176,7 @@ class ShardRunner:
 
     def _start(self, claimed: Claimed) -> ShardWork | None:
         try:
-            lines = read_shard(self.jobs.storage, claimed)
+            lines = read_shard(self.jobs.storage, claimed, self.settings.max_line_bytes)
         except TRANSIENT:
             log.warning("could not read shard %s; giving it back", claimed.id, exc_info=True)
             leases.release(self.jobs, [claimed.id], self.owner)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import time
 
 import httpx
 import pytest
@@ -38,6 +39,7 @@ def test_a_revoked_key_gets_401(pg_server):
         assert http.get("/v1/files").status_code == 200
         [info] = list_keys(pg_server.jobs.settings, "revoked-key-project")
         assert revoke_key(pg_server.jobs.settings, info.id)
+        time.sleep(pg_server.jobs.settings.auth_cache_seconds)  # a known key is cached this long
         response = http.get("/v1/files")
     assert response.status_code == 401
     assert response.headers["www-authenticate"] == "Bearer"

@@ -1,17 +1,22 @@
-"""The one sweeper: its validation step and its loop (the shard steps: tests/workers)."""
+"""The one sweeper: its validation step, its loop, and that one bad row never blocks the others
+(the shard steps with real workers: tests/workers)."""
 
 from __future__ import annotations
 
+import json
 import threading
+from pathlib import Path
 
 from sqlalchemy import update
 
 from batchapi.batches import states
-from batchapi.batches.states import BatchStatus
+from batchapi.batches.states import BatchStatus, ShardStatus
 from batchapi.batches.sweeper import SweepLoop, sweep
-from batchapi.db.models import Batch
+from batchapi.db.models import Batch, File, Shard
 from batchapi.db.session import session_scope
-from tests.utils.job_rows import make_batch
+from batchapi.storage.keys import shard_error_key
+from tests.utils.batch_service import jsonl, request_line
+from tests.utils.job_rows import make_batch, shard
 
 
 class RecordingValidator:
@@ -69,3 +74,66 @@ def test_the_loop_sweeps_at_start_and_when_poked(sqlite_jobs):
         assert validator.backfills == 2
     finally:
         loop.stop()
+
+
+def cancelling_batch(jobs, custom_ids: list[str], request_count: int = 1) -> tuple[str, str]:
+    """A started batch being cancelled: one queued shard over an input object of ``custom_ids``'
+    lines, said to hold ``request_count`` requests."""
+    batch_id, [shard_id] = make_batch(jobs, 1, status=BatchStatus.CANCELLING)
+    data = jsonl([request_line(cid, "m") for cid in custom_ids])
+    key = f"files/{batch_id}.jsonl"
+    jobs.storage.put_chunks(key, [data])
+    with session_scope(jobs.sessions) as session:
+        batch = session.get(Batch, batch_id)
+        batch.in_progress_at, batch.request_total = 1, request_count
+        session.get(File, batch.input_file_id).storage_key = key
+        row = session.get(Shard, shard_id)
+        row.end_byte, row.request_count = len(data), request_count
+    return batch_id, shard_id
+
+
+def ended(jobs, batch_id: str) -> tuple[str, int, list[dict]]:
+    """The batch's status, failed count and error-file lines."""
+    with jobs.sessions() as session:
+        batch = session.get(Batch, batch_id)
+        key = session.get(File, batch.error_file_id).storage_key if batch.error_file_id else None
+        status, failed = batch.status, batch.request_failed
+    lines = b"".join(jobs.storage.iter_chunks(key)).splitlines() if key else []
+    return status, failed, [json.loads(line) for line in lines]
+
+
+def test_a_shard_that_raises_does_not_stop_the_sweep_of_the_others(sqlite_jobs):
+    jobs = sqlite_jobs
+    stuck, stuck_shard = cancelling_batch(jobs, ["s1"])
+    healthy, healthy_shard = cancelling_batch(jobs, ["h1"])
+    # a directory where the stuck shard's error object goes: writing it fails on every try
+    blocker = Path(jobs.settings.data_dir) / "storage" / shard_error_key(stuck, 0)
+    (blocker / "inside").mkdir(parents=True)
+    report = sweep(jobs)
+    assert report.closed == [healthy_shard] and report.finalized == [healthy]
+    status, failed, lines = ended(jobs, healthy)
+    assert (status, failed) == (BatchStatus.CANCELLED, 1)
+    assert [(line["custom_id"], line["error"]["code"]) for line in lines] == [("h1", "batch_cancelled")]
+    assert ended(jobs, stuck)[:2] == (BatchStatus.CANCELLING, 0)
+    assert shard(jobs, stuck_shard).status == ShardStatus.RUNNING  # the sweeper's claim, to be retried
+
+    (blocker / "inside").rmdir()
+    blocker.rmdir()
+    with session_scope(jobs.sessions) as session:  # the sweeper's lease on it runs out
+        session.execute(update(Shard).where(Shard.id == stuck_shard).values(lease_expires_at=1))
+    assert sweep(jobs).finalized == [stuck]
+    status, failed, lines = ended(jobs, stuck)
+    assert (status, failed, [line["custom_id"] for line in lines]) == (BatchStatus.CANCELLED, 1, ["s1"])
+
+
+def test_a_shard_whose_input_cannot_be_read_back_is_closed_unnamed(sqlite_jobs):
+    jobs = sqlite_jobs
+    # two lines where validation counted one: reading the shard back fails, and always would
+    broken, _ = cancelling_batch(jobs, ["b1", "b2"], request_count=1)
+    healthy, _ = cancelling_batch(jobs, ["h1"])
+    assert sorted(sweep(jobs).finalized) == sorted([broken, healthy])
+    status, failed, lines = ended(jobs, broken)
+    assert (status, failed) == (BatchStatus.CANCELLED, 1)
+    assert [(line["custom_id"], line["response"], line["error"]["code"]) for line in lines] == [
+        (None, None, "batch_cancelled")]
+    assert ended(jobs, healthy)[0] == BatchStatus.CANCELLED

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from batchapi.openai.errors import ErrorCode
-from batchapi.openai.lines import iter_lines, parse_line
+from batchapi.openai.lines import LongLine, is_blank, iter_lines, parse_line
 
 CHAT = "/v1/chat/completions"
 GOOD_BODY = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
@@ -70,3 +70,54 @@ def test_iter_lines_gives_byte_ranges_across_chunks():
     assert [(n, s, e, c) for n, s, e, c in lines] == [
         (1, 0, 9, b'{"a": 1}'), (2, 9, 10, b""), (3, 10, 20, b'{"b": 2}\r'), (4, 20, 28, b'{"c": 3}')]
     assert all(data[s:e].rstrip(b"\n") == c for _, s, e, c in lines)
+
+
+def test_a_line_nested_too_deep_is_a_json_error():
+    line = parse_line(b'{"custom_id": "a", "body": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 3, CHAT)
+    assert (line.line, line.custom_id, line.body) == (3, None, None)
+    assert (line.error.code, line.error.line_param) == (ErrorCode.INVALID_JSON_LINE, None)
+    assert line.error.message == "the line's JSON is nested too deeply to read"
+
+
+@pytest.mark.parametrize(("raw", "param", "custom_id"), [
+    (b'{"custom_id": "a\\ud800", "method": "POST"}', "custom_id", None),
+    (b'{"custom_id": "a", "body": {"messages": [{"role": "user", "content": "x\\udfff"}]}}',
+     "body.messages[0].content", "a"),
+    (b'{"custom_id": "a", "body": {"metadata": {"\\udc00k": 1}}}', "body.metadata", "a"),
+    (b'{"custom_id": "a", "body": {"stop": ["ok", "\\ud83d"]}}', "body.stop[1]", "a"),
+])
+def test_a_lone_surrogate_anywhere_is_an_encoding_error_naming_its_field(raw, param, custom_id):
+    line = parse_line(raw, 2, CHAT)
+    assert line.body is None
+    assert (line.error.code, line.error.line_param, line.custom_id) == (ErrorCode.INVALID_ENCODING, param, custom_id)
+    assert "lone UTF-16 surrogate" in line.error.message
+
+
+def test_surrogate_pairs_and_escaped_backslashes_are_text():
+    body = {**GOOD_BODY, "messages": [{"role": "user", "content": "\U0001f916 \\ud800"}]}
+    content = json.dumps(good(body=body)).encode()  # ensure_ascii: the robot is a \ud83e\udd16 pair
+    assert b"\\ud83e\\udd16" in content and b"\\\\ud800" in content
+    line = parse_line(content, 1, CHAT)
+    assert line.error is None and line.body.messages[0]["content"] == "\U0001f916 \\ud800"
+
+
+def test_iter_lines_skips_a_line_over_the_limit_without_holding_it():
+    data = b"12345\n" + b"x" * 100 + b"\n1234567\n\n" + b"y" * 20
+    chunks = [data[i:i + 7] for i in range(0, len(data), 7)]
+    lines = list(iter_lines(chunks, max_line_bytes=6))
+    assert lines == [(1, 0, 6, b"12345"), (2, 6, 107, LongLine(100, 6)), (3, 107, 115, LongLine(7, 6)),
+                     (4, 115, 116, b""), (5, 116, 136, LongLine(20, 6))]
+    assert [is_blank(c) for *_, c in lines] == [False, False, False, True, False]
+    assert list(iter_lines(chunks)) == list(iter_lines([data]))  # no limit: every line whole
+
+
+def test_iter_lines_takes_a_line_of_exactly_the_limit():
+    assert list(iter_lines([b"abc", b"def\nab", b"cdefg"], max_line_bytes=6)) == [
+        (1, 0, 7, b"abcdef"), (2, 7, 14, LongLine(7, 6))]
+
+
+def test_a_line_over_the_limit_is_line_too_long():
+    line = parse_line(LongLine(30_000_000, 4_194_304), 9, CHAT)
+    assert (line.line, line.custom_id, line.body) == (9, None, None)
+    assert line.error.code == ErrorCode.LINE_TOO_LONG
+    assert line.error.message == "the line is 30000000 bytes; the limit is 4194304 bytes per line"

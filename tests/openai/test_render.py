@@ -30,3 +30,11 @@ def test_lines_keep_unicode_and_end_in_one_newline():
     line = render.succeeded("ü-1", {"text": "naïve"})
     assert line.endswith(b"\n") and line.count(b"\n") == 1
     assert json.loads(line)["response"]["body"] == {"text": "naïve"} and "ü-1".encode() in line
+
+
+def test_a_lone_surrogate_is_written_back_as_its_escape_never_raising():
+    line = render.never_ran("a\ud800", ErrorCode.SHARD_FAILED)
+    assert line.isascii() and b'"custom_id":"a\\ud800"' in line
+    assert json.loads(line)["custom_id"] == "a\ud800"
+    record = json.loads(render.succeeded("r\udfff", {"text": "naïve \ud83d"}))
+    assert (record["custom_id"], record["response"]["body"]["text"]) == ("r\udfff", "naïve \ud83d")

@@ -70,11 +70,12 @@ def live_server(settings: Settings, **app_kwargs) -> Iterator[LiveServer]:
     """The app under uvicorn on a free port in a thread, stopped afterwards."""
     import uvicorn
 
+    from batchapi.api.limits import server_options
     from batchapi.api.main import create_app
 
     app = create_app(settings, **app_kwargs)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", **server_options()))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

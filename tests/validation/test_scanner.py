@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -20,9 +24,10 @@ def counter(tiny_llama_dir) -> PromptCounter:
     return PromptCounter(tiny_llama_dir)
 
 
-def scan(counter, data: bytes, endpoint: str = CHAT, max_lines: int = 1000, shard_size: int = 2, chunk: int = 7):
+def scan(counter, data: bytes, endpoint: str = CHAT, max_lines: int = 1000, shard_size: int = 2, chunk: int = 7,
+         max_line_bytes: int | None = None):
     limits = Limits(endpoint=endpoint, served_model=M, model_aliases=frozenset({M, "/models/tiny-llama"}),
-                    max_lines=max_lines, shard_size=shard_size)
+                    max_lines=max_lines, shard_size=shard_size, max_line_bytes=max_line_bytes)
     chunks = [data[i : i + chunk] for i in range(0, len(data), chunk)]  # lines cut across chunks
     return Scanner(limits, counter).scan(chunks)
 
@@ -56,6 +61,10 @@ CASES = {
     "prompt longer than the context": ([ok(1), ok(2, content="hello " * 600)], [("context_length_exceeded", 2)]),
     "prompt plus max_tokens over the context": ([ok(1, max_tokens=500)], [("context_length_exceeded", 1)]),
     "not UTF-8": ([ok(1), b'{"custom_id": "\xff\xfe"}'], [("invalid_encoding", 2)]),
+    "lone surrogate in custom_id": ([ok(1), {**ok(2), "custom_id": "r\ud800"}], [("invalid_encoding", 2)]),
+    "lone surrogate in content": ([ok(1), ok(2), ok(3, content="hi \udfff")], [("invalid_encoding", 3)]),
+    "nested 100,000 deep": ([ok(1), '{"custom_id": "x", "body": ' + "[" * 100_000 + "]" * 100_000 + "}"],
+                            [("invalid_json_line", 2)]),
     "only blank lines": (["", "  "], [("empty_file", None)]),
 }
 
@@ -120,10 +129,11 @@ def test_exact_counts_match_transformers(counter, hf_tokenizer):
 
 
 @pytest.mark.parametrize("text", ["", "a", "hello world " * 50, "🤖" * 40, "日本語のテキスト" * 30, "<|im_start|>" * 20,
-                                  "\n\t  \r " * 30, "x" * 1000])
+                                  "\n\t  \r " * 30, "x" * 1000, " " * 5000, "\n" * 3000, "=" * 4000])
 def test_byte_bound_is_never_below_the_count(counter, text):
     for add in (False, True):
-        assert counter.upper_bound(text, add) >= counter.count_texts([text], add_special_tokens=add)[0]
+        count = counter.count_texts([text], add_special_tokens=add)[0]
+        assert counter.lower_bound(text) <= count <= counter.upper_bound(text, add)
 
 
 def test_prompt_with_many_bytes_but_few_tokens_fits(counter):
@@ -175,3 +185,82 @@ def test_error_messages_stay_short_when_the_input_is_huge(counter):
     result = scan(counter, jsonl([request_line("a", "m" * 100_000), {**ok(2), "method": "G" * 100_000}]))
     assert [(e.code, e.line) for e in result.errors] == [("model_not_found", 1), ("invalid_method", 2)]
     assert all(len(e.message) <= 300 for e in result.errors)
+
+
+def test_surrogate_and_nesting_errors_name_their_field(counter):
+    result = scan(counter, jsonl([{**ok(1), "custom_id": "\ud800"}, ok(2, content="\udfff"),
+                                  '{"custom_id": "x", "body": ' + "{\"a\": " * 5000 + "1" + "}" * 5000 + "}"]))
+    assert [(e.code, e.line, e.param) for e in result.errors] == [
+        ("invalid_encoding", 1, "custom_id"), ("invalid_encoding", 2, "body.messages[0].content"),
+        ("invalid_json_line", 3, None)]
+    assert "lone UTF-16 surrogate" in result.errors[0].message
+    assert result.errors[2].message == "the line's JSON is nested too deeply to read"
+
+
+def test_a_line_over_the_limit_is_line_too_long_and_the_rest_is_checked(counter):
+    big = ok(2, content="x" * 5000)
+    result = scan(counter, jsonl([ok(1), big, ok(3), {**ok(4), "method": "GET"}]), max_line_bytes=1024)
+    size = len(json.dumps(big))
+    assert [(e.code, e.line, e.param) for e in result.errors] == [("line_too_long", 2, None), ("invalid_method", 4, "method")]
+    assert result.errors[0].message == f"the line is {size} bytes; the limit is 1024 bytes per line"
+    ok_result = scan(counter, jsonl([ok(1), ok(3)]), max_line_bytes=1024, shard_size=1)
+    assert ok_result.errors == [] and [s.request_count for s in ok_result.shards] == [1, 1]
+
+
+MEMORY_PROBE = """
+    import resource, sys
+    from batchapi.validation.scanner import Limits, Scanner
+    from batchapi.validation.token_counts import PromptCounter
+
+    size, limit = int(sys.argv[2]), int(sys.argv[3])
+    counter = PromptCounter(sys.argv[1])
+    head = b'{"custom_id": "big", "method": "POST", "url": "/v1/chat/completions", ' \\
+           b'"body": {"model": "tiny-llama", "messages": [{"role": "user", "content": "'
+    tail = b'"}]}}\\n'
+    good = b'{"custom_id": "ok", "method": "POST", "url": "/v1/chat/completions", ' \\
+           b'"body": {"model": "tiny-llama", "messages": [{"role": "user", "content": "Hi"}]}}\\n'
+
+    def chunks():  # one line of ``size`` bytes, streamed in 1 MiB chunks as storage does, then a good line
+        yield head
+        for _ in range((size - len(head) - len(tail)) // 2**20):
+            yield b"hello world " * (2**20 // 12) + b"hello"[: 2**20 % 12]
+        yield tail + good
+
+    limits = Limits(endpoint="/v1/chat/completions", served_model="tiny-llama", model_aliases=frozenset({"tiny-llama"}),
+                    max_lines=100, shard_size=8, max_line_bytes=limit)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    result = Scanner(limits, counter).scan(chunks())
+    growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    print(growth // 1024, *[f"{e.code}:{e.line}" for e in result.errors])
+"""
+
+
+def peak_growth_mb(model_dir: Path, size: int, limit: int) -> tuple[int, list[str]]:
+    """The scan of a file holding one ``size``-byte line, in a fresh process: its peak RSS growth
+    (MB) and its errors."""
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(MEMORY_PROBE), str(model_dir), str(size), str(limit)],
+        check=True, capture_output=True, text=True, cwd=Path(__file__).parents[2], timeout=300,
+    ).stdout.split()
+    return int(out[0]), out[1:]
+
+
+def test_one_huge_line_costs_no_memory(tiny_llama_dir):
+    growth, errors = peak_growth_mb(tiny_llama_dir, 30 * 2**20, 4 * 2**20)
+    assert errors == ["line_too_long:1"]
+    assert growth < 50, f"scanning a 30 MB line grew the peak RSS by {growth} MB"
+
+
+def test_one_line_at_the_limit_is_refused_untokenized(tiny_llama_dir):
+    growth, errors = peak_growth_mb(tiny_llama_dir, 4 * 2**20 - 4096, 4 * 2**20)
+    assert errors == ["context_length_exceeded:1"]
+    assert growth < 50, f"scanning a 4 MB prompt grew the peak RSS by {growth} MB"
+
+
+def test_a_prompt_that_surely_cannot_fit_is_reported_by_its_floor(counter):
+    text = "hello " * 8000  # 48,000 bytes: at least 592 tokens of at most 81 bytes, over the 512 context
+    assert counter.max_token_bytes == 81 and counter.lower_bound(text) == 592
+    result = scan(counter, jsonl([ok(1), ok(2, content=text)]), chunk=4096)
+    assert [(e.code, e.line, e.param) for e in result.errors] == [("context_length_exceeded", 2, "body.messages")]
+    floor = counter.lower_bound(counter.render_chat([{"role": "user", "content": text}]))
+    assert result.errors[0].message == f"the prompt is at least {floor} tokens; the model's context is 512 tokens"

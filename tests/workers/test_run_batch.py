@@ -86,3 +86,17 @@ def test_chat_template_is_applied(front):
     text = front.tokenizer.decode(request.prompt_token_ids)
     assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
     assert request.params.max_tokens is None and request.params.temperature == 1.0
+
+
+def test_a_line_over_the_limit_is_refused_and_the_rest_run(tmp_path, front):
+    chat = "/v1/chat/completions"
+    short = line("short", chat, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, ignore_eos=True)
+    long = line("long", chat, messages=[{"role": "user", "content": "x" * 5000}], max_tokens=2)
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join([long, short]) + "\n")
+    counts = run_batch(src, dst, front=front, progress=False, max_line_bytes=1024)
+    assert (counts.total, counts.completed, counts.failed) == (2, 1, 1)
+    out = [json.loads(r) for r in dst.read_text().splitlines()]
+    refused = [r for r in out if r["response"]["status_code"] == 400]
+    assert [r["response"]["body"]["error"]["code"] for r in refused] == ["line_too_long"]
+    assert refused[0]["custom_id"] is None  # the line was never read, so neither was its custom_id

@@ -2,23 +2,32 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Form, Query, UploadFile
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 
 from batchapi.api.deps import JobsDep, ProjectDep
-from batchapi.api.schemas import FileDeleted, FileList, FileObject
+from batchapi.api.schemas import FileDeleted, FileList, FileObject, error_responses
+from batchapi.api.uploads import receive_upload
 from batchapi.batches import files
 
-router = APIRouter(prefix="/v1/files", tags=["files"])
+router = APIRouter(prefix="/v1/files", tags=["files"], responses=error_responses(400, 401, 431))
+
+# the form is parsed by hand as it streams in (api/uploads.py), so it is described here
+UPLOAD_FORM = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
+    "type": "object", "required": ["file", "purpose"],
+    "properties": {
+        "file": {"type": "string", "format": "binary", "description": "The JSONL file."},
+        "purpose": {"type": "string", "enum": ["batch"]},
+    },
+}}}}}
 
 
-@router.post("")
-def upload_file(jobs: JobsDep, project_id: ProjectDep, file: UploadFile, purpose: Annotated[str, Form()]) -> FileObject:
-    row = files.upload_file(jobs, project_id, file.filename or "", purpose, file.file)
-    return FileObject.of(row)
+@router.post("", responses=error_responses(413, 503), openapi_extra=UPLOAD_FORM)
+async def upload_file(request: Request, jobs: JobsDep, project_id: ProjectDep) -> FileObject:
+    return FileObject.of(await receive_upload(request, jobs, project_id))
 
 
-@router.get("")
+@router.get("", responses=error_responses(404))
 def list_files(
     jobs: JobsDep,
     project_id: ProjectDep,
@@ -31,12 +40,12 @@ def list_files(
     return FileList.of([FileObject.of(r) for r in rows], has_more)
 
 
-@router.get("/{file_id}")
+@router.get("/{file_id}", responses=error_responses(404))
 def retrieve_file(jobs: JobsDep, project_id: ProjectDep, file_id: str) -> FileObject:
     return FileObject.of(files.get_file(jobs, project_id, file_id))
 
 
-@router.get("/{file_id}/content", response_class=StreamingResponse)
+@router.get("/{file_id}/content", response_class=StreamingResponse, responses=error_responses(404, 503))
 def file_content(jobs: JobsDep, project_id: ProjectDep, file_id: str) -> StreamingResponse:
     row, chunks = files.open_content(jobs, project_id, file_id)
     return StreamingResponse(
@@ -45,6 +54,6 @@ def file_content(jobs: JobsDep, project_id: ProjectDep, file_id: str) -> Streami
     )
 
 
-@router.delete("/{file_id}")
+@router.delete("/{file_id}", responses=error_responses(404, 503))
 def delete_file(jobs: JobsDep, project_id: ProjectDep, file_id: str) -> FileDeleted:
     return FileDeleted(id=files.delete_file(jobs, project_id, file_id))
