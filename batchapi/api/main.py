@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractContextManager, asynccontextmanager, nullcontext
 
@@ -22,7 +21,7 @@ from batchapi.db.clock import now
 from batchapi.db.projects import DEFAULT_PROJECT, get_or_create_project
 from batchapi.db.session import session_scope
 from batchapi.model_store import served_model_id
-from batchapi.storage import Storage, remove_partial_writes
+from batchapi.storage import Storage
 from batchapi.validation.runner import ValidationRunner
 
 log = logging.getLogger(__name__)
@@ -46,7 +45,6 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         jobs = open_jobs(settings, dispatcher=dispatcher, storage=storage)
-        threading.Thread(target=remove_partial_writes, args=(jobs.storage,), name="remove-partial", daemon=True).start()
         runner = ValidationRunner(jobs)
         sweeper = SweepLoop(jobs, settings.sweep_seconds, runner, shards=sweep_shards)
         jobs.on_batch_created = runner.submit

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
@@ -39,6 +40,7 @@ from batchapi.db.models import Batch, Shard
 from batchapi.errors import NotFound, StorageError
 from batchapi.openai import render
 from batchapi.openai.errors import ErrorCode
+from batchapi.storage import remove_partial_writes
 from batchapi.storage.keys import shard_error_key, shard_output_key
 
 log = logging.getLogger(__name__)
@@ -46,6 +48,7 @@ log = logging.getLogger(__name__)
 OWNER = "sweeper"
 # what a sweep may meet and the next one retries: the database or the storage briefly away
 TRANSIENT = (OperationalError, StorageError, OSError)
+PARTIAL_WRITES_EVERY = 3600.0  # seconds between looks for partial writes (they are old after an hour)
 T = TypeVar("T")
 
 
@@ -218,7 +221,8 @@ def _custom_ids(jobs: Jobs, claimed: leases.Claimed) -> list[str | None]:
 
 class SweepLoop:
     """``sweep`` on a thread of its own: at start, every ``interval`` seconds, and soon after
-    ``poke`` (a cancel: its queued shards are closed now rather than at the next tick)."""
+    ``poke`` (a cancel: its queued shards are closed now rather than at the next tick). At start
+    and then hourly it also removes what writers killed mid-write left in storage."""
 
     def __init__(self, jobs: Jobs, interval: float, validator: Validator | None = None, *, shards: bool = True):
         self.jobs = jobs
@@ -242,6 +246,7 @@ class SweepLoop:
         self._thread.join(timeout=30)
 
     def _run(self) -> None:
+        cleaned = None  # when partial writes were last looked for (monotonic seconds)
         while not self._stop.is_set():
             try:
                 sweep(self.jobs, self.validator, shards=self.shards)
@@ -249,5 +254,8 @@ class SweepLoop:
                 log.warning("sweep failed; the next one retries", exc_info=True)
             except Exception:  # a bug in one sweep must not end every later one
                 log.exception("sweep crashed; the next one retries")
+            if cleaned is None or time.monotonic() - cleaned >= PARTIAL_WRITES_EVERY:
+                cleaned = time.monotonic()
+                remove_partial_writes(self.jobs.storage)
             self._poked.wait(self.interval)
             self._poked.clear()

@@ -63,7 +63,7 @@ def make_storage(settings: Settings) -> Storage:
 
 
 def remove_partial_writes(storage: Storage) -> None:
-    """``storage.remove_partial()`` at start-up, where an unreachable store is only logged."""
+    """``storage.remove_partial()`` from the sweep loop, where an unreachable store is only logged."""
     try:
         storage.remove_partial()
     except StorageError as exc:

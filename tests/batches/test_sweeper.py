@@ -137,3 +137,32 @@ def test_a_shard_whose_input_cannot_be_read_back_is_closed_unnamed(sqlite_jobs):
     assert [(line["custom_id"], line["response"], line["error"]["code"]) for line in lines] == [
         (None, None, "batch_cancelled")]
     assert ended(jobs, healthy)[0] == BatchStatus.CANCELLED
+
+
+def test_the_loop_removes_partial_writes_at_start_and_again_later(sqlite_jobs, monkeypatch):
+    import os
+    import time
+
+    from batchapi.batches import sweeper
+    from batchapi.storage.local import PARTIAL_GRACE_SECONDS
+    from tests.utils.batch_service import wait_until
+
+    root = sqlite_jobs.storage.root / "files"
+    root.mkdir(parents=True, exist_ok=True)
+
+    def left_by_a_killed_writer(name):
+        path = root / name
+        path.write_bytes(b"x")
+        old = time.time() - PARTIAL_GRACE_SECONDS - 60
+        os.utime(path, (old, old))
+        return path
+
+    first = left_by_a_killed_writer(".tmp-first")
+    monkeypatch.setattr(sweeper, "PARTIAL_WRITES_EVERY", 0.2)
+    loop = SweepLoop(sqlite_jobs, interval=0.05, shards=False).start()
+    try:
+        wait_until(lambda: not first.exists(), timeout=30)
+        later = left_by_a_killed_writer(".tmp-later")
+        wait_until(lambda: not later.exists(), timeout=30)
+    finally:
+        loop.stop()
