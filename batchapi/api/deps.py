@@ -25,19 +25,12 @@ async def get_project_id(request: Request, jobs: JobsDep) -> str:
         return request.app.state.default_project_id
     scheme, _, key = (request.headers.get("authorization") or "").partition(" ")
     key = key.strip() if scheme.lower() == "bearer" else None
-    cache = _key_cache(request, jobs)
+    cache: KeyCache = request.app.state.key_cache
     project_id = cache.get(key) if key else None
     if project_id is None:
         project_id = await run_in_threadpool(_authenticate, jobs, key)
         cache.put(key, project_id)
     return project_id
-
-
-def _key_cache(request: Request, jobs: Jobs) -> KeyCache:
-    cache = getattr(request.app.state, "key_cache", None)
-    if cache is None:  # made on first use: only the event loop's thread gets here
-        cache = request.app.state.key_cache = KeyCache(jobs.settings.auth_cache_seconds)
-    return cache
 
 
 def _authenticate(jobs: Jobs, key: str | None) -> str:

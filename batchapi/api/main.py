@@ -6,19 +6,20 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractContextManager, asynccontextmanager, nullcontext
 
+import anyio
 from fastapi import FastAPI
 
 from batchapi.api import errors, openapi
 from batchapi.api.limits import BodyLimit, server_options
 from batchapi.api.routes import batches, files, health, models
 from batchapi.api.schemas import ModelObject
-from batchapi.api.uploads import FORM_OVERHEAD_BYTES
+from batchapi.api.uploads import FORM_OVERHEAD_BYTES, MAX_CONCURRENT_UPLOADS
 from batchapi.batches.context import Jobs, open_jobs
 from batchapi.batches.dispatch import Dispatcher
 from batchapi.batches.sweeper import SweepLoop
 from batchapi.config import Settings
 from batchapi.db.clock import now
-from batchapi.db.projects import DEFAULT_PROJECT, get_or_create_project
+from batchapi.db.projects import DEFAULT_PROJECT, KeyCache, get_or_create_project
 from batchapi.db.session import session_scope
 from batchapi.model_store import served_model_id
 from batchapi.storage import Storage
@@ -51,6 +52,8 @@ def create_app(
         jobs.on_batch_cancelled = lambda _batch_id: sweeper.poke()
         app.state.jobs = jobs
         app.state.model = ModelObject(id=served_model_id(settings), created=now())
+        app.state.key_cache = KeyCache(settings.auth_cache_seconds)
+        app.state.upload_limiter = anyio.CapacityLimiter(MAX_CONCURRENT_UPLOADS)
         if not settings.auth_required:
             with session_scope(jobs.sessions) as session:
                 app.state.default_project_id = get_or_create_project(session, DEFAULT_PROJECT).id

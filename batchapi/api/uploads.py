@@ -29,10 +29,8 @@ MAX_CONCURRENT_UPLOADS = 16  # storing at once, each on a thread of its own; mor
 async def receive_upload(request: Request, jobs: Jobs, project_id: str) -> File:
     """Store the request's file as a File of ``project_id``, read as it arrives."""
     form = UploadForm(request, jobs.settings.max_upload_bytes)
-    state = request.app.state
-    if getattr(state, "upload_limiter", None) is None:
-        state.upload_limiter = anyio.CapacityLimiter(MAX_CONCURRENT_UPLOADS)
-    return await anyio.to_thread.run_sync(store, jobs, project_id, form, limiter=state.upload_limiter)
+    limiter = request.app.state.upload_limiter  # MAX_CONCURRENT_UPLOADS, made with the app
+    return await anyio.to_thread.run_sync(store, jobs, project_id, form, limiter=limiter)
 
 
 def store(jobs: Jobs, project_id: str, form: UploadForm) -> File:

@@ -16,19 +16,11 @@ from batchapi.db.models import Batch, File
 from batchapi.db.paging import page
 from batchapi.db.session import session_scope
 from batchapi.errors import InvalidRequest, NotFound
-from batchapi.openai.errors import ErrorCode
-from batchapi.openai.text import storable
+from batchapi.openai.text import check_text
 from batchapi.storage.keys import file_key
 from batchapi.storage.streams import LimitedReader
 
 UPLOAD_PURPOSES = ("batch",)
-
-
-def check_text(value: str | None, param: str) -> None:
-    """Refuse request text that has no UTF-8 form before anything is stored (``openai.text``)."""
-    if value is not None and not storable(value):
-        raise InvalidRequest(f"'{param}' holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), which "
-                             "is not valid Unicode text", param, code=str(ErrorCode.INVALID_ENCODING))
 
 
 def upload_file(

@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 from batchapi.batches import states
 from batchapi.batches.billing import price_for
 from batchapi.batches.context import Jobs
-from batchapi.batches.files import check_text, get_file_row
+from batchapi.batches.files import get_file_row
 from batchapi.batches.states import DONE_SHARDS, BatchStatus
 from batchapi.db.clock import now
 from batchapi.db.ids import batch_id as new_batch_id
@@ -25,6 +25,7 @@ from batchapi.db.session import session_scope
 from batchapi.errors import Conflict, InvalidRequest, NotFound
 from batchapi.model_store import served_model_id
 from batchapi.openai.body import ENDPOINTS
+from batchapi.openai.text import check_text
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from batchapi.openai.body import ENDPOINTS, ParsedBody, parse_body
 from batchapi.openai.errors import ErrorCode, RequestError
-from batchapi.openai.text import storable
+from batchapi.openai.text import lone_surrogate, storable
 
 BOM = "\ufeff"
 
@@ -141,13 +141,12 @@ def _check_text(record: dict, custom_id: str) -> None:
         if isinstance(value, str):
             if not storable(value):
                 usable = None if path == "custom_id" else custom_id
-                raise _line_error(f"'{path}' holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), "
-                                  "which is not valid Unicode text", path, ErrorCode.INVALID_ENCODING, usable)
+                raise _line_error(lone_surrogate(f"'{path}'"), path, ErrorCode.INVALID_ENCODING, usable)
         elif isinstance(value, dict):
             for key, item in value.items():
                 if not storable(key):
-                    raise _line_error(f"a key in {path or 'the line'} holds a lone UTF-16 surrogate, which is not "
-                                      "valid Unicode text", path or None, ErrorCode.INVALID_ENCODING, custom_id)
+                    raise _line_error(lone_surrogate(f"a key in {path or 'the line'}"), path or None,
+                                      ErrorCode.INVALID_ENCODING, custom_id)
                 stack.append((f"{path}.{key}" if path else key, item))
         elif isinstance(value, list):
             stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))

@@ -10,9 +10,24 @@ from __future__ import annotations
 
 import re
 
+from batchapi.errors import InvalidRequest
+from batchapi.openai.errors import ErrorCode
+
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def storable(text: str) -> bool:
     """Whether ``text`` encodes as UTF-8 (the only characters that do not are surrogates)."""
     return _LONE_SURROGATE.search(text) is None
+
+
+def lone_surrogate(where: str) -> str:
+    """The message for text that fails ``storable``."""
+    return (f"{where} holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), which is not valid "
+            "Unicode text")
+
+
+def check_text(value: str | None, param: str) -> None:
+    """Refuse request text that has no UTF-8 form before anything is stored."""
+    if value is not None and not storable(value):
+        raise InvalidRequest(lone_surrogate(f"'{param}'"), param, code=str(ErrorCode.INVALID_ENCODING))
