@@ -30,7 +30,6 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,24 +39,15 @@ import uuid
 from pathlib import Path
 
 import httpx
+from procs import answers, free_port, stat_fields, wait_until
 
 BIN = Path(sys.executable).parent / "batchapi"
 HERE = Path(__file__).resolve().parent
 PG_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"timed out waiting for {what}")
-        time.sleep(0.2)
 
 
 def group_cpu_seconds(pgid: int) -> float:
@@ -67,7 +57,7 @@ def group_cpu_seconds(pgid: int) -> float:
         if not entry.isdigit():
             continue
         try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            fields = stat_fields(entry)
         except OSError:
             continue
         if int(fields[2]) == pgid:
@@ -85,7 +75,7 @@ def backend_cpu_seconds(database: str) -> float:
             title = Path(f"/proc/{entry}/cmdline").read_bytes()
             if not title.startswith(b"postgres: ") or f" {database} ".encode() not in title:
                 continue
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            fields = stat_fields(entry)
         except OSError:
             continue
         total += int(fields[11]) + int(fields[12])
@@ -235,11 +225,6 @@ class Processes:
             self.stop(name)
 
 
-def healthy(base: str) -> bool:
-    try:
-        return httpx.get(base + "/health", timeout=2).status_code == 200
-    except httpx.TransportError:
-        return False
 
 
 def start_batch(base: str, key: str, lines: int) -> dict:
@@ -384,7 +369,7 @@ def main() -> int:
         key = made.stdout.strip().splitlines()[-1]
         api = procs.spawn("api", str(BIN), "serve", *serve_args)
         base = f"http://127.0.0.1:{api_port}"
-        wait_until(lambda: healthy(base), 120, f"the API (see {workdir}/api.log)")
+        wait_until(lambda: answers(base + "/health"), 120, f"the API (see {workdir}/api.log)")
         batch = start_batch(base, key, args.lines)
         writer = ProgressWriter(database_url, batch["id"])
         writer.start()
@@ -408,13 +393,13 @@ def main() -> int:
                 "--host", "127.0.0.1", "--port", str(peer_port), "--workers", str(peer_workers),
                 "--no-access-log", "--log-level", "warning", env=peer_env,
             )
-            wait_until(lambda: httpx_ok(peer_base + poll_path), 60, "the peer")
+            wait_until(lambda: answers(peer_base + poll_path), 60, "the peer")
             for connections in [int(c) for c in args.connections.split(",")]:
                 results.append(("peer", connections, measure(peer_base, poll_path, auth, connections, args, peer.pid)))
             procs.stop("peer")
             if round_ + 1 < args.repeat:
                 api = procs.spawn("api", str(BIN), "serve", *serve_args)
-                wait_until(lambda: healthy(base), 120, "the API")
+                wait_until(lambda: answers(base + "/health"), 120, "the API")
 
         print(f"{' '.join(args.env)} batchapi serve {' '.join(serve_args)} on PostgreSQL, broker set (no worker), batch "
               f"{batch['id']} in_progress with {writer.writes} progress commits; peer: {peer_workers} uvicorn "
@@ -442,11 +427,6 @@ def main() -> int:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def httpx_ok(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=2).status_code == 200
-    except httpx.TransportError:
-        return False
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,15 +28,12 @@ import time
 from pathlib import Path
 
 import httpx
+from procs import answers, cpu_seconds, free_port, wait_until
 
 BIN = Path(sys.executable).parent / "batchapi"
 TOPICS = ["the ocean", "a violin", "tax forms", "volcanoes", "a chess opening", "bread", "satellites", "moss"]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def request_lines(model: str, n: int, max_tokens: int) -> list[dict]:
@@ -49,18 +45,8 @@ def request_lines(model: str, n: int, max_tokens: int) -> list[dict]:
     ]
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process and its threads so far (Linux)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"timed out waiting for {what}")
-        time.sleep(0.2)
 
 
 class Service:
@@ -128,7 +114,7 @@ def through_service(args, model_id: str, lines: list[dict], warmup: list[dict]) 
         service.spawn("worker", str(BIN), "worker", "-n", "bench@%h")
         wait_until(lambda: b" ready." in (workdir / "worker.log").read_bytes(), 600, "the worker")
         with httpx.Client(base_url=service.base, timeout=60) as http:
-            wait_until(lambda: _healthy(http), 120, "the API")
+            wait_until(lambda: answers(service.base + "/health"), 120, "the API")
             service.run_batch(http, warmup)
             elapsed, cpu, batch = service.run_batch(http, lines)
         return elapsed, cpu, batch["usage"]["output_tokens"]
@@ -137,11 +123,6 @@ def through_service(args, model_id: str, lines: list[dict], warmup: list[dict]) 
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _healthy(http: httpx.Client) -> bool:
-    try:
-        return http.get("/health").status_code == 200
-    except httpx.TransportError:
-        return False
 
 
 def through_engine(args, lines: list[dict], warmup: list[dict]) -> tuple[float, float, int]:
