@@ -55,6 +55,8 @@ class Settings(BaseSettings):
     # database connections per process; past them a request waits (0 overflow: none opened per request)
     db_pool_size: int = Field(default=20, ge=1)
     db_max_overflow: int = Field(default=0, ge=0)
+    # the API's async read connections per process (the polled route, PostgreSQL only)
+    db_read_pool_size: int = Field(default=8, ge=1)
     max_file_bytes: int = Field(default=200 * 1024 * 1024, ge=1)
     max_file_lines: int = Field(default=50_000, ge=1)
     # one input line (one request); longer lines fail validation as line_too_long unread

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import logging
 
+import psycopg
+import psycopg_pool
+import sqlalchemy.exc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -83,6 +86,13 @@ class RejectNulMiddleware:
         await self.app(scope, receive, send)
 
 
+async def _database_down(_request: Request, exc: Exception) -> JSONResponse:
+    # the database is unreachable or out of connections: retry later, nothing was changed
+    log.warning("database unavailable: %s", exc)
+    return error_response(503, "The service's database is unavailable; please retry.", None,
+                          "database_unavailable", "server_error", {"Retry-After": "1"})
+
+
 async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error", exc_info=exc)
     return error_response(500, "The server had an error processing your request.", type_="server_error")
@@ -93,5 +103,8 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(DataError, _bad_value)
+    for exc in (sqlalchemy.exc.OperationalError, sqlalchemy.exc.TimeoutError, psycopg.OperationalError,
+                psycopg_pool.PoolTimeout):
+        app.add_exception_handler(exc, _database_down)
     app.add_exception_handler(Exception, _unexpected)
     app.add_middleware(RejectNulMiddleware)

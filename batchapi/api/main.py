@@ -20,6 +20,7 @@ from batchapi.batches.sweeper import SweepLoop
 from batchapi.config import Settings
 from batchapi.db.clock import now
 from batchapi.db.projects import DEFAULT_PROJECT, KeyCache, get_or_create_project
+from batchapi.db.reads import open_reads
 from batchapi.db.session import session_scope
 from batchapi.model_store import served_model_id
 from batchapi.storage import Storage
@@ -54,6 +55,9 @@ def create_app(
         app.state.model = ModelObject(id=served_model_id(settings), created=now())
         app.state.key_cache = KeyCache(settings.auth_cache_seconds)
         app.state.upload_limiter = anyio.CapacityLimiter(MAX_CONCURRENT_UPLOADS)
+        app.state.reads = open_reads(settings)
+        if app.state.reads is not None:
+            await app.state.reads.open()
         if not settings.auth_required:
             with session_scope(jobs.sessions) as session:
                 app.state.default_project_id = get_or_create_project(session, DEFAULT_PROJECT).id
@@ -67,6 +71,8 @@ def create_app(
         finally:
             sweeper.stop()
             runner.shutdown()
+            if app.state.reads is not None:
+                await app.state.reads.close()
             jobs.close()
 
     app = FastAPI(title="batchapi", version="0.1.0", lifespan=lifespan)

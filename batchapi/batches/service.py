@@ -128,8 +128,12 @@ def _by_idempotency_key(jobs: Jobs, project_id: str, key: str | None, fingerprin
 def get_batch_row(session: Session, project_id: str, bid: str) -> Batch:
     batch = session.get(Batch, bid)
     if batch is None or batch.project_id != project_id:
-        raise NotFound(f"No batch found with id '{bid}'.", "batch_id")
+        raise batch_not_found(bid)
     return batch
+
+
+def batch_not_found(bid: str) -> NotFound:
+    return NotFound(f"No batch found with id '{bid}'.", "batch_id")
 
 
 def get_batch(jobs: Jobs, project_id: str, bid: str) -> Batch:
