@@ -97,6 +97,7 @@ class BatchObject(BaseModel):
     metadata: dict[str, str] | None
     cost: Cost
     estimated_cost: Cost | None
+    request_errors: dict | None = None  # beyond OpenAI: body problems of single requests (their 400s)
 
     @classmethod
     def of(cls, b: Batch) -> BatchObject:
@@ -110,7 +111,7 @@ class BatchObject(BaseModel):
             cancelled_at=b.cancelled_at,
             request_counts=RequestCounts(total=b.request_total, completed=b.request_completed, failed=b.request_failed),
             usage=usage(b), metadata=b.metadata_, cost=Cost(**cost(b).as_dict()),
-            estimated_cost=Cost(**estimate.as_dict()) if estimate else None,
+            estimated_cost=Cost(**estimate.as_dict()) if estimate else None, request_errors=b.request_errors,
         )
 
 

@@ -78,7 +78,9 @@ class Batch(Base):
     input_file_id: Mapped[str] = mapped_column(String(64), index=True)
     completion_window: Mapped[str] = mapped_column(String(16))
     status: Mapped[str] = mapped_column(String(16))  # a batches.states.BatchStatus
-    errors: Mapped[dict[str, Any] | None]
+    errors: Mapped[dict[str, Any] | None]  # why the batch failed (problems of the file)
+    # problems of single request bodies found by validation: those requests run as 400s
+    request_errors: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
     output_file_id: Mapped[str | None] = mapped_column(String(64))
     error_file_id: Mapped[str | None] = mapped_column(String(64))
     metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON)

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from transformers import AutoTokenizer
 
@@ -24,6 +28,9 @@ from batchapi.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
+# with nothing to run but grammars compiling, a step waits up to this long for one to finish
+GRAMMAR_WAIT_SECONDS = 0.01
+
 
 @dataclass
 class _Stream:
@@ -38,6 +45,28 @@ class _RequestState:
     request: GenerationRequest
     seqs: list[Sequence] = field(default_factory=list)
     streams: dict[int, _Stream] = field(default_factory=dict)  # by seq_id
+    grammar: Any = None  # grammar.CompiledGrammar of a constrained request: each sequence gets a matcher
+
+
+def system_fingerprint(config: EngineConfig, dtype: str, kernels: str) -> str:
+    """``fp_`` and 12 hex digits naming what decides a result: the model's files (names, sizes,
+    config and tokenizer), the dtype, the kernels, the engine's limits and batchapi's version.
+    Two results with the same fingerprint came from the same configuration."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    digest = hashlib.sha256()
+    model_dir = Path(config.model_path)
+    for path in sorted(model_dir.iterdir()) if model_dir.is_dir() else [model_dir]:
+        digest.update(f"{path.name}:{path.stat().st_size}\n".encode())
+        if path.name in ("config.json", "generation_config.json", "tokenizer_config.json"):
+            digest.update(path.read_bytes())
+    try:
+        release = version("batchapi")
+    except PackageNotFoundError:
+        release = "dev"
+    digest.update(f"{dtype}|{config.device}|{kernels}|{config.block_size}|{config.max_model_len}|"
+                  f"{release}".encode())
+    return "fp_" + digest.hexdigest()[:12]
 
 
 class LLMEngine:
@@ -55,6 +84,19 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len)
         self.requests: dict[str, _RequestState] = {}
+        self.system_fingerprint = system_fingerprint(config, str(self.runner.dtype), self.runner.ops.name)
+        self._grammars = None  # grammar.GrammarCompiler, made for the first constrained request
+        self.compiling: list[tuple[Sequence, Future]] = []  # requests waiting for their grammar
+
+    @property
+    def grammars(self):
+        """The grammar compiler (one per engine: a schema shared by many requests compiles once)."""
+        if self._grammars is None:
+            from batchapi.grammar import GrammarCompiler
+
+            self._grammars = GrammarCompiler(self.tokenizer, self.runner.model_config.vocab_size,
+                                             eos_token_ids=self.eos_token_ids)
+        return self._grammars
 
     # ---- requests ----
 
@@ -77,7 +119,36 @@ class LLMEngine:
             self.scheduler.rejected.append(seq)
             return
         self._open_stream(state, seq)
+        if params.grammar is not None:  # compiled off the step thread; scheduled once ready
+            self.compiling.append((seq, self.grammars.submit(params.grammar)))
+            return
         self.scheduler.add(seq)
+
+    def _admit_compiled(self) -> None:
+        """Schedule the requests whose grammar is ready; fail those whose grammar was refused."""
+        if not self.compiling:
+            return
+        waiting = []
+        for seq, future in self.compiling:
+            state = self.requests.get(seq.request_id)
+            if state is None or seq.is_finished:  # aborted while compiling
+                continue
+            if not future.done():
+                waiting.append((seq, future))
+                continue
+            try:
+                state.grammar = future.result()
+            except Exception as exc:  # GrammarError: the schema is the request's problem
+                seq.fail(ErrorCode.INVALID_REQUEST, str(exc))
+                self.scheduler.rejected.append(seq)
+                continue
+            seq.matcher = state.grammar.matcher()
+            self.scheduler.add(seq)
+        self.compiling = waiting
+
+    def close(self) -> None:
+        if self._grammars is not None:
+            self._grammars.close()
 
     def abort(self, request_id: str) -> GenerationResult | None:
         state = self.requests.pop(request_id, None)
@@ -94,7 +165,7 @@ class LLMEngine:
         return bool(self.requests)
 
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        return len(self.scheduler.waiting) + len(self.compiling)
 
     def num_running(self) -> int:
         return len(self.scheduler.running)
@@ -106,9 +177,12 @@ class LLMEngine:
 
     def step(self) -> list[GenerationResult]:
         """Advance every scheduled sequence by one step; return the requests that finished."""
+        self._admit_compiled()
         finished = self._take_rejected()
         batch = self.scheduler.schedule()
         if not len(batch):
+            if self.compiling and not finished:
+                wait([future for _, future in self.compiling], GRAMMAR_WAIT_SECONDS, FIRST_COMPLETED)
             return finished
         rows, samples = self.runner.execute(batch)
         self.scheduler.postprocess(batch)
@@ -137,6 +211,8 @@ class LLMEngine:
         child = Sequence(parent.request_id, parent.token_ids[: parent.num_prompt_tokens], parent.params,
                          sample_index=index, num_cached_tokens=parent.num_cached_tokens)
         state = self.requests[parent.request_id]
+        if state.grammar is not None:  # a fork starts where its parent did: at the grammar's start
+            child.matcher = state.grammar.matcher()
         state.seqs.append(child)
         self._open_stream(state, child)
         self.scheduler.fork(parent, child)
@@ -160,10 +236,15 @@ class LLMEngine:
         if reason == "stop":  # a stop token: its text is not part of the output
             seq.finish("stop")
             return
+        if seq.matcher is not None and not seq.matcher.accept(token):
+            seq.fail(ErrorCode.ENGINE_FAILURE, f"the grammar refused token {token}, which its mask allowed")
+            return
         stream = self.requests[seq.request_id].streams[seq.seq_id]
         text = stream.detok.add(token)
         if stream.stops is not None and stream.stops.add(text):  # a stop string beats the length limit
             seq.text = stream.stops.text
+            seq.finish("stop")
+        elif seq.matcher is not None and seq.matcher.is_terminated:  # the document is complete
             seq.finish("stop")
         elif reason == "length" or seq.num_tokens >= self.max_model_len:
             seq.finish("length")

@@ -26,6 +26,7 @@ class EngineFront:
         self.config = config
         self.engine = engine or LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
+        self.system_fingerprint = self.engine.system_fingerprint
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._inbox: list[tuple[GenerationRequest, Future, Callback | None]] = []
@@ -83,6 +84,7 @@ class EngineFront:
             self._wake.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+        self.engine.close()
         with self._lock:
             pending, self._pending = self._pending, {}
         for future, _ in pending.values():

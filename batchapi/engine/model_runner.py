@@ -128,7 +128,8 @@ class ModelRunner:
         if len(rows) != logits.shape[0]:  # n > 1: a finished prompt is sampled once per child
             repeat = torch.tensor([1 + seq.num_forks for seq, _ in _sampled(batch)], device=logits.device)
             logits = logits.repeat_interleave(repeat, dim=0)
-        return rows, self.sampler(logits, [SampleRow(seq.params, seq.output_token_ids, index) for seq, index in rows])
+        return rows, self.sampler(logits, [SampleRow(seq.params, seq.output_token_ids, index, seq.matcher)
+                                     for seq, index in rows])
 
 
 def _sampled(batch: ScheduledBatch) -> list[tuple[Sequence, int]]:

@@ -1,7 +1,8 @@
 """Pick the next token of every row of a step from its logits.
 
-Order per row: logit_bias, presence/frequency penalties (over the row's output tokens), then
-temperature, min_p, top_k, top_p, then the draw. Logprobs are those of the raw model distribution
+Order per row: logit_bias, presence/frequency penalties (over the row's output tokens), the
+grammar's token mask (structured outputs: disallowed tokens to -inf), then temperature, min_p,
+top_k, top_p, then the draw. Logprobs are those of the raw model distribution
 (log-softmax of the unmodified logits), as OpenAI and vLLM report them.
 
 The draw is by inverse CDF: one uniform number per row, looked up in the cumulative sum of the
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from batchapi.engine.sampling_params import SamplingParams
+from batchapi.grammar import apply_masks
 from batchapi.kernels import TORCH_OPS, Ops
 
 # top_p first looks for its cut among this many of the most likely tokens, then widens
@@ -39,6 +41,7 @@ class SampleRow:
     params: SamplingParams
     output_token_ids: list[int]  # tokens generated so far; its length is the step number
     sample_index: int = 0  # which of the request's n samples, 0..n-1
+    matcher: object | None = None  # grammar.Matcher: only the tokens it allows may be drawn
 
 
 @dataclass
@@ -65,7 +68,7 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (
             f"logits {tuple(logits.shape)} do not match {len(rows)} rows"
         )
-        if all(r.params.greedy and not _modifies_logits(r.params) for r in rows):
+        if all(r.params.greedy and not _modifies_logits(r.params) and r.matcher is None for r in rows):
             token_ids = self._argmax(logits)  # fast path: nothing to apply
         else:
             token_ids = self._choose(logits, rows)
@@ -81,6 +84,8 @@ class Sampler:
         x = self._scaled_copy(logits, order, scale)  # [B, V] in `order`
         _apply_logit_bias(x, rows, scale)
         _apply_penalties(x, rows, scale)
+        if any(r.matcher is not None for r in rows):
+            apply_masks(x, [r.matcher for r in rows])  # one bitmask for the step's constrained rows
         num_greedy = sum(r.params.greedy for r in rows)
         chosen = torch.empty(len(rows), dtype=torch.long, device=x.device)
         if num_greedy:

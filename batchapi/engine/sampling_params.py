@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from batchapi.grammar.spec import GrammarSpec
+
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
 MAX_PENALTY = 2.0
@@ -32,6 +34,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     n: int = 1
+    grammar: GrammarSpec | None = None  # the output follows it, token by token (structured outputs)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # OpenAI lets `stop` be one string
@@ -103,6 +106,8 @@ class SamplingParams:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=True")
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise ValueError(f"grammar must be a GrammarSpec, got {self.grammar!r}")
 
 
 def _is_int(value: object) -> bool:

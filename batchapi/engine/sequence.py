@@ -41,6 +41,7 @@ class Sequence:
     logprobs: list | None = None
     num_forks: int = 0  # children still to fork once the prompt is computed (n > 1)
     text: str = ""
+    matcher: Any = None  # grammar.Matcher of a constrained request, advanced by each output token
 
     def __post_init__(self):
         if self.num_prompt_tokens < 0:

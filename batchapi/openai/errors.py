@@ -24,6 +24,7 @@ class ErrorCode(StrEnum):
     MISSING_REQUIRED_PARAMETER = "missing_required_parameter"
     UNKNOWN_PARAMETER = "unknown_parameter"
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    INVALID_JSON_SCHEMA = "invalid_json_schema"  # a response format's or a tool's schema the grammar cannot enforce
     # the file or the batch as a whole
     MISMATCHED_MODEL = "mismatched_model"
     MODEL_NOT_FOUND = "model_not_found"
@@ -64,3 +65,11 @@ class RequestError(ValueError):
         if not self.in_body:
             return self.param
         return "body" if self.param in (None, "body") else f"body.{self.param}"
+
+
+def refuse_unknown(value: dict, allowed: set[str], param: str | None = None) -> None:
+    """Refuse the first field of ``value`` (an object at ``param``, None for the body) not in ``allowed``."""
+    unknown = sorted(set(value) - allowed)
+    if unknown:
+        where = f"{param}.{unknown[0]}" if param else unknown[0]
+        raise RequestError(f"unrecognized request argument: {unknown[0]!r}", where, ErrorCode.UNKNOWN_PARAMETER)

@@ -13,6 +13,7 @@ import time
 
 from batchapi.openai.body import ParsedBody
 from batchapi.openai.errors import ErrorCode, RequestError
+from batchapi.openai.tools import parse_tool_calls
 
 # why requests that never ran (or were cut short) are in the error file
 NOT_RUN_MESSAGES = {
@@ -60,11 +61,13 @@ def usage(result) -> dict:
         "prompt_tokens": result.prompt_tokens,
         "completion_tokens": result.completion_tokens,
         "total_tokens": result.prompt_tokens + result.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": result.cached_tokens, "audio_tokens": 0},
+        "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 0, "accepted_prediction_tokens": 0,
+                                      "rejected_prediction_tokens": 0},
     }
 
 
-def completion_body(parsed: ParsedBody, result, model: str, tokenizer) -> dict:
+def completion_body(parsed: ParsedBody, result, model: str, tokenizer, system_fingerprint: str | None = None) -> dict:
     """The ``chat.completion`` or ``text_completion`` body of a request the engine finished."""
     assert result.error is None, f"request {result.request_id} failed ({result.error}); render it rejected"
     chat = parsed.messages is not None
@@ -72,20 +75,37 @@ def completion_body(parsed: ParsedBody, result, model: str, tokenizer) -> dict:
     for out in result.outputs:
         choice: dict = {"index": out.index, "finish_reason": out.finish_reason}
         if chat:
-            choice["message"] = {"role": "assistant", "content": out.text}
+            choice["message"] = _message(parsed, out, choice)
             choice["logprobs"] = _chat_logprobs(out.logprobs, tokenizer) if parsed.logprobs else None
         else:
             choice["text"] = out.text
             choice["logprobs"] = _completion_logprobs(out.logprobs, tokenizer) if parsed.logprobs else None
         choices.append(choice)
-    return {
-        "id": f"{'chatcmpl' if chat else 'cmpl'}-{result.request_id}",
+    body = {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}",
         "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()),
         "model": model,
         "choices": choices,
         "usage": usage(result),
+        "system_fingerprint": system_fingerprint,
     }
+    if chat:
+        body["service_tier"] = "default"
+    return body
+
+
+def _message(parsed: ParsedBody, out, choice: dict) -> dict:
+    """The assistant message of one output; its calls, when it made any, finish the choice with
+    ``tool_calls``. Only an output that stopped is read for calls: one cut at the length limit
+    stays text, as its calls may be half-written."""
+    message = {"role": "assistant", "content": out.text, "refusal": None}
+    calls = parse_tool_calls(out.text, parsed) if out.finish_reason == "stop" else None
+    if calls:
+        message["content"] = None
+        message["tool_calls"] = calls
+        choice["finish_reason"] = "tool_calls"
+    return message
 
 
 def _token_text(tokenizer, token_id: int) -> str:

@@ -87,7 +87,8 @@ def _count_shard(jobs: Jobs, counter: PromptCounter, endpoint: str, key: str, sh
     lines = [parse_line(content, shard.first_line + number - 1, endpoint)
              for number, _, _, content in iter_lines(chunks, jobs.settings.max_line_bytes) if not is_blank(content)]
     assert len(lines) == shard.request_count, f"shard {shard.id}: {len(lines)} lines, {shard.request_count} expected"
-    # a line refused now (a rule or limit changed since validation) is rejected when its shard runs: 0 tokens
+    # a line whose body is refused (found by validation, or a rule or limit changed since) is a 400
+    # when its shard runs: it keeps its place in the counts with 0 tokens and generates nothing
     counts = [0] * len(lines)
     good = [i for i, line in enumerate(lines) if line.error is None]
     for i, count in zip(good, exact_counts(counter, [lines[i].body for i in good]), strict=True):

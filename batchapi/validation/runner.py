@@ -4,7 +4,9 @@ A claim is the batch's validation lease (``batches.leases``), so a validator tha
 a batch that the sweeper hands to a live ``ValidationRunner`` once the lease runs out (at
 start-up and on every sweep). The outcome is one transaction: the batch moves to
 ``in_progress`` together with its shard rows, or to ``failed`` with its errors; only after the
-commit is the dispatcher told.
+commit is the dispatcher told. Either way the problems of single request bodies are recorded
+in ``request_errors`` (those requests run as 400s; a resumed validation scans again and
+records the same).
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def validate_batch(jobs: Jobs, batch_id: str) -> str:
     scanner = Scanner(limits, counter_for(served.path))
     result = scanner.scan(jobs.storage.iter_chunks(file.storage_key), lambda scan: _renew(jobs, batch_id, scan))
     if result.errors:
-        return _fail(jobs, batch_id, result.errors)
+        return _fail(jobs, batch_id, result.errors, result.request_report)
     return _start(jobs, batch_id, result)
 
 
@@ -76,11 +78,11 @@ def _renew(jobs: Jobs, batch_id: str, scanner: Scanner) -> bool:
                                    estimated_output_tokens=scanner.output_tokens)
 
 
-def _fail(jobs: Jobs, batch_id: str, errors: list[LineError]) -> str:
+def _fail(jobs: Jobs, batch_id: str, errors: list[LineError], request_errors: dict | None = None) -> str:
     body = {"object": "list", "data": [e.as_dict() for e in errors]}
     with session_scope(jobs.sessions) as session:
         if states.transition(session, batch_id, BatchStatus.FAILED, sources={BatchStatus.VALIDATING}, errors=body,
-                             validation_lease_expires_at=None):
+                             request_errors=request_errors, validation_lease_expires_at=None):
             return BatchStatus.FAILED
     return leases.settle_cancelled_validation(jobs, batch_id)
 
@@ -93,6 +95,7 @@ def _start(jobs: Jobs, batch_id: str, result: ScanResult) -> str:
             session, batch_id, BatchStatus.IN_PROGRESS, sources={BatchStatus.VALIDATING},
             model=result.model, request_total=result.request_count, validation_lease_expires_at=None,
             estimated_input_tokens=result.prompt_tokens, estimated_output_tokens=result.max_output_tokens,
+            request_errors=result.request_report,
         )
         if moved:
             session.execute(delete(Shard).where(Shard.batch_id == batch_id))
@@ -107,7 +110,8 @@ def _start(jobs: Jobs, batch_id: str, result: ScanResult) -> str:
             )
     if not moved:
         return leases.settle_cancelled_validation(jobs, batch_id)
-    log.info("batch %s valid: %d requests in %d shards", batch_id, result.request_count, len(shard_ids))
+    log.info("batch %s valid: %d requests (%d refused for their body) in %d shards", batch_id, result.request_count,
+             result.request_error_total, len(shard_ids))
     jobs.dispatcher.batch_ready(batch_id, shard_ids)
     return BatchStatus.IN_PROGRESS
 

@@ -2,19 +2,26 @@
 
 ``scan`` reads the file in chunks, checks each line (JSON object, ``custom_id``, method, url,
 model, body) with ``openai.lines.parse_line``, counts prompt tokens in batches and cuts the
-valid requests into shards. It touches no database: ``runner`` claims the batch, calls it and
+requests into shards. It touches no database: ``runner`` claims the batch, calls it and
 records the outcome.
+
+Two kinds of problem, as OpenAI has them: a problem of the file (not JSON, no ``custom_id``,
+the wrong url or model, too long a prompt, ...) is in ``errors`` and fails the batch; a problem
+inside one request's body (``RequestError.in_body``: an unknown parameter, a bad value) is in
+``request_errors`` and only that request fails: it stays in its shard, with no tokens counted,
+and the worker writes it to the error file as a 400.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from batchapi.openai.body import ParsedBody
-from batchapi.openai.errors import ErrorCode
-from batchapi.openai.lines import LongLine, is_blank, iter_lines, parse_line
+from batchapi.openai.errors import ErrorCode, RequestError
+from batchapi.openai.lines import BOM, LongLine, is_blank, iter_lines, parse_line
 from batchapi.validation.token_counts import (
     PromptCounter,
     exact_counts,
@@ -31,12 +38,18 @@ TOKENIZE_BYTES = 1 << 20  # or this many bytes of lines, so the bodies held stay
 
 @dataclass(frozen=True)
 class LineError:
-    """One entry of a failed batch's ``errors.data``."""
+    """One entry of a failed batch's ``errors.data`` or of a batch's ``request_errors.data``."""
 
     code: ErrorCode
     message: str
     line: int | None = None
     param: str | None = None
+
+    @classmethod
+    def capped(cls, code: ErrorCode, message: str, line: int | None, param: str | None) -> LineError:
+        if len(message) > MAX_MESSAGE:  # messages quote the input, which may be huge
+            message = message[: MAX_MESSAGE - 1] + "…"
+        return cls(code, message, line, (param or "")[:MAX_MESSAGE] or None)
 
     def as_dict(self) -> dict:
         return {"code": str(self.code), "message": self.message, "param": self.param, "line": self.line}
@@ -56,12 +69,24 @@ class ShardPlan:
 
 @dataclass
 class ScanResult:
-    errors: list[LineError]
+    errors: list[LineError]  # problems of the file: any fails the batch
+    # problems of single request bodies (the first MAX_REPORTED_ERRORS, and how many in all):
+    # those requests run as 400s
+    request_errors: list[LineError] = field(default_factory=list)
+    request_error_total: int = 0
     model: str | None = None
     request_count: int = 0
     prompt_tokens: int = 0  # upper bound
     max_output_tokens: int = 0
     shards: list[ShardPlan] = field(default_factory=list)
+
+    @property
+    def request_report(self) -> dict | None:
+        """The batch's ``request_errors``: None when every body was good."""
+        if not self.request_error_total:
+            return None
+        return {"object": "list", "data": [e.as_dict() for e in self.request_errors],
+                "total": self.request_error_total}
 
 
 @dataclass(frozen=True)
@@ -79,7 +104,7 @@ class _Request:
     line: int
     start: int
     end: int
-    parsed: ParsedBody
+    parsed: ParsedBody | None  # None: the body was refused, the request becomes a 400 line
     prompt_tokens: int = 0  # exact when it was counted, else an upper bound (a lower one if ``floor``)
     exact: bool = False
     floor: bool = False
@@ -98,6 +123,8 @@ class Scanner:
         self.limits = limits
         self.counter = counter
         self.errors: list[LineError] = []
+        self.request_errors: list[LineError] = []
+        self.request_error_total = 0
         self.seen_ids: set[str] = set()
         self.first_model: tuple[str, int] | None = None
         self.pending: list[_Request] = []
@@ -109,9 +136,12 @@ class Scanner:
 
     def error(self, code: ErrorCode, message: str, line: int | None = None, param: str | None = None) -> None:
         if len(self.errors) < MAX_REPORTED_ERRORS:
-            if len(message) > MAX_MESSAGE:  # messages quote the input, which may be huge
-                message = message[: MAX_MESSAGE - 1] + "…"
-            self.errors.append(LineError(code, message, line, (param or "")[:MAX_MESSAGE] or None))
+            self.errors.append(LineError.capped(code, message, line, param))
+
+    def request_error(self, line: int, error: RequestError) -> None:
+        self.request_error_total += 1
+        if len(self.request_errors) < MAX_REPORTED_ERRORS:
+            self.request_errors.append(LineError.capped(error.code, error.message, line, error.line_param))
 
     @property
     def full(self) -> bool:
@@ -151,31 +181,38 @@ class Scanner:
                            line, "custom_id")
                 return None
             self.seen_ids.add(parsed.custom_id)
-        if parsed.error is not None:
-            self.error(parsed.error.code, parsed.error.message, line, parsed.error.line_param)
+        error = parsed.error
+        if error is not None and not error.in_body:
+            self.error(error.code, error.message, line, error.line_param)
             return None
-        return self.check_model(line, parsed.body)
+        # the model is the file's concern even in a body refused for something else
+        model = parsed.body.model if error is None else _named_model(content)
+        if model is not None and not self.check_model(line, model):
+            return None
+        if error is not None:
+            self.request_error(line, error)
+        return _Request(line, 0, 0, parsed.body)
 
-    def check_model(self, line: int, parsed: ParsedBody) -> _Request | None:
-        model = self.limits.served_model if parsed.model in self.limits.model_aliases else parsed.model
+    def check_model(self, line: int, named: str) -> bool:
+        model = self.limits.served_model if named in self.limits.model_aliases else named
         if self.first_model is None:
             self.first_model = (model, line)
         elif model != self.first_model[0]:
             first, first_line = self.first_model
             self.error(
                 ErrorCode.MISMATCHED_MODEL,
-                f"a batch uses one model; line {first_line} uses {first!r} and this line {parsed.model!r}",
+                f"a batch uses one model; line {first_line} uses {first!r} and this line {named!r}",
                 line, "body.model",
             )
-            return None
+            return False
         if model != self.limits.served_model:
             self.error(
                 ErrorCode.MODEL_NOT_FOUND,
-                f"the model {parsed.model!r} does not exist; this service runs {self.limits.served_model!r}",
+                f"the model {named!r} does not exist; this service runs {self.limits.served_model!r}",
                 line, "body.model",
             )
-            return None
-        return _Request(line, 0, 0, parsed)
+            return False
+        return True
 
     def count_tokens(self) -> None:
         """Check the pending requests against the context, tokenizing only where needed.
@@ -188,9 +225,10 @@ class Scanner:
         if not self.pending:
             return
         context = self.counter.context_length
-        for request in self.pending:
+        bodies = [r for r in self.pending if r.parsed is not None]
+        for request in bodies:
             request.prompt_tokens, request.exact = prompt_bound(self.counter, request.parsed)
-        unsure = [r for r in self.pending if not r.exact and not _fits(r, context)]
+        unsure = [r for r in bodies if not r.exact and not _fits(r, context)]
         for request in unsure:  # a prompt that surely cannot fit is refused untokenized
             floor = prompt_floor(self.counter, request.parsed)
             if floor >= context:
@@ -199,6 +237,9 @@ class Scanner:
         for request, count in zip(unsure, exact_counts(self.counter, [r.parsed for r in unsure]), strict=True):
             request.prompt_tokens, request.exact = count, True
         for request in self.pending:
+            if request.parsed is None:  # refused when its shard runs: no prompt, no output
+                self.done.append(_Valid(request.line, request.start, request.end, 0, 0))
+                continue
             if _fits(request, context):
                 output = output_bound(request.parsed, request.prompt_tokens if request.exact else 1, context)
                 self.done.append(_Valid(request.line, request.start, request.end, request.prompt_tokens, output))
@@ -218,9 +259,10 @@ class Scanner:
         self.pending, self.pending_bytes = [], 0
 
     def result(self) -> ScanResult:
+        requests = dict(request_errors=self.request_errors, request_error_total=self.request_error_total)
         if self.errors:
-            return ScanResult(errors=self.errors)
-        result = ScanResult(errors=[], model=self.limits.served_model, request_count=len(self.done))
+            return ScanResult(errors=self.errors, **requests)
+        result = ScanResult(errors=[], model=self.limits.served_model, request_count=len(self.done), **requests)
         size = self.limits.shard_size
         for index, begin in enumerate(range(0, len(self.done), size)):
             chunk = self.done[begin : begin + size]
@@ -232,6 +274,15 @@ class Scanner:
             result.max_output_tokens += shard.estimated_output_tokens
             result.shards.append(shard)
         return result
+
+
+def _named_model(content: bytes) -> str | None:
+    """The ``model`` string a line's body names, read from the raw JSON of a line whose body
+    ``parse_line`` refused (the line itself parsed, so this cannot fail); None if it names none."""
+    record = json.loads(content.decode("utf-8").removeprefix(BOM))
+    body = record.get("body")
+    model = body.get("model") if isinstance(body, dict) else None
+    return model if isinstance(model, str) and model else None
 
 
 def _fits(request: _Request, context: int) -> bool:

@@ -1,16 +1,19 @@
 """`batchapi run-batch`: an OpenAI batch JSONL file through the engine, with no server.
 
 Both files stream: lines are read as the engine has room for them (a bounded number of
-requests in flight) and results are written as they finish, so memory stays flat however long
-the input. Lines are parsed by ``openai.lines`` and rendered by ``Codec``, as in the service:
-output lines in the OpenAI batch output shape, in completion order; a line that cannot run
-becomes a status-400 line with an OpenAI error body, with the codes validation gives.
+requests in flight) and results are written as soon as every line before them is written, so
+memory stays flat however long the input. Lines are parsed by ``openai.lines`` and rendered by
+``Codec``, as in the service: one output line per input line, in input order, in the OpenAI
+batch output shape, with the line's ``custom_id`` wherever the line got as far as naming one; a
+line that cannot run (a bad line, or a body refused as validation refuses it) becomes a
+status-400 line with an OpenAI error body, with the codes validation gives.
 """
 
 from __future__ import annotations
 
 import queue
 import time
+from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -30,6 +33,8 @@ from batchapi.openai.errors import ErrorCode, RequestError
 from batchapi.openai.lines import InputLine, is_blank, iter_lines, parse_line
 from batchapi.storage.streams import CHUNK
 from batchapi.workers.codec import Codec
+
+WINDOW = 4  # lines waiting to be written, in multiples of the requests in flight
 
 
 @dataclass
@@ -57,13 +62,23 @@ def count_lines(path: Path, max_line_bytes: int | None = None) -> int:
 
 
 class _Writer:
+    """Writes each line's result in input order: a result that finishes before an earlier line's
+    waits in ``ready`` until its turn."""
+
     def __init__(self, out, counts: BatchCounts, codec: Codec):
         self.out, self.counts, self.codec = out, counts, codec
         self.lines: dict[str, InputLine] = {}  # in-flight request id -> its line
+        self.unwritten: deque[int] = deque()  # line numbers read and not written yet, in input order
+        self.ready: dict[int, bytes] = {}  # line number -> its rendered result, waiting for its turn
+
+    def expect(self, line: InputLine) -> None:
+        self.unwritten.append(line.line)
 
     def write(self, line: InputLine, result: GenerationResult | None) -> None:
         rendered, ok = self.codec.line(line, result, ErrorCode.SERVER_ERROR)
-        self.out.write(rendered)
+        self.ready[line.line] = rendered
+        while self.unwritten and self.unwritten[0] in self.ready:
+            self.out.write(self.ready.pop(self.unwritten.popleft()))
         if not ok:
             self.counts.failed += 1
             return
@@ -92,8 +107,10 @@ def _progress(enabled: bool) -> Progress:
 def run_batch(input_path: Path, output_path: Path, engine_config: EngineConfig | None = None, progress: bool = True,
               front: EngineFront | None = None, max_in_flight: int | None = None,
               max_line_bytes: int | None = None) -> BatchCounts:
-    """Run every line of ``input_path`` and write one output line each to ``output_path``; a line
-    over ``max_line_bytes`` is refused (``line_too_long``) without being read into memory."""
+    """Run every line of ``input_path`` and write one output line each to ``output_path``, in
+    input order; a line over ``max_line_bytes`` is refused (``line_too_long``) without being read
+    into memory. At most ``max_in_flight`` requests are in the engine, and at most
+    ``WINDOW`` times that many lines wait behind a slow one before reading stops."""
     own_front = front is None
     if own_front:
         assert engine_config is not None, "pass an engine_config or a started front"
@@ -123,6 +140,7 @@ def run_batch(input_path: Path, output_path: Path, engine_config: EngineConfig |
                 if is_blank(content):
                     continue
                 line = parse_line(content, number, None)
+                writer.expect(line)
                 if line.error is None:
                     try:
                         request = writer.codec.request(line, f"line-{number}")
@@ -135,8 +153,8 @@ def run_batch(input_path: Path, output_path: Path, engine_config: EngineConfig |
                 writer.lines[request.request_id] = line
                 future = front.submit(request)
                 future.add_done_callback(lambda f, rid=request.request_id: done.put((rid, f)))
-                while len(writer.lines) >= limit:
-                    drain(block=True)
+                while len(writer.lines) >= limit or len(writer.unwritten) >= WINDOW * limit:
+                    drain(block=True)  # the oldest unwritten line is in flight, so a result comes
                 drain(block=False)
             while writer.lines:
                 drain(block=True)

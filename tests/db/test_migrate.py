@@ -11,12 +11,13 @@ from batchapi.db.migrate import current, downgrade, upgrade
 from batchapi.db.models import Base
 from tests.utils import services
 
+HEAD = "0002"
 TABLES = {"projects", "api_keys", "files", "batches", "shards", "alembic_version"}
 
 
 def round_trip(settings) -> None:
     upgrade(settings)
-    assert current(settings) == "0001"
+    assert current(settings) == HEAD
     engine = create_engine(settings.sqlalchemy_url)
     try:
         assert set(inspect(engine).get_table_names()) == TABLES
@@ -27,7 +28,7 @@ def round_trip(settings) -> None:
         assert current(settings) is None
         assert set(inspect(engine).get_table_names()) <= {"alembic_version"}
         upgrade(settings)  # and up again from base
-        assert current(settings) == "0001"
+        assert current(settings) == HEAD
     finally:
         engine.dispose()
 

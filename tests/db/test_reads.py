@@ -24,6 +24,8 @@ def _fill(jobs, batch_id: str) -> Batch:
         batch = session.get(Batch, batch_id)
         batch.status, batch.model = "completed", "tiny-\u00e9"
         batch.errors = {"object": "list", "data": [{"code": "invalid_json", "line": 3, "message": "x \u2603"}]}
+        batch.request_errors = {"object": "list", "total": 1,
+                                "data": [{"code": "unknown_parameter", "line": 2, "message": "y", "param": "body.x"}]}
         batch.output_file_id, batch.error_file_id = "file-out", "file-err"
         batch.metadata_ = {"run": "nightly", "emoji": "\U0001f600"}
         batch.in_progress_at, batch.finalizing_at, batch.completed_at = 11, 12, 13

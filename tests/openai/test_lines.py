@@ -37,7 +37,7 @@ def test_a_good_line_gives_its_body():
     (encode(good(url="/v1/completions")), ErrorCode.INVALID_URL, "url", "a"),
     (encode(good(body={"model": "m"})), ErrorCode.MISSING_REQUIRED_PARAMETER, "body.messages", "a"),
     (encode(good(body={**GOOD_BODY, "temperature": "hot"})), ErrorCode.INVALID_TYPE, "body.temperature", "a"),
-    (encode(good(body={**GOOD_BODY, "tools": []})), ErrorCode.UNKNOWN_PARAMETER, "body.tools", "a"),
+    (encode(good(body={**GOOD_BODY, "functions": []})), ErrorCode.UNKNOWN_PARAMETER, "body.functions", "a"),
     (encode(good(body=[])), ErrorCode.INVALID_TYPE, "body", "a"),
 ])
 def test_each_problem_has_its_code_and_field(content, code, param, custom_id):

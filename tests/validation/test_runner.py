@@ -188,3 +188,56 @@ def test_storage_outage_leaves_the_batch_for_a_retry(pg_jobs, project, s3):
     assert run_claimed(dataclasses.replace(pg_jobs, storage=away), bid) == BatchStatus.VALIDATING
     assert get_batch(pg_jobs, project, bid).status == BatchStatus.VALIDATING
     assert run_claimed(pg_jobs, bid) == BatchStatus.IN_PROGRESS  # storage is back
+
+
+def test_a_body_problem_is_reported_early_and_the_batch_runs(pg_jobs, project):
+    pg_jobs.dispatcher = RecordingDispatcher(pg_jobs)
+    lines = [request_line(f"r{i}", model(pg_jobs), max_tokens=7) for i in range(6)]
+    lines[4]["body"]["frobnicate"] = True
+    bid = new_batch(pg_jobs, project, jsonl(lines))
+    assert validate_batch(pg_jobs, bid) == BatchStatus.IN_PROGRESS
+    batch = get_batch(pg_jobs, project, bid)
+    assert batch.errors is None and batch.request_total == 6
+    assert batch.request_errors == {"object": "list", "total": 1, "data": [{
+        "code": "unknown_parameter", "message": "unrecognized request argument: 'frobnicate'",
+        "param": "body.frobnicate", "line": 5}]}
+    assert batch.estimated_output_tokens == 5 * 7  # the refused request generates nothing
+
+    assert count_batch(pg_jobs, bid) == 2  # the exact counts keep one entry per request, 0 for the refused one
+    counter = counter_for(served_model(pg_jobs.settings).path)
+    one = counter.count_texts([counter.render_chat(lines[0]["body"]["messages"])], add_special_tokens=False)[0]
+    with pg_jobs.sessions() as session:
+        shards = session.scalars(select(Shard).where(Shard.batch_id == bid).order_by(Shard.index)).all()
+    assert [s.prompt_token_counts for s in shards] == [[one] * 4, [0, one]]  # line 5 is refused
+    assert [s.estimated_output_tokens for s in shards] == [28, 7]
+    batch = get_batch(pg_jobs, project, bid)
+    assert (batch.estimated_input_tokens, batch.estimated_output_tokens) == (5 * one, 35)
+
+
+def test_a_file_of_refused_bodies_runs_and_a_resumed_validation_finds_them_again(pg_jobs, project):
+    lines = [request_line(f"r{i}", model(pg_jobs), n=0) for i in range(3)]
+    bid = new_batch(pg_jobs, project, jsonl(lines))
+    with session_scope(pg_jobs.sessions) as session:  # the validator died long ago
+        session.execute(update(Batch).where(Batch.id == bid).values(validation_lease_expires_at=1))
+    assert bid in resume_stale(pg_jobs)
+    batch = get_batch(pg_jobs, project, bid)
+    assert batch.status == BatchStatus.IN_PROGRESS and batch.request_total == 3
+    assert [(e["code"], e["line"]) for e in batch.request_errors["data"]] == [("invalid_value", i) for i in (1, 2, 3)]
+    assert (batch.estimated_input_tokens, batch.estimated_output_tokens) == (0, 0)
+
+
+def test_a_file_problem_still_fails_the_batch_with_its_line(pg_jobs, project):
+    lines = [request_line("a", model(pg_jobs), temperature=9), "{oops", request_line("c", model(pg_jobs))]
+    bid = new_batch(pg_jobs, project, jsonl(lines))
+    assert validate_batch(pg_jobs, bid) == BatchStatus.FAILED
+    batch = get_batch(pg_jobs, project, bid)
+    assert [(e["code"], e["line"]) for e in batch.errors["data"]] == [("invalid_json_line", 2)]
+    assert [(e["code"], e["line"], e["param"]) for e in batch.request_errors["data"]] == [
+        ("invalid_value", 1, "body.temperature")]
+
+
+def test_a_batch_without_body_problems_has_no_request_errors(pg_jobs, project):
+    bid = new_batch(pg_jobs, project, jsonl([request_line("a", model(pg_jobs))]))
+    assert validate_batch(pg_jobs, bid) == BatchStatus.IN_PROGRESS
+    with pg_jobs.sessions() as session:  # SQL NULL, not a JSON null
+        assert session.scalar(select(Batch.id).where(Batch.id == bid, Batch.request_errors.is_(None))) == bid

@@ -51,13 +51,9 @@ CASES = {
     "url not the endpoint": ([{**ok(1), "url": "/v1/completions"}, ok(2)], [("invalid_url", 1)]),
     "unknown model": ([request_line("a", "gpt-4o")], [("model_not_found", 1)]),
     "more than one model": ([ok(1), ok(2), request_line("x", "gpt-4o")], [("mismatched_model", 3)]),
-    "no messages": ([{**ok(1), "body": {"model": M}}], [("missing_required_parameter", 1)]),
-    "bad role": ([ok(1), ok(2, messages=[{"role": "wizard", "content": "x"}])], [("invalid_value", 2)]),
-    "max_tokens out of range": ([ok(1, max_tokens=0)], [("invalid_value", 1)]),
-    "n below 1": ([ok(1), ok(2), ok(3, n=0)], [("invalid_value", 3)]),
-    "sampling field of the wrong type": ([ok(1, temperature="hot")], [("invalid_type", 1)]),
-    "unknown field": ([ok(1, frobnicate=1)], [("unknown_parameter", 1)]),
-    "body not an object": ([{**ok(1), "body": []}], [("invalid_type", 1)]),
+    "unknown model in a refused body": ([request_line("x", "gpt-4o", frobnicate=1)], [("model_not_found", 1)]),
+    "another model in a refused body": ([ok(1), request_line("x", "gpt-4o", n=0)], [("mismatched_model", 2)]),
+    "refused body with a duplicate custom_id": ([ok(1), ok(1, n=0)], [("duplicate_custom_id", 2)]),
     "prompt longer than the context": ([ok(1), ok(2, content="hello " * 600)], [("context_length_exceeded", 2)]),
     "prompt plus max_tokens over the context": ([ok(1, max_tokens=500)], [("context_length_exceeded", 1)]),
     "not UTF-8": ([ok(1), b'{"custom_id": "\xff\xfe"}'], [("invalid_encoding", 2)]),
@@ -76,9 +72,68 @@ def test_each_rule_reports_its_line(counter, lines, expected):
     assert result.shards == []
 
 
+# a problem inside one body: that request alone is refused (a 400 when it runs), the batch runs
+REQUEST_CASES = {
+    "no messages": ([{**ok(1), "body": {"model": M}}], [("missing_required_parameter", 1, "body.messages")]),
+    "bad role": ([ok(1), ok(2, messages=[{"role": "wizard", "content": "x"}])],
+                 [("invalid_value", 2, "body.messages[0].role")]),
+    "max_tokens out of range": ([ok(1, max_tokens=0)], [("invalid_value", 1, "body.max_tokens")]),
+    "n below 1": ([ok(1), ok(2), ok(3, n=0)], [("invalid_value", 3, "body.n")]),
+    "sampling field of the wrong type": ([ok(1, temperature="hot")], [("invalid_type", 1, "body.temperature")]),
+    "unknown field": ([ok(1), ok(2, frobnicate=1), ok(3)], [("unknown_parameter", 2, "body.frobnicate")]),
+    "body not an object": ([{**ok(1), "body": []}, ok(2)], [("invalid_type", 1, "body")]),
+    "no body": ([{k: v for k, v in ok(1).items() if k != "body"}], [("invalid_type", 1, "body")]),
+    "no model": ([ok(1), {**ok(2), "body": {"messages": []}}], [("missing_required_parameter", 2, "body.model")]),
+    "model by its alias": ([request_line("a", "/models/tiny-llama", n=0), ok(2)], [("invalid_value", 1, "body.n")]),
+}
+
+
+def request_codes(result) -> list[tuple[str, int, str]]:
+    return [(e.code, e.line, e.param) for e in result.request_errors]
+
+
+@pytest.mark.parametrize("lines,expected", REQUEST_CASES.values(), ids=list(REQUEST_CASES))
+def test_a_body_problem_refuses_that_request_only(counter, lines, expected):
+    result = scan(counter, jsonl(lines))
+    assert result.errors == [] and request_codes(result) == expected
+    assert result.request_error_total == len(expected)
+    assert result.request_count == len(lines)  # the refused requests are requests: each ends as a 400 line
+    assert sum(s.request_count for s in result.shards) == len(lines)
+    assert result.model == M
+    refused = {line for _, line, _ in expected}
+    rest = scan(counter, jsonl(line for i, line in enumerate(lines, 1) if i not in refused))
+    assert (result.prompt_tokens, result.max_output_tokens) == (rest.prompt_tokens, rest.max_output_tokens)
+    assert all(e.message for e in result.request_errors)
+
+
+def test_a_file_whose_every_body_is_refused_still_runs(counter):
+    result = scan(counter, jsonl([ok(i, frobnicate=i) for i in range(1, 6)]), shard_size=2)
+    assert result.errors == [] and result.request_error_total == 5
+    assert [(s.first_line, s.last_line, s.request_count) for s in result.shards] == [(1, 2, 2), (3, 4, 2), (5, 5, 1)]
+    assert (result.request_count, result.prompt_tokens, result.max_output_tokens) == (5, 0, 0)
+    assert all((s.prompt_tokens, s.estimated_output_tokens) == (0, 0) for s in result.shards)
+
+
+def test_request_error_reports_are_capped_and_counted(counter):
+    result = scan(counter, jsonl([ok(i, n=0) for i in range(1, 151)]), chunk=1 << 16)
+    report = result.request_report
+    assert report["object"] == "list" and report["total"] == 150 and result.request_count == 150
+    assert [e["line"] for e in report["data"]] == list(range(1, 101))
+    assert report["data"][0] == {"code": "invalid_value", "message": "'n' must be between 1 and 128, got 0",
+                                 "param": "body.n", "line": 1}
+    assert scan(counter, jsonl([ok(1)])).request_report is None
+
+
+def test_a_file_problem_fails_the_batch_and_body_problems_are_still_listed(counter):
+    result = scan(counter, jsonl([ok(1, frobnicate=1), "{oops", ok(3), ok(4, temperature=9)]))
+    assert codes(result) == [("invalid_json_line", 2)] and result.shards == []
+    assert request_codes(result) == [("unknown_parameter", 1, "body.frobnicate"), ("invalid_value", 4, "body.temperature")]
+
+
 def test_errors_name_the_param(counter):
     result = scan(counter, jsonl([ok(1, temperature="hot"), {**ok(2), "url": "/x"}, request_line("r3", "gpt")]))
-    assert [e.param for e in result.errors] == ["body.temperature", "url", "body.model"]
+    assert [e.param for e in result.errors] == ["url", "body.model"]
+    assert [e.param for e in result.request_errors] == ["body.temperature"]
     assert all(e.message for e in result.errors)
 
 

@@ -100,3 +100,27 @@ def test_a_line_over_the_limit_is_refused_and_the_rest_run(tmp_path, front):
     refused = [r for r in out if r["response"]["status_code"] == 400]
     assert [r["response"]["body"]["error"]["code"] for r in refused] == ["line_too_long"]
     assert refused[0]["custom_id"] is None  # the line was never read, so neither was its custom_id
+
+
+def test_results_come_in_input_order_with_each_custom_id(tmp_path, front):
+    chat = "/v1/chat/completions"
+    slow = line("slow", chat, messages=[{"role": "user", "content": "Hi"}], max_tokens=40, ignore_eos=True)
+    quick = [line(f"quick-{i}", chat, messages=[{"role": "user", "content": f"{i}"}], max_tokens=1, ignore_eos=True)
+             for i in range(6)]
+    lines = [slow, quick[0], line("bad-url", "/v1/embeddings", input="x"), quick[1],
+             line("unknown", chat, messages=[{"role": "user", "content": "x"}], frobnicate=1), *quick[2:],
+             line("bad-n", chat, messages=[{"role": "user", "content": "x"}], n=0)]
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    counts = run_batch(src, dst, front=front, progress=False, max_in_flight=2)
+    assert (counts.total, counts.completed, counts.failed) == (10, 7, 3)
+    out = [json.loads(r) for r in dst.read_text().splitlines()]
+    assert [r["custom_id"] for r in out] == [json.loads(x)["custom_id"] for x in lines]
+    status = {r["custom_id"]: (r["response"]["status_code"], r["response"]["body"].get("error")) for r in out}
+    assert status["bad-url"][0] == 400 and status["bad-url"][1]["code"] == "invalid_url"
+    assert status["unknown"] == (400, {"message": "unrecognized request argument: 'frobnicate'",
+                                       "type": "invalid_request_error", "param": "frobnicate",
+                                       "code": "unknown_parameter"})
+    assert status["bad-n"][1]["code"] == "invalid_value" and status["bad-n"][1]["param"] == "n"
+    assert all(status[f"quick-{i}"] == (200, None) for i in range(6)) and status["slow"] == (200, None)
+    assert front.num_in_flight() == 0
