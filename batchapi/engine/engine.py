@@ -139,7 +139,7 @@ class LLMEngine:
             try:
                 state.grammar = future.result()
             except Exception as exc:  # GrammarError: the schema is the request's problem
-                seq.fail(ErrorCode.INVALID_REQUEST, str(exc))
+                seq.fail(ErrorCode.INVALID_GRAMMAR, str(exc))
                 self.scheduler.rejected.append(seq)
                 continue
             seq.matcher = state.grammar.matcher()

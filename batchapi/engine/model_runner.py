@@ -128,8 +128,16 @@ class ModelRunner:
         if len(rows) != logits.shape[0]:  # n > 1: a finished prompt is sampled once per child
             repeat = torch.tensor([1 + seq.num_forks for seq, _ in _sampled(batch)], device=logits.device)
             logits = logits.repeat_interleave(repeat, dim=0)
-        return rows, self.sampler(logits, [SampleRow(seq.params, seq.output_token_ids, index, seq.matcher)
-                                     for seq, index in rows])
+        return rows, self.sampler(logits, [SampleRow(seq.params, seq.output_token_ids, index, _matcher(seq, index))
+                                           for seq, index in rows])
+
+
+def _matcher(seq: Sequence, index: int):
+    """The grammar matcher of a row: a fork's first row gets a copy of its parent's (both are at
+    the grammar's start), as one matcher may fill only one row of a step's bitmask."""
+    if seq.matcher is None or index == seq.sample_index:
+        return seq.matcher
+    return seq.matcher.fork()
 
 
 def _sampled(batch: ScheduledBatch) -> list[tuple[Sequence, int]]:

@@ -14,6 +14,7 @@ class ErrorCode(StrEnum):
     PROMPT_EMPTY = "prompt_empty"
     PROMPT_TOO_LONG = "prompt_too_long"  # the prompt cannot fit this engine's max model length
     INVALID_REQUEST = "invalid_request"  # token ids or sampling params refused when the request is added
+    INVALID_GRAMMAR = "invalid_grammar"  # the grammar engine refused the request's schema
     ABORTED = "aborted"
     ENGINE_FAILURE = "engine_failure"  # the engine failed while running the request, not the request itself
 

@@ -70,6 +70,11 @@ class Sampler:
         )
         if all(r.params.greedy and not _modifies_logits(r.params) and r.matcher is None for r in rows):
             token_ids = self._argmax(logits)  # fast path: nothing to apply
+        elif all(r.params.greedy and not _modifies_logits(r.params) and not r.params.logprobs for r in rows):
+            # greedy under grammars, no logprobs wanted: mask the logits in place (nothing reads
+            # the raw ones again) rather than copy them to the fp32 scratch first
+            apply_masks(logits, [r.matcher for r in rows])
+            token_ids = self._argmax(logits)
         else:
             token_ids = self._choose(logits, rows)
         return _outputs(logits, rows, token_ids.tolist())

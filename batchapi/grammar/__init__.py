@@ -1,7 +1,8 @@
 """Structured outputs: JSON grammars compiled with llguidance and applied as token bitmasks.
 
 The names load on first use, so that ``batchapi.grammar.spec`` stays plain Python for the
-scheduler side while the rest brings in torch and llguidance.
+scheduler side and ``check`` needs no torch (validation runs it in the API process), while the
+rest brings in torch and llguidance.
 """
 
 from __future__ import annotations
@@ -10,15 +11,16 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from batchapi.grammar.compiler import CompiledGrammar, GrammarCompiler, GrammarError, check_schema
+    from batchapi.grammar.check import GrammarError, check_schema
+    from batchapi.grammar.compiler import CompiledGrammar, GrammarCompiler
     from batchapi.grammar.matcher import Matcher, apply_masks
     from batchapi.grammar.spec import GrammarSpec
 
 _MODULE_OF = {
     "CompiledGrammar": "compiler",
     "GrammarCompiler": "compiler",
-    "GrammarError": "compiler",
-    "check_schema": "compiler",
+    "GrammarError": "check",
+    "check_schema": "check",
     "Matcher": "matcher",
     "apply_masks": "matcher",
     "GrammarSpec": "spec",

@@ -10,37 +10,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import llguidance
 import llguidance.hf
 
+from batchapi.grammar.check import GrammarError, grammar_text, parser_limits
 from batchapi.grammar.matcher import MaskWriter, Matcher
 from batchapi.grammar.spec import GrammarSpec
 
-# no whitespace between JSON tokens and compact "," ":" separators, whatever a schema's own
-# "x-guidance" asks: a small model can otherwise loop on spaces and newlines forever
-JSON_OPTIONS = {"whitespace_flexible": False, "whitespace_pattern": None, "item_separator": ",", "key_separator": ":"}
-JSON_OBJECT_SCHEMA = '{"type":"object"}'
 MAX_CACHED = 512  # distinct specs kept compiled; the oldest is dropped (its matchers live on)
-
-
-class GrammarError(ValueError):
-    """The grammar engine refused the schema; str() is a clear message for the user."""
-
-
-def _limits() -> llguidance.LLParserLimits:
-    return llguidance.LLParserLimits(verbose_errors=False)  # messages for users, without parser dumps
-
-
-def _grammar(spec: GrammarSpec) -> str:
-    schema = spec.schema if spec.kind == "json_schema" else JSON_OBJECT_SCHEMA
-    try:
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
-    except ValueError as exc:  # not a JSON object
-        raise GrammarError(f"invalid JSON schema: {exc}") from None
-
-
-def check_schema(spec: GrammarSpec) -> None:
-    """Raise GrammarError if the grammar engine would refuse ``spec``; needs no tokenizer (~1 ms)."""
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(_grammar(spec), limits=_limits())
-    if is_error:
-        raise GrammarError(f"unsupported JSON schema: {messages[0]}")
 
 
 class CompiledGrammar:
@@ -90,7 +64,7 @@ class GrammarCompiler:
     def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
         with self._lock:
             self.compiles += 1
-        matcher = llguidance.LLMatcher(self._tokenizer, _grammar(spec), log_level=0, limits=_limits())
+        matcher = llguidance.LLMatcher(self._tokenizer, grammar_text(spec), log_level=0, limits=parser_limits())
         if not matcher.is_error():
             matcher.compute_bitmask()  # builds the first step's lexer states here, not in the step loop
         if matcher.is_error():

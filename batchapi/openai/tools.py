@@ -154,6 +154,18 @@ def knows_tools(chat_template: str | None) -> bool:
     return chat_template is not None and re.search(r"\btools\b", chat_template) is not None
 
 
+def template_input(parsed, chat_template: str | None) -> tuple[list[dict], list[dict] | None]:
+    """``(messages, tools)`` for ``apply_chat_template``: the template's own tool support where it
+    reads ``tools``, else ``fallback_messages`` and no tools. The worker (``workers.codec``) and
+    validation's token counts both take the prompt from here, so their counts agree."""
+    uses_tools = parsed.tools is not None or any("tool_calls" in m or m["role"] == "tool" for m in parsed.messages)
+    if not uses_tools:
+        return parsed.messages, None
+    if knows_tools(chat_template):
+        return chat_messages(parsed), parsed.tools
+    return fallback_messages(parsed), None
+
+
 def chat_messages(parsed) -> list[dict]:
     """The messages for a template that knows tools (pass ``tools=parsed.tools`` beside them)."""
     return [dict(message) for message in parsed.messages]

@@ -19,9 +19,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from batchapi.grammar.check import GrammarError, check_schema
+from batchapi.grammar.spec import GrammarSpec
 from batchapi.openai.body import ParsedBody
 from batchapi.openai.errors import ErrorCode, RequestError
 from batchapi.openai.lines import BOM, LongLine, is_blank, iter_lines, parse_line
+from batchapi.openai.tools import output_constraint
 from batchapi.validation.token_counts import (
     PromptCounter,
     exact_counts,
@@ -181,16 +184,17 @@ class Scanner:
                            line, "custom_id")
                 return None
             self.seen_ids.add(parsed.custom_id)
-        error = parsed.error
+        error = parsed.error or _grammar_problem(parsed.body)
         if error is not None and not error.in_body:
             self.error(error.code, error.message, line, error.line_param)
             return None
         # the model is the file's concern even in a body refused for something else
-        model = parsed.body.model if error is None else _named_model(content)
+        model = parsed.body.model if parsed.body is not None else _named_model(content)
         if model is not None and not self.check_model(line, model):
             return None
         if error is not None:
             self.request_error(line, error)
+            return _Request(line, 0, 0, None)
         return _Request(line, 0, 0, parsed.body)
 
     def check_model(self, line: int, named: str) -> bool:
@@ -283,6 +287,21 @@ def _named_model(content: bytes) -> str | None:
     body = record.get("body")
     model = body.get("model") if isinstance(body, dict) else None
     return model if isinstance(model, str) and model else None
+
+
+def _grammar_problem(body: ParsedBody | None) -> RequestError | None:
+    """The grammar engine's refusal of the schema a request's output must follow: the worker's
+    compile would refuse it too, so it is reported now (each distinct schema is checked once)."""
+    constraint = output_constraint(body) if body is not None else None
+    if constraint is None:
+        return None
+    kind, schema = constraint
+    try:
+        check_schema(GrammarSpec.json_object() if kind == "json_object" else GrammarSpec.json_schema(schema))
+    except GrammarError as exc:
+        param = "tools" if body.tool_choice == "required" else "response_format.json_schema.schema"
+        return RequestError(str(exc), param, ErrorCode.INVALID_JSON_SCHEMA)
+    return None
 
 
 def _fits(request: _Request, context: int) -> bool:

@@ -28,6 +28,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from batchapi.openai.body import ParsedBody
+from batchapi.openai.tools import template_input
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +49,15 @@ class PromptCounter:
         self.context_length = _context_length(_read_json(model_dir / "config.json"), tok_config)
         self._specials = {name: _token_text(tok_config.get(name)) for name in SPECIAL_TOKEN_NAMES}
         source = _chat_template(model_dir, tok_config)
+        self.chat_template = source or None
         self._template = _environment().from_string(source) if source else None
         self._shapes: dict[tuple[str, ...], list[str] | None] = {}
 
-    def render_chat(self, messages: Messages) -> str:
-        """The prompt text ``apply_chat_template(messages, add_generation_prompt=True)`` gives."""
+    def render_chat(self, messages: Messages, tools: list[dict] | None = None) -> str:
+        """The prompt text ``apply_chat_template(messages, tools=tools, add_generation_prompt=True)`` gives."""
         assert self._template is not None, "the model has no chat template"
+        if tools is not None or any(set(m) - {"role", "content"} for m in messages):
+            return self._render(messages, tools)  # tool calls and names: the template reads more than content
         shape = tuple(m["role"] for m in messages)
         if shape not in self._shapes:
             self._shapes[shape] = self._pieces(shape)
@@ -93,9 +97,9 @@ class PromptCounter:
     def _added_tokens(self) -> int:
         return self.tokenizer.num_special_tokens_to_add(False)
 
-    def _render(self, messages: Messages) -> str:
+    def _render(self, messages: Messages, tools: list[dict] | None = None) -> str:
         return self._template.render(
-            messages=list(messages), add_generation_prompt=True, tools=None, documents=None, **self._specials
+            messages=list(messages), add_generation_prompt=True, tools=tools, documents=None, **self._specials
         )
 
     def _pieces(self, shape: tuple[str, ...]) -> list[str] | None:
@@ -138,7 +142,7 @@ def prompt_text(counter: PromptCounter, parsed: ParsedBody) -> tuple[str, bool] 
     """The text a request's prompt is tokenized from and whether special tokens are added;
     None for a prompt given as token ids."""
     if parsed.messages is not None:
-        return counter.render_chat(parsed.messages), False
+        return counter.render_chat(*template_input(parsed, counter.chat_template)), False
     if isinstance(parsed.prompt, list):
         return None
     return parsed.prompt, True

@@ -10,21 +10,25 @@ from __future__ import annotations
 
 from batchapi.engine import ErrorCode as EngineError
 from batchapi.engine import GenerationRequest, GenerationResult, SamplingParams
+from batchapi.grammar.spec import GrammarSpec
 from batchapi.openai import render
 from batchapi.openai.body import ParsedBody
 from batchapi.openai.errors import ErrorCode, RequestError
 from batchapi.openai.lines import InputLine
+from batchapi.openai.tools import output_constraint, template_input
 
 # the engine's reasons for refusing a request, as the wire format names them
 ENGINE_ERRORS = {
     EngineError.PROMPT_TOO_LONG: ErrorCode.CONTEXT_LENGTH_EXCEEDED,
     EngineError.ENGINE_FAILURE: ErrorCode.SERVER_ERROR,
+    EngineError.INVALID_GRAMMAR: ErrorCode.INVALID_JSON_SCHEMA,
 }
 
 
 def prompt_token_ids(parsed: ParsedBody, tokenizer) -> list[int]:
     if parsed.messages is not None:
-        text = tokenizer.apply_chat_template(parsed.messages, add_generation_prompt=True, tokenize=False)
+        messages, tool_list = template_input(parsed, tokenizer.chat_template)
+        text = tokenizer.apply_chat_template(messages, tools=tool_list, add_generation_prompt=True, tokenize=False)
         return tokenizer.encode(text, add_special_tokens=False)  # the template already holds them
     if isinstance(parsed.prompt, list):
         return list(parsed.prompt)
@@ -37,8 +41,17 @@ def sampling_params(parsed: ParsedBody) -> SamplingParams:
         min_p=parsed.min_p, seed=parsed.seed, presence_penalty=parsed.presence_penalty,
         frequency_penalty=parsed.frequency_penalty, logit_bias=dict(parsed.logit_bias), stop=list(parsed.stop),
         stop_token_ids=list(parsed.stop_token_ids), ignore_eos=parsed.ignore_eos, logprobs=parsed.logprobs,
-        top_logprobs=parsed.top_logprobs, n=parsed.n,
+        top_logprobs=parsed.top_logprobs, n=parsed.n, grammar=grammar_spec(parsed),
     )
+
+
+def grammar_spec(parsed: ParsedBody) -> GrammarSpec | None:
+    """The grammar a request's output follows: a forced tool call, or its response_format."""
+    constraint = output_constraint(parsed)
+    if constraint is None:
+        return None
+    kind, schema = constraint
+    return GrammarSpec.json_object() if kind == "json_object" else GrammarSpec.json_schema(schema)
 
 
 def engine_error(result: GenerationResult) -> RequestError:
@@ -48,9 +61,10 @@ def engine_error(result: GenerationResult) -> RequestError:
 
 
 class Codec:
-    def __init__(self, tokenizer, model_id: str):
+    def __init__(self, tokenizer, model_id: str, system_fingerprint: str | None = None):
         self.tokenizer = tokenizer
         self.model_id = model_id
+        self.system_fingerprint = system_fingerprint  # the engine's: which configuration made a result
 
     def request(self, line: InputLine, request_id: str) -> GenerationRequest:
         """Raises ValueError for sampling settings the engine refuses."""
@@ -65,5 +79,5 @@ class Codec:
             return render.never_ran(line.custom_id, not_run), False
         if result.error is not None:
             return render.rejected(line.custom_id, engine_error(result)), False
-        body = render.completion_body(line.body, result, self.model_id, self.tokenizer)
+        body = render.completion_body(line.body, result, self.model_id, self.tokenizer, self.system_fingerprint)
         return render.succeeded(line.custom_id, body), True

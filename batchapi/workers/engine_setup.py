@@ -26,7 +26,7 @@ def start_runner(jobs: Jobs) -> ShardRunner:
     """Load the model, start the engine thread and the runner's threads. Should the engine
     thread die, the runner gives its shards back and this process stops (``stop_this_process``)."""
     front = EngineFront(engine_config_from(jobs.settings)).start()
-    codec = Codec(front.tokenizer, served_model_id(jobs.settings))
+    codec = Codec(front.tokenizer, served_model_id(jobs.settings), front.system_fingerprint)
     return ShardRunner(jobs, front, codec, worker_owner(), on_engine_death=stop_this_process).start()
 
 

@@ -121,7 +121,7 @@ def run_batch(input_path: Path, output_path: Path, engine_config: EngineConfig |
     started = time.monotonic()
     try:
         with open(output_path, "wb") as out, _progress(progress) as bar:
-            writer = _Writer(out, counts, Codec(front.tokenizer, Path(front.config.model_path).name))
+            writer = _Writer(out, counts, Codec(front.tokenizer, Path(front.config.model_path).name, front.system_fingerprint))
             task = bar.add_task("run", total=counts.total, tps=0.0)
 
             def drain(block: bool) -> None:
