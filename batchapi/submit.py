@@ -84,6 +84,11 @@ def _report(client, batch, show: int, console: Console) -> None:
     if batch.errors and batch.errors.data:
         for err in batch.errors.data[:show]:
             console.print(f"  line {err.line}: {err.code}: {err.message}")
+    refused = (batch.model_extra or {}).get("request_errors")
+    if refused:  # requests refused alone (a 400 line each in the error file); the rest ran
+        console.print(f"{refused['total']} request(s) refused:")
+        for err in refused["data"][:show]:
+            console.print(f"  line {err['line']}: {err['code']}: {err['message']}", soft_wrap=True)
     if batch.output_file_id:
         lines = client.files.content(batch.output_file_id).text.splitlines()
         # spread over the file, so a mixed batch shows each kind of request
@@ -102,4 +107,9 @@ def _report(client, batch, show: int, console: Console) -> None:
 
 def _answer(body: dict) -> str:
     choice = body["choices"][0]
-    return choice["message"]["content"] if "message" in choice else choice["text"]
+    if "message" not in choice:
+        return choice["text"]
+    calls = choice["message"].get("tool_calls")
+    if calls:
+        return "; ".join(f"{c['function']['name']}({c['function']['arguments']})" for c in calls)
+    return choice["message"]["content"]
