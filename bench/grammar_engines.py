@@ -25,8 +25,11 @@ import xgrammar
 from transformers import AutoTokenizer
 
 from batchapi.grammar import GrammarCompiler, GrammarSpec, apply_masks
-from batchapi.grammar.bitmask import apply_bitmask, bitmask_words
+from batchapi.grammar.bitmask import bitmask_words
+from batchapi.kernels import get_ops
+from batchapi.kernels.torch.bitmask import apply_token_bitmask as apply_bitmask
 
+PRODUCT_APPLY = get_ops("auto", "cpu").apply_token_bitmask  # what the engine's sampler passes
 MODEL = Path("~/.cache/batchapi/models/smollm2-135m-instruct").expanduser()
 
 LABEL = {
@@ -237,7 +240,7 @@ def product_step_ms(tokenizer, vocab: int, rows: int, steps: int) -> float:
     for _ in range(steps):
         target = logits.clone()
         start = time.perf_counter()
-        apply_masks(target, matchers)
+        apply_masks(target, matchers, PRODUCT_APPLY)
         times.append(time.perf_counter() - start)
     compiler.close()
     return statistics.median(times) * 1e3

@@ -3,6 +3,9 @@
 Prints ms per call for each variant and its ratio to the first (the plain gather + einsum).
 Usage: .venv/bin/python bench/kernels_cpu.py [--batch 96] [--ctx 300] [--spread 50] [--dtype bf16] [--only a,b]
         [--no-mallopt]  (by default glibc keeps freed buffers mapped, as the engine sets it on CPU)
+   or: .venv/bin/python bench/kernels_cpu.py --op apply_token_bitmask [--rows 64] [--vocab 49152]
+        (the grammar's token bitmask applied to logits: its torch twin against the C kernel, fp32
+        and bf16, for masks that allow a few tokens, nearly all of them, or a random half)
 
 Seen 2026-11-29 on this project's 2-core machine, shared with four other sessions (so noisy;
 quietest runs, ms per call, batch 96, context ~300, bf16): v_einsum 12-17, v_sdpa 10,
@@ -257,8 +260,32 @@ def bench_interleaved(fns, args, reps):
     return {fn: (min(t) * 1e3, sorted(t)[len(t) // 2] * 1e3) for fn, t in times.items()}
 
 
+def bench_bitmask(a):
+    """Best and median ms of ops.apply_token_bitmask, twin against C, on every row of [rows, vocab] logits."""
+    from batchapi.kernels.cpu import elementwise
+    from batchapi.kernels.torch import bitmask as twin
+
+    g, words, rows = torch.Generator().manual_seed(0), (a.vocab + 31) // 32, list(range(a.rows))
+    few = torch.zeros(a.rows, words, dtype=torch.int32)
+    few[:, 5] = 0x1011  # a JSON punctuation step: a handful of tokens allowed
+    most = torch.full((a.rows, words), -1, dtype=torch.int32)
+    most[:, 7] = ~0x4  # inside a string: all but a few tokens allowed
+    half = torch.randint(-2**31, 2**31, (a.rows, words), generator=g, dtype=torch.int64).to(torch.int32)
+    print(f"apply_token_bitmask {a.rows} rows x {a.vocab} vocab, threads={torch.get_num_threads()}")
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.randn(a.rows, a.vocab, generator=g).to(dtype)
+        for kind, mask in (("few", few), ("most", most), ("random", half)):
+            fns = [twin.apply_token_bitmask, elementwise.apply_token_bitmask]
+            (tb, tm), (cb, cm) = bench_interleaved(fns, (logits, mask, rows), a.reps).values()
+            print(f"{str(dtype)[6:]:9s} {kind:7s} twin best {tb:6.3f} median {tm:6.3f} ms   C best {cb:6.3f} "
+                  f"median {cm:6.3f} ms   x{tb / cb:5.1f}")
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--op", default="paged_attention", choices=["paged_attention", "apply_token_bitmask"])
+    ap.add_argument("--rows", type=int, default=64, help="apply_token_bitmask: constrained rows")
+    ap.add_argument("--vocab", type=int, default=49152, help="apply_token_bitmask: vocabulary size")
     ap.add_argument("--batch", type=int, default=96)
     ap.add_argument("--ctx", type=int, default=300)
     ap.add_argument("--spread", type=int, default=50, help="contexts uniform in ctx +- spread")
@@ -274,6 +301,8 @@ def main():
         from batchapi.engine.platform import keep_freed_memory
 
         keep_freed_memory()
+    if a.op == "apply_token_bitmask":
+        return bench_bitmask(a)
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     q, kc, vc, tables, lens = make_inputs(a.batch, a.ctx, a.hq, a.hkv, a.dim, 16, dtype, spread=a.spread)
     args = (q, kc, vc, tables, lens, a.dim**-0.5)

@@ -53,8 +53,10 @@ class SampleOutput:
 
 class Sampler:
     def __init__(self, ops: Ops = TORCH_OPS, seed: int | None = None):
-        """ops: the kernel set of the model runner; the sampler takes its greedy argmax."""
+        """ops: the kernel set of the model runner; the sampler takes its greedy argmax and its
+        token-bitmask apply (grammars)."""
         self._argmax = ops.argmax
+        self._apply_bitmask = ops.apply_token_bitmask
         self._generator = torch.Generator()  # CPU: only one uniform per unseeded row comes from it
         if seed is None:
             self._generator.seed()
@@ -73,7 +75,7 @@ class Sampler:
         elif all(r.params.greedy and not _modifies_logits(r.params) and not r.params.logprobs for r in rows):
             # greedy under grammars, no logprobs wanted: mask the logits in place (nothing reads
             # the raw ones again) rather than copy them to the fp32 scratch first
-            apply_masks(logits, [r.matcher for r in rows])
+            apply_masks(logits, [r.matcher for r in rows], self._apply_bitmask)
             token_ids = self._argmax(logits)
         else:
             token_ids = self._choose(logits, rows)
@@ -90,7 +92,7 @@ class Sampler:
         _apply_logit_bias(x, rows, scale)
         _apply_penalties(x, rows, scale)
         if any(r.matcher is not None for r in rows):
-            apply_masks(x, [r.matcher for r in rows])  # one bitmask for the step's constrained rows
+            apply_masks(x, [r.matcher for r in rows], self._apply_bitmask)  # one bitmask for the step's constrained rows
         num_greedy = sum(r.params.greedy for r in rows)
         chosen = torch.empty(len(rows), dtype=torch.long, device=x.device)
         if num_greedy:

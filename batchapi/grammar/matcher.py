@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import llguidance
 import torch
 
-from batchapi.grammar.bitmask import apply_bitmask, bitmask_words
+from batchapi.grammar.bitmask import bitmask_words
+
+# logits [B, V], bitmask [R, W] int32, rows (R host ints) -> None: in place, logits[rows[k], v] = -inf
+# wherever bit v of bitmask[k] is 0. The engine passes its kernel set's ops.apply_token_bitmask.
+ApplyBitmask = Callable[[torch.Tensor, torch.Tensor, list[int]], None]
 
 
 class Matcher:
@@ -45,7 +50,8 @@ class MaskWriter:
         self._bitmask = torch.zeros(0, self._words, dtype=torch.int32)
         self._lock = threading.Lock()  # the bitmask is shared by every caller of this vocabulary
 
-    def apply(self, logits: torch.Tensor, rows: list[int], matchers: list[llguidance.LLMatcher]) -> None:
+    def apply(self, logits: torch.Tensor, rows: list[int], matchers: list[llguidance.LLMatcher],
+              apply: ApplyBitmask) -> None:
         assert logits.shape[1] == self.vocab_size, (
             f"logits have {logits.shape[1]} columns, the grammar compiler was built for {self.vocab_size}"
         )
@@ -56,12 +62,14 @@ class MaskWriter:
             self._executor.unsafe_compute_mask_ptr(
                 [(matcher, k) for k, matcher in enumerate(matchers)], bitmask.data_ptr(), self._words * 4, len(rows)
             )
-            apply_bitmask(logits, bitmask, rows)
+            apply(logits, bitmask, rows)
 
 
-def apply_masks(logits: torch.Tensor, matchers: list[Matcher | None]) -> None:
+def apply_masks(logits: torch.Tensor, matchers: list[Matcher | None], apply: ApplyBitmask) -> None:
     """In place on logits [B, V] (fp32 or bf16): in every row whose matcher is not None, the tokens
-    its grammar does not allow next become -inf; rows with None are untouched."""
+    its grammar does not allow next become -inf; rows with None are untouched. ``apply`` writes the
+    step's bitmask into the logits: the kernel op ``ops.apply_token_bitmask`` of batchapi.kernels
+    (the engine's sampler passes its kernel set's; tests may pass the twin, ``TORCH_OPS``')."""
     assert logits.dim() == 2 and len(matchers) == len(logits), (
         f"logits {tuple(logits.shape)} do not match {len(matchers)} matchers"
     )
@@ -70,4 +78,4 @@ def apply_masks(logits: torch.Tensor, matchers: list[Matcher | None]) -> None:
         return
     masks = matchers[rows[0]]._masks
     assert all(matchers[i]._masks is masks for i in rows), "one step's matchers must come from one compiler"
-    masks.apply(logits, rows, [matchers[i]._inner for i in rows])
+    masks.apply(logits, rows, [matchers[i]._inner for i in rows], apply)

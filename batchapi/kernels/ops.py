@@ -10,6 +10,7 @@ from batchapi.kernels.cpu import attention as cpu_attention
 from batchapi.kernels.cpu import build as cpu_build
 from batchapi.kernels.cpu import elementwise as cpu_elementwise
 from batchapi.kernels.torch import attention as twin_attention
+from batchapi.kernels.torch import bitmask as twin_bitmask
 from batchapi.kernels.torch import elementwise as twin
 from batchapi.kernels.torch.rope import build_rope_cache
 
@@ -28,6 +29,7 @@ class Ops:
     rotary: Callable
     silu_and_mul: Callable
     argmax: Callable  # greedy pick of [B, V] logits -> [B] int64: the first of ties, NaN the largest
+    apply_token_bitmask: Callable  # (logits [B, V], bitmask [R, W] int32, rows: list[int]) -> None, in place
     build_rope_cache: Callable = build_rope_cache
 
 
@@ -40,6 +42,7 @@ TORCH_OPS = Ops(
     rotary=twin.rotary,
     silu_and_mul=twin.silu_and_mul,
     argmax=twin.argmax,
+    apply_token_bitmask=twin_bitmask.apply_token_bitmask,
 )
 
 # C kernels (cpu/): decode attention reads the KV blocks in place; the elementwise ops run fused,
@@ -54,6 +57,7 @@ CPU_OPS = Ops(
     rotary=cpu_elementwise.rotary,
     silu_and_mul=cpu_elementwise.silu_and_mul,
     argmax=cpu_elementwise.argmax,
+    apply_token_bitmask=cpu_elementwise.apply_token_bitmask,
 )
 
 
@@ -64,6 +68,7 @@ def _triton_ops() -> Ops:
     norm = importlib.import_module("batchapi.kernels.triton.norm")
     rotary = importlib.import_module("batchapi.kernels.triton.rotary")
     activation = importlib.import_module("batchapi.kernels.triton.activation")
+    bitmask = importlib.import_module("batchapi.kernels.triton.bitmask")
     return Ops(
         name="triton",
         store_kvcache=kvcache.store_kvcache,
@@ -73,6 +78,7 @@ def _triton_ops() -> Ops:
         rotary=rotary.rotary,
         silu_and_mul=activation.silu_and_mul,
         argmax=twin.argmax,  # torch.argmax on CUDA: one pass, no kernel of ours to win there
+        apply_token_bitmask=bitmask.apply_token_bitmask,
     )
 
 

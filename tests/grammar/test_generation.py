@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from batchapi.grammar import GrammarSpec, apply_masks
+from batchapi.kernels import TORCH_OPS
 from tests.grammar.schemas import EXTRACTION, LABEL, NO_STRINGS, SHAPES
 
+APPLY = TORCH_OPS.apply_token_bitmask
 MAX_TOKENS = 3000
 QUOTE_NUDGE = 2.5
 
@@ -27,7 +29,7 @@ def nudge(tokenizer, vocab) -> torch.Tensor:
 
 def only_eos_left(matcher, vocab: int, eos: int) -> bool:
     logits = torch.zeros(1, vocab)
-    apply_masks(logits, [matcher])
+    apply_masks(logits, [matcher], APPLY)
     return torch.isfinite(logits[0]).nonzero().flatten().tolist() == [eos]
 
 
@@ -36,7 +38,7 @@ def greedy_walk(grammar, tokenizer, vocab: int, seed: int, bonus: torch.Tensor, 
     matcher, tokens = grammar.matcher(), []
     while len(tokens) < MAX_TOKENS:
         logits = (torch.randn(1, vocab, generator=gen) + bonus).to(dtype)
-        apply_masks(logits, [matcher])
+        apply_masks(logits, [matcher], APPLY)
         assert torch.isinf(logits[0, len(tokenizer):]).all(), "a padding id was allowed"
         token = int(logits[0].argmax())
         assert token != tokenizer.eos_token_id, f"EOS before the document was complete: {tokenizer.decode(tokens)!r}"
@@ -95,7 +97,7 @@ def test_a_batch_of_mixed_rows_walks_to_valid_documents(compiler, vocab, tokeniz
             break
         logits = torch.randn(len(schemas), vocab, generator=gen) + nudge
         before = logits.clone()
-        apply_masks(logits, matchers)
+        apply_masks(logits, matchers, APPLY)
         for row, matcher in enumerate(matchers):
             if matcher is None:
                 assert torch.equal(logits[row], before[row])

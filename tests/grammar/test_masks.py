@@ -1,10 +1,14 @@
-"""apply_masks against llguidance's own single-matcher mask, bit by bit."""
+"""apply_masks against llguidance's own single-matcher mask, bit by bit, with the kernels' bitmask op
+(the twin's; the bit-exact test runs the C one too)."""
 
 import pytest
 import torch
 
 from batchapi.grammar import GrammarSpec, apply_masks
+from batchapi.kernels import CPU_OPS, TORCH_OPS
 from tests.grammar.schemas import EXTRACTION, LABEL, SHAPES
+
+APPLY = TORCH_OPS.apply_token_bitmask  # the twin: what the grammar's tests pass to apply_masks
 
 
 def library_allowed(matcher, vocab: int) -> torch.Tensor:
@@ -40,16 +44,18 @@ def matchers(compiler, tokenizer):
     ]
 
 
+@pytest.mark.parametrize("kernels", [TORCH_OPS, CPU_OPS], ids=lambda ops: ops.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_free_rows", [True, False])
-def test_masks_put_minus_inf_exactly_on_disallowed_tokens(compiler, vocab, tokenizer, matchers, dtype, with_free_rows):
+def test_masks_put_minus_inf_exactly_on_disallowed_tokens(compiler, vocab, tokenizer, matchers, dtype, with_free_rows,
+                                                         kernels):
     rows = [matchers[0], None, matchers[1], matchers[2], None, matchers[3], matchers[4], None]
     if not with_free_rows:
         rows = [m for m in rows if m is not None]
     logits = torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(0)).to(dtype)
     logits[:, 5::101] = -0.0
     before = logits.clone()
-    apply_masks(logits, rows)
+    apply_masks(logits, rows, kernels.apply_token_bitmask)
     for i, matcher in enumerate(rows):
         if matcher is None:
             assert torch.equal(bits(logits[i]), bits(before[i]))
@@ -63,7 +69,7 @@ def test_masks_put_minus_inf_exactly_on_disallowed_tokens(compiler, vocab, token
 
 def test_allowed_tokens_are_accepted(compiler, vocab, matchers):
     logits = torch.zeros(len(matchers), vocab)
-    apply_masks(logits, matchers)
+    apply_masks(logits, matchers, APPLY)
     for row, matcher in enumerate(matchers):
         allowed = torch.isfinite(logits[row]).nonzero().flatten().tolist()
         for token in allowed[:: max(1, len(allowed) // 50)]:  # up to ~50 per row
@@ -75,14 +81,14 @@ def test_the_bitmask_grows_and_is_reused(compiler, vocab, matchers):
     for batch in (3, 40, 2):
         rows = [matchers[1].fork() for _ in range(batch)]
         logits = torch.zeros(batch, vocab)
-        apply_masks(logits, rows)
+        apply_masks(logits, rows, APPLY)
         assert all(torch.equal(torch.isfinite(logits[i]), expected) for i in range(batch))
 
 
 def test_a_batch_without_grammars_is_untouched(compiler, vocab):
     logits = torch.randn(4, vocab)
     before = logits.clone()
-    apply_masks(logits, [None] * 4)
+    apply_masks(logits, [None] * 4, APPLY)
     assert torch.equal(logits, before)
 
 
@@ -91,7 +97,7 @@ def test_a_refused_token_stops_the_matcher_and_leaves_only_eos(compiler, vocab, 
     assert not matcher.accept(tokenizer.encode("hello", add_special_tokens=False)[0])
     assert matcher.is_terminated
     logits = torch.zeros(1, vocab)
-    apply_masks(logits, [matcher])
+    apply_masks(logits, [matcher], APPLY)
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [tokenizer.eos_token_id]
 
 
@@ -101,7 +107,7 @@ def test_eos_is_allowed_exactly_when_the_grammar_may_end(compiler, vocab, tokeni
 
     def allowed():
         logits = torch.zeros(1, vocab)
-        apply_masks(logits, [matcher])
+        apply_masks(logits, [matcher], APPLY)
         return torch.isfinite(logits[0])
 
     assert not allowed()[eos] and allowed()[digit]
@@ -131,7 +137,7 @@ def test_eos_token_ids_replace_the_tokenizers(tokenizer):
     try:
         matcher = advanced(compiler.submit(GrammarSpec.json_object()).result(timeout=30), tokenizer, "{}")
         logits = torch.zeros(1, len(tokenizer))
-        apply_masks(logits, [matcher])
+        apply_masks(logits, [matcher], APPLY)
         assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == sorted([tokenizer.eos_token_id, end])
     finally:
         compiler.close()

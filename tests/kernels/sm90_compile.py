@@ -62,6 +62,7 @@ def _elementwise_cases():
     norm = importlib.import_module("batchapi.kernels.triton.norm")
     rotary = importlib.import_module("batchapi.kernels.triton.rotary")
     activation = importlib.import_module("batchapi.kernels.triton.activation")
+    bitmask = importlib.import_module("batchapi.kernels.triton.bitmask")
     bf = "*bf16"
     yield "store_kvcache", kvcache._store_kvcache_kernel, {"slot_mapping_ptr": "*i64", "*": "i32", **dict.fromkeys(
         ["key_ptr", "value_ptr", "k_cache_ptr", "v_cache_ptr"], bf)}, dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16,
@@ -73,6 +74,9 @@ def _elementwise_cases():
     yield "rotary", rotary._rotary_kernel, {"positions_ptr": "*i64", "cos_sin_ptr": "*bf16", "*": "i32", **dict.fromkeys(
         ["q_out_ptr", "k_out_ptr", "q_ptr", "k_ptr"], bf)}, dict(HALF=64, QH_P2=32, KH_P2=8), {}
     yield "silu_and_mul", activation._silu_and_mul_kernel, {"out_ptr": bf, "x_ptr": bf, "*": "i32"}, dict(BLOCK=1024), {}
+    for logits in ("*bf16", "*fp32"):
+        yield f"apply_token_bitmask {logits[1:]}", bitmask._apply_token_bitmask_kernel, {
+            "logits_ptr": logits, "bitmask_ptr": "*i32", "rows_ptr": "*i64", "*": "i32"}, dict(BLOCK=bitmask.BLOCK), {}
 
 
 def main() -> int:

@@ -9,7 +9,8 @@ from batchapi.kernels.cpu import build
 from batchapi.kernels.cpu import elementwise as cpu_elementwise
 from tests.kernels.paged import dense_attention, make_case
 
-ELEMENTWISE = ["rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul", "store_kvcache", "argmax"]
+ELEMENTWISE = ["rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul", "store_kvcache", "argmax",
+               "apply_token_bitmask"]
 
 
 def test_get_ops_modes():
@@ -33,6 +34,21 @@ def test_greedy_argmax_of_every_set_is_torchs():
     x[1, 7] = float("nan")
     for kernels in (TORCH_OPS, CPU_OPS):
         assert kernels.argmax(x).tolist() == x.argmax(-1).tolist(), kernels.name
+
+
+def test_every_set_has_the_token_bitmask_and_the_cpu_ones_agree():
+    for kernels in (TORCH_OPS, CPU_OPS, get_ops("triton", "cpu")):
+        assert callable(kernels.apply_token_bitmask), kernels.name
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 100, generator=g).bfloat16()
+    bitmask = torch.randint(-2**31, 2**31, (2, 4), generator=g, dtype=torch.int64).to(torch.int32)
+    outs = []
+    for kernels in (TORCH_OPS, CPU_OPS):
+        out = logits.clone()
+        kernels.apply_token_bitmask(out, bitmask, [3, 1])
+        outs.append(out.view(torch.int16))
+    assert torch.equal(*outs) and bool(outs[0][[3, 1]].eq(-128).any())  # 0xff80: some -inf written
+    assert torch.equal(outs[0][[0, 2]], logits.view(torch.int16)[[0, 2]])
 
 
 def test_auto_picks_the_c_kernel_on_cpu_and_torch_stays_pure():

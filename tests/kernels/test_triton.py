@@ -46,6 +46,7 @@ launches = {
     "rms_norm": lambda: ops.rms_norm(x, torch.randn(128), 1e-5),
     "rotary": lambda: ops.rotary(case.q, key, torch.arange(4), cos_sin),
     "silu_and_mul": lambda: ops.silu_and_mul(x),
+    "apply_token_bitmask": lambda: ops.apply_token_bitmask(x, torch.zeros(2, 4, dtype=torch.int32), [0, 2]),
 }
 for name, launch in launches.items():
     try:

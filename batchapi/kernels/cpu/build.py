@@ -1,11 +1,11 @@
 """Build and load the C kernels (csrc/) with the machine's C compiler; they are called through ctypes.
 
 Two libraries: paged_decode.c (decode attention, launched by attention.py) and elementwise.c
-(the norms, rotary, SiLU-and-mul, the KV store and the argmax, launched by elementwise.py). Each is built once
-per source and CPU (-march=native) into the cache directory (BATCHAPI_NATIVE_DIR, default
-~/.cache/batchapi/native) and reused by every later process. Without a compiler, or if a build
-fails, its loader returns None and callers keep the pure-torch twins: the native kernels are a
-speed-up, never a requirement.
+(the norms, rotary, SiLU-and-mul, the KV store, the argmax and the token bitmask, launched by
+elementwise.py). Each is built once per source and CPU (-march=native) into the cache directory
+(BATCHAPI_NATIVE_DIR, default ~/.cache/batchapi/native) and reused by every later process. Without
+a compiler, or if a build fails, its loader returns None and callers keep the pure-torch twins: the
+native kernels are a speed-up, never a requirement.
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def _load() -> ctypes.CDLL | None:
 
 
 def _load_elementwise() -> ctypes.CDLL | None:
-    lib = _open(ELEMENTWISE_SOURCE, "the CPU norms, rotary, SiLU and KV store stay")
+    lib = _open(ELEMENTWISE_SOURCE, "the CPU norms, rotary, SiLU, KV store, argmax and token bitmask stay")
     if lib is None:
         return None
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -131,6 +131,7 @@ def _load_elementwise() -> ctypes.CDLL | None:
         "rotary": [ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, ptr, i64, i64, i32, i64, i64, i32, i32],
         "store_kvcache": [ptr, i64, ptr, i64, ptr, ptr, ptr, i32, i64, i64, i64, i64],
         "argmax_rows": [ptr, i64, i64, i64, i32, ptr],
+        "apply_token_bitmask": [ptr, i64, i64, i64, ptr, i64, ptr, i64, i32, i32],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)

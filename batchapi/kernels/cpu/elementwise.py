@@ -1,9 +1,10 @@
-"""The elementwise ops and the greedy argmax in C (csrc/elementwise.c), same contracts as their twins.
+"""The elementwise ops, the greedy argmax and the token bitmask in C (csrc/elementwise.c), same
+contracts as their twins.
 
-Each takes what C takes and hands the rest to its twin in kernels.torch.elementwise, as it does
-when the library did not build. They run ~15,000 times a decode step of a 30-layer model, on small
-tensors: the checks are kept to cheap attribute reads (a generator or torch.empty(size, dtype=...)
-costs microseconds here).
+Each takes what C takes and hands the rest to its twin in kernels.torch.elementwise (the bitmask's
+in kernels.torch.bitmask), as it does when the library did not build. They run ~15,000 times a
+decode step of a 30-layer model, on small tensors: the checks are kept to cheap attribute reads (a
+generator or torch.empty(size, dtype=...) costs microseconds here).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from batchapi.kernels.cpu.build import DTYPES, load_elementwise
+from batchapi.kernels.torch import bitmask as twin_bitmask
 from batchapi.kernels.torch import elementwise as twin
 
 MAX_ROTARY_DIM = 512  # as in csrc/elementwise.c
@@ -144,3 +146,26 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape[0], dtype=torch.int64)
     lib.argmax_rows(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], x.dtype is torch.bfloat16, out.data_ptr())
     return out
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """In place: ``logits[rows[k], v] = -inf`` wherever bit v of ``bitmask[k]`` is 0 (the twin's
+    contract, kernels.torch.bitmask). In C for fp32 or bf16 CPU logits with a unit column stride and
+    a CPU int32 contiguous bitmask: each word of all ones is skipped, the others' zero bits stored as
+    -inf (one masked store per word with AVX-512); the twin takes the rest. A row outside the
+    logits raises IndexError, before anything is written."""
+    lib = load_elementwise()
+    if (lib is None or logits.dim() != 2 or logits.dtype not in DTYPES or not logits.is_cpu
+            or (logits.stride(1) != 1 and logits.shape[1] > 1) or bitmask.dim() != 2 or bitmask.dtype != torch.int32
+            or not bitmask.is_cpu or not bitmask.is_contiguous() or len(bitmask) != len(rows)
+            or bitmask.shape[1] * 32 < logits.shape[1]):
+        return twin_bitmask.apply_token_bitmask(logits, bitmask, rows)
+    if not rows:
+        return
+    at = torch.tensor(rows, dtype=torch.int64)
+    rc = lib.apply_token_bitmask(logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1],
+                                 bitmask.data_ptr(), bitmask.shape[1], at.data_ptr(), len(rows),
+                                 logits.dtype is torch.bfloat16, torch.get_num_threads())
+    if rc != 0:
+        twin_bitmask.check_rows(rows, logits.shape[0])  # raises IndexError, naming them
+        raise IndexError(f"rows {rows[:8]} lie outside the logits' {logits.shape[0]} rows")

@@ -1,5 +1,7 @@
 /* The elementwise ops of the CPU path: RMSNorm (with or without the residual add), SiLU-and-mul,
- * rotary embedding and the KV-cache store; built like paged_decode.c (build.py), called by elementwise.py.
+ * rotary embedding and the KV-cache store, and the sampler's greedy argmax and token bitmask (the
+ * grammar's mask applied in place, twin in batchapi/kernels/torch/bitmask.py); built like
+ * paged_decode.c (build.py), called by elementwise.py.
  *
  * Each reproduces its torch twin (batchapi/kernels/torch/elementwise.py) rounding for rounding. In bf16
  * every torch op rounds its fp32 result to bf16 (nearest even), so these round after the same
@@ -18,6 +20,7 @@
 
 #define MAX_ROTARY_DIM 512 /* a row's cos and sin, converted, live on the stack */
 #define PARALLEL_MIN 16384  /* elements: below this a second thread costs more to wake than it saves */
+#define BITMASK_PARALLEL_MIN (1LL << 19) /* logits of apply_token_bitmask: ~20 us of work in one thread */
 
 INLINE float element(const void *p, int64_t i, int bf16) {
     return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
@@ -409,6 +412,67 @@ int argmax_rows(const void *x, int64_t stride, int64_t rows, int64_t cols, int b
             }
         }
         out[r] = at;
+    }
+    return 0;
+}
+
+/* ---- token bitmask ---- */
+
+/* Row `row` (cols logits) under its mask (the words covering cols): each zero bit j of word w stores
+ * -inf at token 32 w + j, bits of tokens >= cols ignored. A word of all ones is skipped: the grammar
+ * allows a few tokens or nearly all, so a row is mostly whole words of one kind or the other. */
+INLINE void mask_row(void *row, const uint32_t *mask, int64_t cols, int bf16) {
+    const int64_t used = (cols + 31) / 32;
+    for (int64_t w = 0; w < used; w++) {
+        uint32_t keep = mask[w];
+        if (w == used - 1 && cols % 32) keep |= ~(uint32_t)0 << (cols % 32); /* tokens past cols: left alone */
+        if (keep == ~(uint32_t)0) continue;
+        const uint32_t drop = ~keep;
+#ifndef VEC_PORTABLE
+        if (bf16) { /* one masked store of 32 lanes: the lanes kept are not written */
+            _mm512_mask_storeu_epi16((uint16_t *)row + 32 * w, (__mmask32)drop, _mm512_set1_epi16((short)0xff80));
+        } else {
+            const __m512 minus_inf = _mm512_castsi512_ps(_mm512_set1_epi32((int)0xff800000u));
+            _mm512_mask_storeu_ps((float *)row + 32 * w, (__mmask16)drop, minus_inf);
+            _mm512_mask_storeu_ps((float *)row + 32 * w + 16, (__mmask16)(drop >> 16), minus_inf);
+        }
+#else
+        if (bf16) {
+            uint16_t *at = (uint16_t *)row + 32 * w;
+            if (!keep) /* a whole word: never the last, partial one, whose unused bits are ones now */
+                for (int j = 0; j < 32; j++) at[j] = 0xff80u;
+            else
+                for (uint32_t d = drop; d; d &= d - 1) at[__builtin_ctz(d)] = 0xff80u;
+        } else {
+            float *at = (float *)row + 32 * w;
+            if (!keep)
+                for (int j = 0; j < 32; j++) at[j] = -INFINITY;
+            else
+                for (uint32_t d = drop; d; d &= d - 1) at[__builtin_ctz(d)] = -INFINITY;
+        }
+#endif
+    }
+}
+
+/* In place: logits[rows[k], v] = -inf wherever bit v of mask row k is 0 (bit j of word w is token
+ * 32 w + j), for v < cols; allowed logits keep their bits. mask [n_rows, words] int32, words * 32 >=
+ * cols; logits [batch, cols] of fp32 or bf16, rows `stride` elements apart. Rows listed twice get
+ * both masks (each store writes -inf or nothing, so threads sharing a row agree). Returns -1,
+ * writing nothing, if a row lies outside [0, batch). */
+int apply_token_bitmask(void *logits, int64_t stride, int64_t batch, int64_t cols, const int32_t *mask,
+                        int64_t words, const int64_t *rows, int64_t n_rows, int bf16, int threads) {
+    for (int64_t k = 0; k < n_rows; k++)
+        if (rows[k] < 0 || rows[k] >= batch) return -1;
+    const int64_t size = bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && n_rows * cols >= BITMASK_PARALLEL_MIN)
+    for (int64_t k = 0; k < n_rows; k++) {
+        const int64_t r = rows[k];
+        if (r < 0 || r >= batch) continue; /* checked again: the rows are read a second time */
+        char *row = (char *)logits + r * stride * size;
+        if (bf16)
+            mask_row(row, (const uint32_t *)mask + k * words, cols, 1);
+        else
+            mask_row(row, (const uint32_t *)mask + k * words, cols, 0);
     }
     return 0;
 }
