@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from batchapi.batches.billing import cost, estimated_cost, usage
 from batchapi.db.models import Batch, File
+from batchapi.openai.body import ENDPOINTS
 
 
 class FileObject(BaseModel):
@@ -53,7 +54,7 @@ class CreateBatchRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     input_file_id: str = Field(min_length=1, max_length=64)
-    endpoint: str
+    endpoint: str = Field(description=f"the url of every line: one of {', '.join(ENDPOINTS)}")  # checked by the service
     completion_window: str
     metadata: dict[str, str] | None = None
 

@@ -2,29 +2,43 @@
 
 Pure Python (no torch, no database), reached through ``lines.parse_line`` by validation,
 the shard reader and ``run-batch`` alike, so all agree on what a body means. Errors are
-``RequestError`` with the OpenAI ``param`` and an ``ErrorCode``.
+``RequestError`` with the OpenAI ``param`` and an ``ErrorCode``. Chat and completions bodies are
+read here, ``/v1/responses`` bodies by ``responses`` into the same ``ParsedBody``.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from batchapi.openai.errors import ErrorCode, RequestError, refuse_unknown
-from batchapi.openai.schema import check_schema
-from batchapi.openai.tools import NAME, parse_tools
+from batchapi.openai.fields import (
+    RESPONSE_FORMATS,
+    boolean,
+    integer,
+    is_int,
+    is_number,
+    json_schema_format,
+    number,
+)
+from batchapi.openai.responses import FIELDS as RESPONSE_FIELDS
+from batchapi.openai.responses import parse_responses
+from batchapi.openai.tools import NAME, call_arguments, parse_tools
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
-ENDPOINTS = (CHAT, COMPLETIONS)
+RESPONSES = "/v1/responses"
+ENDPOINTS = (CHAT, COMPLETIONS, RESPONSES)
+# the body fields that hold the prompt, the output limit and the output's schema, as errors name them
+PROMPT_PARAM = {CHAT: "messages", COMPLETIONS: "prompt", RESPONSES: "input"}
+MAX_TOKENS_PARAM = {CHAT: "max_tokens", COMPLETIONS: "max_tokens", RESPONSES: "max_output_tokens"}
+SCHEMA_PARAM = {CHAT: "response_format.json_schema.schema", RESPONSES: "text.format.schema"}
 
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 MAX_N = 128
 MAX_STOP = 4
 # fields OpenAI accepts that do not change generation here
 IGNORED = {"user", "store", "metadata", "service_tier", "stream_options"}
-RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
 
 @dataclass
@@ -34,10 +48,14 @@ class ParsedBody:
     ``messages`` are as a chat template takes them: ``role`` (``developer`` read as ``system``)
     and ``content``, always a string, plus ``name`` when given, ``tool_calls`` (their
     ``arguments`` parsed into a dict) on assistant turns and ``tool_call_id`` on tool turns. The
-    fields from ``response_format`` on are chat-only (``tools`` explains the tool fields).
+    fields from ``response_format`` on are for chat and Responses bodies (``tools`` explains the
+    tool fields). A ``/v1/responses`` body is read into the same fields (``responses`` explains
+    how), so the engine side does not know which endpoint a request came from; only its
+    rendering does, by ``endpoint``.
     """
 
     model: str
+    endpoint: str = CHAT  # one of ENDPOINTS: the wire shape its result is rendered in
     messages: list[dict[str, Any]] | None = None
     prompt: str | list[int] | None = None
     max_tokens: int | None = None  # None: up to the model's context
@@ -63,37 +81,7 @@ class ParsedBody:
     tool_choice: str = "none"  # "none" | "auto" | "required"; a named function is "required" with tool_name
     tool_name: str | None = None
     parallel_tool_calls: bool = True
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _number(body: dict, name: str, low: float, high: float, default: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not _is_number(value):
-        raise RequestError(f"'{name}' must be a number, got {type(value).__name__}", name, ErrorCode.INVALID_TYPE)
-    if not low <= value <= high:
-        raise RequestError(f"'{name}' must be between {low} and {high}, got {value}", name)
-    return float(value)
-
-
-def _integer(body: dict, name: str, low: int, high: int | None, default: int | None) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not _is_int(value):
-        raise RequestError(f"'{name}' must be an integer, got {type(value).__name__}", name, ErrorCode.INVALID_TYPE)
-    if value < low or (high is not None and value > high):
-        bound = f"between {low} and {high}" if high is not None else f"at least {low}"
-        raise RequestError(f"'{name}' must be {bound}, got {value}", name)
-    return value
+    echo: dict | None = None  # Responses only: the request's fields its Response object repeats
 
 
 def _content_text(content: Any, param: str) -> str:
@@ -172,20 +160,8 @@ def _tool_calls(calls: Any, param: str) -> list[dict[str, Any]]:
         if any(call["id"] == seen["id"] for seen in out):
             raise RequestError(f"the tool call id {call['id']!r} is used twice", f"{at}.id")
         out.append({"id": call["id"], "type": "function",
-                    "function": {"name": name, "arguments": _arguments(arguments, f"{at}.function.arguments")}})
+                    "function": {"name": name, "arguments": call_arguments(arguments, f"{at}.function.arguments")}})
     return out
-
-
-def _arguments(arguments: Any, param: str) -> dict:
-    if not isinstance(arguments, str):
-        raise RequestError("'arguments' must be a string holding a JSON object", param, ErrorCode.INVALID_TYPE)
-    try:
-        value = json.loads(arguments)
-    except (ValueError, RecursionError):
-        value = None
-    if not isinstance(value, dict):
-        raise RequestError(f"'arguments' must be a string holding a JSON object, got {arguments[:100]!r}", param)
-    return value
 
 
 def _check_tool_turns(messages: list[dict[str, Any]]) -> None:
@@ -227,23 +203,7 @@ def _response_format(body: dict, parsed: ParsedBody) -> None:
     if not isinstance(spec, dict):
         raise RequestError("'json_schema' must be an object", param, ErrorCode.INVALID_TYPE)
     refuse_unknown(spec, {"name", "schema", "strict", "description"}, param)
-    name = spec.get("name")
-    if name is None:
-        raise RequestError("'name' is required", f"{param}.name", ErrorCode.MISSING_REQUIRED_PARAMETER)
-    if not isinstance(name, str) or not NAME.fullmatch(name):
-        raise RequestError(f"invalid name {name!r}: 1 to 64 of a-z, A-Z, 0-9, '_' and '-'", f"{param}.name")
-    if spec.get("description") is not None and not isinstance(spec["description"], str):
-        raise RequestError("'description' must be a string", f"{param}.description", ErrorCode.INVALID_TYPE)
-    strict = spec.get("strict")
-    if strict is not None and not isinstance(strict, bool):
-        raise RequestError("'strict' must be a boolean", f"{param}.strict", ErrorCode.INVALID_TYPE)
-    schema = spec.get("schema")
-    if schema is None:
-        raise RequestError("'schema' is required", f"{param}.schema", ErrorCode.MISSING_REQUIRED_PARAMETER)
-    if not isinstance(schema, dict):
-        raise RequestError("'schema' must be a JSON schema object", f"{param}.schema", ErrorCode.INVALID_TYPE)
-    check_schema(schema, f"{param}.schema", strict=strict is True)
-    parsed.json_schema, parsed.json_schema_name, parsed.json_schema_strict = schema, name, strict is True
+    parsed.json_schema, parsed.json_schema_name, parsed.json_schema_strict = json_schema_format(spec, param)
 
 
 def _prompt(body: dict) -> str | list[int]:
@@ -252,7 +212,7 @@ def _prompt(body: dict) -> str | list[int]:
         raise RequestError("'prompt' is required", "prompt", ErrorCode.MISSING_REQUIRED_PARAMETER)
     if isinstance(prompt, str):
         return prompt
-    if isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
+    if isinstance(prompt, list) and prompt and all(is_int(t) and t >= 0 for t in prompt):
         return list(prompt)
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         return prompt[0]
@@ -286,7 +246,7 @@ def _logit_bias(body: dict) -> dict[int, float]:
             token = int(key)
         except (TypeError, ValueError):
             raise RequestError(f"logit_bias key {key!r} is not a token id", "logit_bias") from None
-        if token < 0 or not _is_number(value) or not -100 <= value <= 100:
+        if token < 0 or not is_number(value) or not -100 <= value <= 100:
             raise RequestError(f"logit_bias[{key}] must be a number between -100 and 100", "logit_bias")
         out[token] = float(value)
     return out
@@ -296,18 +256,9 @@ def _stop_token_ids(body: dict) -> list[int]:
     ids = body.get("stop_token_ids")
     if ids is None:
         return []
-    if not isinstance(ids, list) or not all(_is_int(t) and t >= 0 for t in ids):
+    if not isinstance(ids, list) or not all(is_int(t) and t >= 0 for t in ids):
         raise RequestError("'stop_token_ids' must be an array of token ids", "stop_token_ids", ErrorCode.INVALID_TYPE)
     return ids
-
-
-def _bool(body: dict, name: str) -> bool:
-    value = body.get(name)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise RequestError(f"'{name}' must be a boolean", name, ErrorCode.INVALID_TYPE)
-    return value
 
 
 CHAT_FIELDS = {
@@ -329,8 +280,7 @@ def parse_body(endpoint: str, body: Any) -> ParsedBody:
         raise RequestError(f"unsupported endpoint {endpoint!r}; expected one of {list(ENDPOINTS)}", "url")
     if not isinstance(body, dict):
         raise RequestError("'body' must be an object", "body", ErrorCode.INVALID_TYPE)
-    allowed = CHAT_FIELDS if endpoint == CHAT else COMPLETION_FIELDS
-    refuse_unknown(body, allowed)
+    refuse_unknown(body, {CHAT: CHAT_FIELDS, COMPLETIONS: COMPLETION_FIELDS, RESPONSES: RESPONSE_FIELDS}[endpoint])
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise RequestError("'model' is required and must be a string", "model", ErrorCode.MISSING_REQUIRED_PARAMETER)
@@ -340,41 +290,44 @@ def parse_body(endpoint: str, body: Any) -> ParsedBody:
         for name in ("echo", "suffix"):
             if body.get(name):
                 raise RequestError(f"'{name}' is not supported", name)
-        best_of = _integer(body, "best_of", 1, MAX_N, None)
+        best_of = integer(body, "best_of", 1, MAX_N, None)
         if best_of not in (None, 1) and best_of != body.get("n", 1):
             raise RequestError("'best_of' other than n is not supported", "best_of")
 
-    parsed = ParsedBody(model=model)
-    if endpoint == CHAT:
+    parsed = ParsedBody(model=model, endpoint=endpoint)
+    if endpoint == RESPONSES:
+        parse_responses(body, parsed)
+    elif endpoint == CHAT:
         parsed.messages = _messages(body)
         token_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        parsed.max_tokens = _integer(body, token_field, 1, None, None)
-        parsed.logprobs = _bool(body, "logprobs")
-        parsed.top_logprobs = _integer(body, "top_logprobs", 0, 20, 0)
+        parsed.max_tokens = integer(body, token_field, 1, None, None)
+        parsed.logprobs = boolean(body, "logprobs")
+        parsed.top_logprobs = integer(body, "top_logprobs", 0, 20, 0)
         if parsed.top_logprobs and not parsed.logprobs:
             raise RequestError("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
         _response_format(body, parsed)
         parsed.tools, parsed.tool_choice, parsed.tool_name, parsed.parallel_tool_calls = parse_tools(body)
     else:
         parsed.prompt = _prompt(body)
-        parsed.max_tokens = _integer(body, "max_tokens", 1, None, 16)
+        parsed.max_tokens = integer(body, "max_tokens", 1, None, 16)
         # completions: logprobs is the number of alternatives to return (0-5)
-        count = _integer(body, "logprobs", 0, 5, None)
+        count = integer(body, "logprobs", 0, 5, None)
         parsed.logprobs = count is not None
         parsed.top_logprobs = count or 0
 
-    parsed.temperature = _number(body, "temperature", 0.0, 2.0, 1.0)
-    parsed.top_p = _number(body, "top_p", 0.0, 1.0, 1.0)
+    # a Responses body has only temperature and top_p of these: the rest were refused as unknown
+    parsed.temperature = number(body, "temperature", 0.0, 2.0, 1.0)
+    parsed.top_p = number(body, "top_p", 0.0, 1.0, 1.0)
     if parsed.top_p == 0.0:
         raise RequestError("'top_p' must be greater than 0", "top_p")
-    parsed.top_k = _integer(body, "top_k", -1, None, -1)
-    parsed.min_p = _number(body, "min_p", 0.0, 1.0, 0.0)
-    parsed.seed = _integer(body, "seed", -(2**63), 2**63 - 1, None)
-    parsed.presence_penalty = _number(body, "presence_penalty", -2.0, 2.0, 0.0)
-    parsed.frequency_penalty = _number(body, "frequency_penalty", -2.0, 2.0, 0.0)
+    parsed.top_k = integer(body, "top_k", -1, None, -1)
+    parsed.min_p = number(body, "min_p", 0.0, 1.0, 0.0)
+    parsed.seed = integer(body, "seed", -(2**63), 2**63 - 1, None)
+    parsed.presence_penalty = number(body, "presence_penalty", -2.0, 2.0, 0.0)
+    parsed.frequency_penalty = number(body, "frequency_penalty", -2.0, 2.0, 0.0)
     parsed.logit_bias = _logit_bias(body)
     parsed.stop = _stop(body)
     parsed.stop_token_ids = _stop_token_ids(body)
-    parsed.n = _integer(body, "n", 1, MAX_N, 1)
-    parsed.ignore_eos = _bool(body, "ignore_eos")
+    parsed.n = integer(body, "n", 1, MAX_N, 1)
+    parsed.ignore_eos = boolean(body, "ignore_eos")
     return parsed

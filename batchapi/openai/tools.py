@@ -1,8 +1,9 @@
 """Tools in a chat request: their definitions, how the prompt shows them, what the output must be,
 and the calls found in it.
 
-``parse_tools`` checks the body's ``tools``, ``tool_choice`` and ``parallel_tool_calls``. A
-named ``tool_choice`` is kept as ``tool_choice="required"`` with ``tool_name`` set.
+``parse_tools`` checks the body's ``tools``, ``tool_choice`` and ``parallel_tool_calls``, in
+chat's shapes or (``flat``) the Responses API's, and keeps them in chat's. A named
+``tool_choice`` is kept as ``tool_choice="required"`` with ``tool_name`` set.
 
 The prompt. A chat template that knows tools (``knows_tools``) takes ``chat_messages`` with
 ``tools=parsed.tools``. One that does not (the default model's, SmolLM2, prints each message's
@@ -46,21 +47,26 @@ _TAGGED = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 
 # -- the request
 
-def parse_tools(body: dict) -> tuple[list[dict] | None, str, str | None, bool]:
-    """``(tools, tool_choice, tool_name, parallel_tool_calls)`` of a chat body."""
-    tools = _tools(body.get("tools"))
+def parse_tools(body: dict, *, flat: bool = False) -> tuple[list[dict] | None, str, str | None, bool]:
+    """``(tools, tool_choice, tool_name, parallel_tool_calls)`` of a chat body, or with ``flat`` of a
+    Responses body: there a function tool is ``{"type": "function", "name", "description",
+    "parameters", "strict"}`` and a named choice ``{"type": "function", "name"}``, ``tools`` may be
+    empty, and ``tool_choice`` ``auto`` or ``none`` and ``parallel_tool_calls`` need no tools."""
+    tools = _tools(body.get("tools"), flat)
     for name in ("tool_choice", "parallel_tool_calls"):
-        if tools is None and body.get(name) is not None:
+        value = body.get(name)
+        needless = flat and (name == "parallel_tool_calls" or value in ("auto", "none"))
+        if tools is None and value is not None and not needless:
             raise RequestError(f"'{name}' is only allowed when 'tools' are specified", name)
-    choice, tool_name = _tool_choice(body.get("tool_choice"), tools)
+    choice, tool_name = _tool_choice(body.get("tool_choice"), tools, flat)
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise RequestError("'parallel_tool_calls' must be a boolean", "parallel_tool_calls", ErrorCode.INVALID_TYPE)
     return tools, choice, tool_name, parallel is not False
 
 
-def _tools(value: Any) -> list[dict] | None:
-    if value is None:
+def _tools(value: Any, flat: bool) -> list[dict] | None:
+    if value is None or (flat and value == []):
         return None
     if not isinstance(value, list):
         raise RequestError("'tools' must be an array of tools", "tools", ErrorCode.INVALID_TYPE)
@@ -68,10 +74,11 @@ def _tools(value: Any) -> list[dict] | None:
         raise RequestError(f"'tools' must hold between 1 and {MAX_TOOLS} tools, got {len(value)}", "tools")
     tools, names = [], set()
     for i, tool in enumerate(value):
-        parsed = _tool(tool, f"tools[{i}]")
+        parsed = _flat_tool(tool, f"tools[{i}]") if flat else _tool(tool, f"tools[{i}]")
         name = parsed["function"]["name"]
         if name in names:
-            raise RequestError(f"the function name {name!r} is used by more than one tool", f"tools[{i}].function.name")
+            at = f"tools[{i}].name" if flat else f"tools[{i}].function.name"
+            raise RequestError(f"the function name {name!r} is used by more than one tool", at)
         names.add(name)
         tools.append(parsed)
     return tools
@@ -93,6 +100,23 @@ def _tool(tool: Any, param: str) -> dict:
     if not isinstance(function, dict):
         raise RequestError("'function' must be an object", param, ErrorCode.INVALID_TYPE)
     refuse_unknown(function, FUNCTION_FIELDS, param)
+    return _function(function, param)
+
+
+def _flat_tool(tool: Any, param: str) -> dict:
+    """A Responses API tool, its function's fields beside ``type``, as ``_tool`` gives it. The type
+    is checked first: a built-in tool is named as such, not by its first unknown field."""
+    if not isinstance(tool, dict):
+        raise RequestError("each tool must be an object", param, ErrorCode.INVALID_TYPE)
+    kind = tool.get("type")
+    if kind != "function":
+        raise RequestError(f"the tool type {kind!r} is not supported: only 'function' tools run in a batch here "
+                           "(no built-in tools such as web_search, file_search or code_interpreter)", f"{param}.type")
+    refuse_unknown(tool, FUNCTION_FIELDS | {"type"}, param)
+    return _function(tool, param)
+
+
+def _function(function: dict, param: str) -> dict:
     name = function.get("name")
     if name is None:
         raise RequestError("'name' is required", f"{param}.name", ErrorCode.MISSING_REQUIRED_PARAMETER)
@@ -122,8 +146,8 @@ def _parameters(schema: Any, param: str, strict: bool) -> dict:
     return {"type": "object", **schema}  # arguments are always an object
 
 
-def _tool_choice(value: Any, tools: list[dict] | None) -> tuple[str, str | None]:
-    if value is None:
+def _tool_choice(value: Any, tools: list[dict] | None, flat: bool) -> tuple[str, str | None]:
+    if value is None or tools is None:  # without tools, only a needless choice got this far
         return ("auto" if tools else "none"), None
     if isinstance(value, str):
         if value not in TOOL_CHOICES:
@@ -132,19 +156,36 @@ def _tool_choice(value: Any, tools: list[dict] | None) -> tuple[str, str | None]
         return value, None
     if not isinstance(value, dict):
         raise RequestError("'tool_choice' must be a string or an object", "tool_choice", ErrorCode.INVALID_TYPE)
-    refuse_unknown(value, {"type", "function"}, "tool_choice")
-    if value.get("type") != "function":
-        raise RequestError(f"invalid tool_choice type {value.get('type')!r}; expected 'function'", "tool_choice.type")
-    function = value.get("function")
+    if flat:  # {"type": "function", "name"}; the type first, as for tools
+        if value.get("type") != "function":
+            raise RequestError(f"invalid tool_choice type {value.get('type')!r}; expected 'function' (only function "
+                               "tools run in a batch here)", "tool_choice.type")
+        refuse_unknown(value, {"type", "name"}, "tool_choice")
+        function, param = value, "tool_choice.name"
+    else:
+        refuse_unknown(value, {"type", "function"}, "tool_choice")
+        if value.get("type") != "function":
+            raise RequestError(f"invalid tool_choice type {value.get('type')!r}; expected 'function'",
+                               "tool_choice.type")
+        function, param = value.get("function"), "tool_choice.function.name"
     name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str):
-        raise RequestError("'tool_choice.function.name' is required", "tool_choice.function.name",
-                           ErrorCode.MISSING_REQUIRED_PARAMETER)
-    refuse_unknown(function, {"name"}, "tool_choice.function")
+        raise RequestError(f"'{param}' is required", param, ErrorCode.MISSING_REQUIRED_PARAMETER)
+    if not flat:
+        refuse_unknown(function, {"name"}, "tool_choice.function")
     if name not in {t["function"]["name"] for t in tools}:
-        raise RequestError(f"tool_choice names the function {name!r}, which is not among the tools",
-                           "tool_choice.function.name")
+        raise RequestError(f"tool_choice names the function {name!r}, which is not among the tools", param)
     return "required", name
+
+
+def call_arguments(arguments: Any, param: str) -> dict:
+    """The arguments of a call in the input (a string holding a JSON object), parsed."""
+    if not isinstance(arguments, str):
+        raise RequestError("'arguments' must be a string holding a JSON object", param, ErrorCode.INVALID_TYPE)
+    value = _loads(arguments)
+    if not isinstance(value, dict):
+        raise RequestError(f"'arguments' must be a string holding a JSON object, got {arguments[:100]!r}", param)
+    return value
 
 
 # -- the prompt

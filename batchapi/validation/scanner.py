@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 from batchapi.grammar.check import GrammarError, check_schema
 from batchapi.grammar.spec import GrammarSpec
-from batchapi.openai.body import ParsedBody
+from batchapi.openai.body import MAX_TOKENS_PARAM, PROMPT_PARAM, SCHEMA_PARAM, ParsedBody
 from batchapi.openai.errors import ErrorCode, RequestError
 from batchapi.openai.lines import BOM, LongLine, is_blank, iter_lines, parse_line
 from batchapi.openai.tools import output_constraint
@@ -254,11 +254,12 @@ class Scanner:
             if count >= context:
                 at_least = "at least " if request.floor else ""
                 message = f"the prompt is {at_least}{count} tokens; the model's context is {context} tokens"
-                param = "body.messages" if request.parsed.messages is not None else "body.prompt"
+                param = f"body.{PROMPT_PARAM[request.parsed.endpoint]}"
             else:
-                message = (f"the prompt ({count} tokens) and max_tokens ({wanted}) exceed the model's "
+                limit = MAX_TOKENS_PARAM[request.parsed.endpoint]
+                message = (f"the prompt ({count} tokens) and {limit} ({wanted}) exceed the model's "
                            f"context of {context} tokens")
-                param = "body.max_tokens"
+                param = f"body.{limit}"
             self.error(ErrorCode.CONTEXT_LENGTH_EXCEEDED, message, request.line, param)
         self.pending, self.pending_bytes = [], 0
 
@@ -299,7 +300,7 @@ def _grammar_problem(body: ParsedBody | None) -> RequestError | None:
     try:
         check_schema(GrammarSpec.json_object() if kind == "json_object" else GrammarSpec.json_schema(schema))
     except GrammarError as exc:
-        param = "tools" if body.tool_choice == "required" else "response_format.json_schema.schema"
+        param = "tools" if body.tool_choice == "required" else SCHEMA_PARAM[body.endpoint]
         return RequestError(str(exc), param, ErrorCode.INVALID_JSON_SCHEMA)
     return None
 

@@ -3,7 +3,8 @@
 One request becomes one line through three steps, each in one place: ``openai.lines`` parses
 the input line, ``Codec.request`` turns its body into an engine request, ``Codec.line`` turns
 the outcome (a result, a refusal, or nothing: never run) into the output or error line, in the
-shapes of ``openai.render``. The shard runner and ``run-batch`` both use it.
+shapes of ``openai.render`` (of ``openai.responses`` for ``/v1/responses``). The shard runner
+and ``run-batch`` both use it.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from batchapi.engine import ErrorCode as EngineError
 from batchapi.engine import GenerationRequest, GenerationResult, SamplingParams
 from batchapi.grammar.spec import GrammarSpec
 from batchapi.openai import render
-from batchapi.openai.body import ParsedBody
+from batchapi.openai.body import RESPONSES, ParsedBody
 from batchapi.openai.errors import ErrorCode, RequestError
 from batchapi.openai.lines import InputLine
+from batchapi.openai.responses import response_body
 from batchapi.openai.tools import output_constraint, template_input
 
 # the engine's reasons for refusing a request, as the wire format names them
@@ -79,5 +81,10 @@ class Codec:
             return render.never_ran(line.custom_id, not_run), False
         if result.error is not None:
             return render.rejected(line.custom_id, engine_error(result)), False
-        body = render.completion_body(line.body, result, self.model_id, self.tokenizer, self.system_fingerprint)
-        return render.succeeded(line.custom_id, body), True
+        return render.succeeded(line.custom_id, self.body(line.body, result)), True
+
+    def body(self, parsed: ParsedBody, result: GenerationResult) -> dict:
+        """The response body of a finished request, in its endpoint's shape."""
+        if parsed.endpoint == RESPONSES:
+            return response_body(parsed, result, self.model_id)
+        return render.completion_body(parsed, result, self.model_id, self.tokenizer, self.system_fingerprint)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from openai.types.responses import Response
 
 from batchapi.engine import EngineConfig, EngineFront
 from batchapi.openai.lines import parse_line
@@ -124,3 +125,35 @@ def test_results_come_in_input_order_with_each_custom_id(tmp_path, front):
     assert status["bad-n"][1]["code"] == "invalid_value" and status["bad-n"][1]["param"] == "n"
     assert all(status[f"quick-{i}"] == (200, None) for i in range(6)) and status["slow"] == (200, None)
     assert front.num_in_flight() == 0
+
+
+def test_a_responses_file_runs_into_response_objects(tmp_path, front):
+    url = "/v1/responses"
+    weather = {"type": "function", "name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"],
+        "additionalProperties": False}}
+    lines = [
+        line("plain", url, input="Hello", instructions="Be brief.", max_output_tokens=4, temperature=0),
+        line("call", url, input="Weather in Paris?", tools=[weather], max_output_tokens=60, temperature=0,
+             tool_choice={"type": "function", "name": "get_weather"}),
+        line("web", url, input="News?", tools=[{"type": "web_search"}]),
+        line("chat", "/v1/chat/completions", messages=[{"role": "user", "content": "Hi"}], max_tokens=2),
+    ]
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    counts = run_batch(src, dst, front=front, progress=False)
+    assert (counts.total, counts.completed, counts.failed) == (4, 3, 1)
+    out = {r["custom_id"]: r["response"] for r in map(json.loads, dst.read_text().splitlines())}
+    bodies = {k: Response.model_validate(out[k]["body"]) for k in ("plain", "call")}
+    plain = bodies["plain"]
+    assert (plain.status, plain.incomplete_details.reason, plain.usage.output_tokens) == (
+        "incomplete", "max_output_tokens", 4)  # the tiny model does not stop within 4 tokens
+    assert plain.instructions == "Be brief." and plain.output[0].type == "message"
+    [call] = bodies["call"].output
+    assert call.type == "function_call" and call.name == "get_weather" and "city" in json.loads(call.arguments)
+    assert out["web"]["status_code"] == 400 and out["web"]["body"]["error"]["param"] == "tools[0].type"
+    assert out["chat"]["body"]["object"] == "chat.completion"
+    responses_usage = [b.usage for b in bodies.values()]
+    chat_usage = out["chat"]["body"]["usage"]
+    assert counts.prompt_tokens == sum(u.input_tokens for u in responses_usage) + chat_usage["prompt_tokens"]
+    assert counts.completion_tokens == sum(u.output_tokens for u in responses_usage) + chat_usage["completion_tokens"]
