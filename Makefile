@@ -4,6 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 MODEL := smollm2-135m-instruct
+EMBEDDING_MODEL := all-minilm-l6-v2
 
 .PHONY: install model demo test lint bench clean
 
@@ -18,6 +19,7 @@ $(STAMP): pyproject.toml constraints.txt
 
 model: $(STAMP)
 	$(VENV)/bin/batchapi models pull $(MODEL)
+	$(VENV)/bin/batchapi models pull $(EMBEDDING_MODEL)
 
 demo: install
 	bash examples/demo.sh

@@ -33,13 +33,14 @@ def cmd_models_pull(args: argparse.Namespace) -> int:
     from batchapi.model_store import ModelNotFound, pull_model
 
     settings = _settings()
-    try:
-        with console.status(f"pulling {args.name} (fetch and convert once)"):
-            path = pull_model(args.name, settings.model_cache)
-    except ModelNotFound as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        return 1
-    console.print(f"{args.name}: {path}")
+    for name in args.name:  # each model's directory is printed once it is ready, the last one last
+        try:
+            with console.status(f"pulling {name} (fetch and convert once)"):
+                path = pull_model(name, settings.model_cache)
+        except ModelNotFound as exc:
+            console.print(f"[red]error:[/red] {exc}")
+            return 1
+        console.print(f"{name}: {path}")
     return 0
 
 
@@ -100,7 +101,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _celery_dispatcher(settings: Settings):
     from batchapi.workers.celery_app import CeleryDispatcher, make_celery
 
-    return CeleryDispatcher(make_celery(settings), settings.celery_queue)
+    return CeleryDispatcher(make_celery(settings), settings.celery_queue, settings)
 
 
 def api_app():
@@ -206,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     models = sub.add_parser("models", help="pull and list models").add_subparsers(dest="action", required=True)
     pull = models.add_parser("pull", help="fetch and convert a model once into the cache")
-    pull.add_argument("name")
+    pull.add_argument("name", nargs="+", help="one or more models (e.g. smollm2-135m-instruct all-minilm-l6-v2)")
     pull.set_defaults(func=cmd_models_pull)
     models.add_parser("list", help="models in the cache").set_defaults(func=cmd_models_list)
 

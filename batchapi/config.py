@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from decimal import Decimal
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_EMBEDDING_MODEL = "all-minilm-l6-v2"
 
 
 class SettingsError(Exception):
@@ -34,7 +35,11 @@ class Settings(BaseSettings):
     s3_secret_access_key: str = ""
 
     # model and engine
-    model: str = DEFAULT_MODEL
+    model: str = DEFAULT_MODEL  # the chat model (the first of ``served_models`` unless BATCHAPI_MODELS says)
+    # every model a worker serves, comma-separated names or directories (chat models on the engine,
+    # embedding models on the encoder); empty: BATCHAPI_MODEL, plus the default embedding model
+    # when BATCHAPI_MODEL is the default (the embedded default serves both)
+    models: Annotated[list[str], NoDecode] = Field(default_factory=list)
     model_cache: Path = Path("~/.cache/batchapi")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # the engine's choices (batchapi.engine.config.DTYPES / KERNELS; config.py imports nothing of
@@ -59,6 +64,7 @@ class Settings(BaseSettings):
     db_read_pool_size: int = Field(default=8, ge=1)
     max_file_bytes: int = Field(default=200 * 1024 * 1024, ge=1)
     max_file_lines: int = Field(default=50_000, ge=1)
+    max_embedding_inputs: int = Field(default=50_000, ge=1)  # embedding inputs across a batch, as OpenAI
     # one input line (one request); longer lines fail validation as line_too_long unread
     max_line_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     batch_discount_percent: Decimal = Field(default=Decimal(50), ge=0, le=100)
@@ -90,6 +96,13 @@ class Settings(BaseSettings):
     @classmethod
     def _expand(cls, value: Path) -> Path:
         return value.expanduser()
+
+    @field_validator("models", mode="before")
+    @classmethod
+    def _split_models(cls, value):
+        if isinstance(value, str):
+            value = value.split(",")
+        return [name.strip() for name in value if name.strip()]
 
     @field_validator("database_url")
     @classmethod
@@ -154,6 +167,13 @@ class Settings(BaseSettings):
     def sweep_queue(self) -> str:
         """The beat's own queue, so a sweep never waits behind the shard queue's long tasks."""
         return f"{self.celery_queue}-sweep"
+
+    @property
+    def served_models(self) -> list[str]:
+        """The names (aliases or directories) of every model this deployment serves."""
+        if self.models:
+            return list(self.models)
+        return [self.model, DEFAULT_EMBEDDING_MODEL] if self.model == DEFAULT_MODEL else [self.model]
 
     @property
     def embedded(self) -> bool:

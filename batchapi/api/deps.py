@@ -21,10 +21,22 @@ JobsDep = Annotated[Jobs, Depends(get_jobs)]
 async def get_project_id(request: Request, jobs: JobsDep) -> str:
     """The project of the request's API key (``Authorization: Bearer KEY``). Async, so that a key
     seen in the last BATCHAPI_AUTH_CACHE_SECONDS costs neither a thread nor a query."""
+    scheme, _, key = (request.headers.get("authorization") or "").partition(" ")
+    return await _project_of(request, jobs, key.strip() if scheme.lower() == "bearer" else None)
+
+
+async def get_anthropic_project_id(request: Request, jobs: JobsDep) -> str:
+    """As ``get_project_id``, for the Anthropic routes: the key in ``x-api-key`` (or a Bearer token).
+    ``anthropic-version`` is accepted whatever it says."""
+    key = (request.headers.get("x-api-key") or "").strip()
+    if key:
+        return await _project_of(request, jobs, key)
+    return await get_project_id(request, jobs)
+
+
+async def _project_of(request: Request, jobs: Jobs, key: str | None) -> str:
     if not jobs.settings.auth_required:
         return request.app.state.default_project_id
-    scheme, _, key = (request.headers.get("authorization") or "").partition(" ")
-    key = key.strip() if scheme.lower() == "bearer" else None
     cache: KeyCache = request.app.state.key_cache
     project_id = cache.get(key) if key else None
     if project_id is None:
@@ -39,4 +51,5 @@ def _authenticate(jobs: Jobs, key: str | None) -> str:
 
 
 ProjectDep = Annotated[str, Depends(get_project_id)]
+AnthropicProjectDep = Annotated[str, Depends(get_anthropic_project_id)]
 IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key", max_length=256)]

@@ -1,8 +1,12 @@
-"""Every error leaves the API in the OpenAI shape: ``{"error": {message, type, param, code}}``."""
+"""Every error leaves the API in the OpenAI shape: ``{"error": {message, type, param, code}}``, except
+on Anthropic's routes (``/v1/messages/``), where it is Anthropic's: ``{"type": "error", "error":
+{"type", "message"}}``, the type named by the status."""
 
 from __future__ import annotations
 
+import json
 import logging
+from collections.abc import Awaitable, Callable
 
 import psycopg
 import psycopg_pool
@@ -21,6 +25,10 @@ log = logging.getLogger(__name__)
 
 # the first class that matches wins: TooLarge is an InvalidRequest
 STATUS = {NotFound: 404, TooLarge: 413, InvalidRequest: 400, Conflict: 409, Unauthenticated: 401, StorageError: 503}
+ANTHROPIC_PATHS = "/v1/messages/"
+# Anthropic's error type for each status (any other 4xx is invalid_request_error, 5xx api_error)
+ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                   413: "request_too_large", 429: "rate_limit_error", 529: "overloaded_error"}
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
@@ -98,13 +106,34 @@ async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
     return error_response(500, "The server had an error processing your request.", type_="server_error")
 
 
+def anthropic_error(response: JSONResponse) -> JSONResponse:
+    """An error response of the OpenAI shape in Anthropic's, with the same status and headers."""
+    status = response.status_code
+    kind = ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    message = json.loads(response.body)["error"]["message"]
+    headers = {k: v for k, v in response.headers.items() if k.lower() not in ("content-length", "content-type")}
+    return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status_code=status,
+                        headers=headers)
+
+
+Handler = Callable[[Request, Exception], Awaitable[JSONResponse]]
+
+
+def _shaped(handler: Handler) -> Handler:
+    async def handle(request: Request, exc: Exception) -> JSONResponse:
+        response = await handler(request, exc)
+        return anthropic_error(response) if request.url.path.startswith(ANTHROPIC_PATHS) else response
+
+    return handle
+
+
 def install(app: FastAPI) -> None:
-    app.add_exception_handler(ServiceError, _jobs_error)
-    app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_exception_handler(DataError, _bad_value)
+    app.add_exception_handler(ServiceError, _shaped(_jobs_error))
+    app.add_exception_handler(RequestValidationError, _shaped(_validation_error))
+    app.add_exception_handler(StarletteHTTPException, _shaped(_http_error))
+    app.add_exception_handler(DataError, _shaped(_bad_value))
     for exc in (sqlalchemy.exc.OperationalError, sqlalchemy.exc.TimeoutError, psycopg.OperationalError,
                 psycopg_pool.PoolTimeout):
-        app.add_exception_handler(exc, _database_down)
-    app.add_exception_handler(Exception, _unexpected)
+        app.add_exception_handler(exc, _shaped(_database_down))
+    app.add_exception_handler(Exception, _shaped(_unexpected))
     app.add_middleware(RejectNulMiddleware)

@@ -11,7 +11,7 @@ from fastapi import FastAPI
 
 from batchapi.api import errors, openapi
 from batchapi.api.limits import BodyLimit, server_options
-from batchapi.api.routes import batches, files, health, models
+from batchapi.api.routes import batches, files, health, message_batches, models
 from batchapi.api.schemas import ModelObject
 from batchapi.api.uploads import FORM_OVERHEAD_BYTES, MAX_CONCURRENT_UPLOADS
 from batchapi.batches.context import Jobs, open_jobs
@@ -22,13 +22,14 @@ from batchapi.db.clock import now
 from batchapi.db.projects import DEFAULT_PROJECT, KeyCache, get_or_create_project
 from batchapi.db.reads import open_reads
 from batchapi.db.session import session_scope
-from batchapi.model_store import served_model_id
+from batchapi.model_store import served_ids, served_model_id
 from batchapi.storage import Storage
 from batchapi.validation.runner import ValidationRunner
 
 log = logging.getLogger(__name__)
 
 Hook = Callable[[Jobs], AbstractContextManager]
+MAX_MESSAGE_BATCH_BYTES = 256 * 1024 * 1024  # Anthropic's limit on a create request
 
 
 def create_app(
@@ -52,7 +53,8 @@ def create_app(
         jobs.on_batch_created = runner.submit
         jobs.on_batch_cancelled = lambda _batch_id: sweeper.poke()
         app.state.jobs = jobs
-        app.state.model = ModelObject(id=served_model_id(settings), created=now())
+        app.state.model = ModelObject(id=served_model_id(settings), created=now())  # the chat model
+        app.state.models = [ModelObject(id=model, created=app.state.model.created) for model in served_ids(settings)]
         app.state.key_cache = KeyCache(settings.auth_cache_seconds)
         app.state.upload_limiter = anyio.CapacityLimiter(MAX_CONCURRENT_UPLOADS)
         app.state.reads = open_reads(settings)
@@ -77,9 +79,10 @@ def create_app(
 
     app = FastAPI(title="batchapi", version="0.1.0", lifespan=lifespan)
     errors.install(app)
-    app.add_middleware(BodyLimit, per_path={"/v1/files": settings.max_upload_bytes + FORM_OVERHEAD_BYTES})
+    app.add_middleware(BodyLimit, per_path={"/v1/files": settings.max_upload_bytes + FORM_OVERHEAD_BYTES,
+                                            "/v1/messages/batches": MAX_MESSAGE_BATCH_BYTES})
     openapi.install(app)
-    for router in (files.router, batches.router, models.router, health.router):
+    for router in (files.router, batches.router, message_batches.router, models.router, health.router):
         app.include_router(router)
     return app
 

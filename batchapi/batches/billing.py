@@ -31,6 +31,8 @@ PRICES: dict[str, Price] = {
     "smollm2-135m-instruct": Price(Decimal("0.02"), Decimal("0.01"), Decimal("0.08")),
     "smollm2-360m-instruct": Price(Decimal("0.04"), Decimal("0.02"), Decimal("0.16")),
     "llama-3.1-8b-instruct": Price(Decimal("0.20"), Decimal("0.10"), Decimal("0.60")),
+    # embeddings: input tokens only (an embedding has no cache hits and no output tokens)
+    "all-minilm-l6-v2": Price(Decimal("0.01"), Decimal("0.01"), Decimal("0")),
 }
 DEFAULT_PRICE = Price(Decimal("0.10"), Decimal("0.05"), Decimal("0.40"))
 

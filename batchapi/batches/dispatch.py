@@ -15,15 +15,16 @@ log = logging.getLogger(__name__)
 
 
 class Dispatcher(Protocol):
-    def batch_ready(self, batch_id: str, shard_ids: list[str]) -> None:
-        """The batch is ``in_progress`` and these shards are ``queued``; wake whoever runs them."""
+    def batch_ready(self, batch_id: str, shard_ids: list[str], model: str | None = None) -> None:
+        """The batch (of ``model``) is ``in_progress`` and these shards are ``queued``; wake whoever
+        runs them (with Celery: the workers of that model)."""
 
     def batch_cancelled(self, batch_id: str) -> None:
         """The batch went to ``cancelling``; in-flight requests of it should be aborted."""
 
 
 class NullDispatcher:
-    def batch_ready(self, batch_id: str, shard_ids: list[str]) -> None:
+    def batch_ready(self, batch_id: str, shard_ids: list[str], model: str | None = None) -> None:
         log.debug("batch %s ready with %d queued shards", batch_id, len(shard_ids))
 
     def batch_cancelled(self, batch_id: str) -> None:

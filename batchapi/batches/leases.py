@@ -40,6 +40,7 @@ class Claimed:
     input_key: str
     endpoint: str
     expires_at: int
+    model: str | None = None  # the batch's model: which of a worker's models runs it
 
 
 @dataclass(frozen=True)
@@ -58,14 +59,20 @@ def _runnable_batches(t: int):
     return select(Batch.id).where(Batch.status == BatchStatus.IN_PROGRESS, Batch.expires_at > t)
 
 
-def claim(jobs: Jobs, shard_id: str, owner: str) -> Claimed | None:
-    """Claim ``shard_id`` if it is queued and its batch still runs; None when someone else has
-    it, it is done, or its batch was cancelled or expired."""
+def _of_models(query, models: list[str] | None):
+    """Only batches of ``models`` (None: any), so a worker claims only what it can run."""
+    return query if models is None else query.where(Batch.model.in_(models))
+
+
+def claim(jobs: Jobs, shard_id: str, owner: str, models: list[str] | None = None) -> Claimed | None:
+    """Claim ``shard_id`` if it is queued, its batch still runs (and is of one of ``models``); None
+    when someone else has it, it is done, or its batch was cancelled or expired."""
     t = now()
     with session_scope(jobs.sessions) as session:
         result = session.execute(
             update(Shard)
-            .where(Shard.id == shard_id, Shard.status == ShardStatus.QUEUED, Shard.batch_id.in_(_runnable_batches(t)))
+            .where(Shard.id == shard_id, Shard.status == ShardStatus.QUEUED,
+                   Shard.batch_id.in_(_of_models(_runnable_batches(t), models)))
             .values(_lease_values(jobs, owner, t))
             .execution_options(synchronize_session=False)
         )
@@ -74,15 +81,14 @@ def claim(jobs: Jobs, shard_id: str, owner: str) -> Claimed | None:
         return _load(session, shard_id)
 
 
-def claim_next(jobs: Jobs, owner: str) -> Claimed | None:
-    """Claim the oldest queued shard of any running batch (``FOR UPDATE SKIP LOCKED`` on
-    PostgreSQL, so workers polling together never wait on each other)."""
+def claim_next(jobs: Jobs, owner: str, models: list[str] | None = None) -> Claimed | None:
+    """Claim the oldest queued shard of any running batch (of one of ``models``; None: any)
+    (``FOR UPDATE SKIP LOCKED`` on PostgreSQL, so workers polling together never wait on each other)."""
     t = now()
     for _ in range(3):  # on SQLite a concurrent claimer may win the row between select and update
         with session_scope(jobs.sessions) as session:
             candidate = session.scalar(
-                select(Shard.id)
-                .join(Batch, Batch.id == Shard.batch_id)
+                _of_models(select(Shard.id).join(Batch, Batch.id == Shard.batch_id), models)
                 .where(Shard.status == ShardStatus.QUEUED, Batch.status == BatchStatus.IN_PROGRESS, Batch.expires_at > t)
                 .order_by(Batch.created_at, Shard.batch_id, Shard.index)
                 .limit(1)
@@ -138,7 +144,21 @@ def _load(session, shard_id: str) -> Claimed:
         id=shard.id, batch_id=shard.batch_id, index=shard.index, first_line=shard.first_line,
         start_byte=shard.start_byte, end_byte=shard.end_byte, request_count=shard.request_count,
         attempts=shard.attempts, input_key=input_key, endpoint=batch.endpoint, expires_at=batch.expires_at,
+        model=batch.model,
     )
+
+
+def models_of(jobs: Jobs, shard_ids: list[str]) -> dict[str | None, list[str]]:
+    """The shards grouped by their batch's model (to send each to its model's queue)."""
+    out: dict[str | None, list[str]] = {}
+    if not shard_ids:
+        return out
+    with jobs.sessions() as session:
+        rows = session.execute(select(Shard.id, Batch.model).join(Batch, Batch.id == Shard.batch_id)
+                               .where(Shard.id.in_(shard_ids)))
+        for sid, model in rows:
+            out.setdefault(model, []).append(sid)
+    return out
 
 
 def heartbeat(jobs: Jobs, shard_ids: list[str], owner: str) -> set[str]:

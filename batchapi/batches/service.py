@@ -23,8 +23,9 @@ from batchapi.db.models import Batch, Shard
 from batchapi.db.paging import page
 from batchapi.db.session import session_scope
 from batchapi.errors import Conflict, InvalidRequest, NotFound
-from batchapi.model_store import served_model_id
+from batchapi.model_store import served_id_for, served_ids, served_model_id
 from batchapi.openai.body import ENDPOINTS
+from batchapi.openai.lines import BOM, LongLine, is_blank, iter_lines
 from batchapi.openai.text import check_text
 
 log = logging.getLogger(__name__)
@@ -74,9 +75,12 @@ def create_batch(
     completion_window: str,
     metadata: dict | None = None,
     idempotency_key: str | None = None,
+    request_total: int = 0,
 ) -> Batch:
     """A new ``validating`` batch (validation starts after the commit), or, for a repeated
-    ``idempotency_key`` with the same parameters, the batch the first request created."""
+    ``idempotency_key`` with the same parameters, the batch the first request created.
+    ``request_total``: the requests already known to be in the file (a Message Batch's), which
+    validation confirms."""
     for value, param in ((input_file_id, "input_file_id"), (idempotency_key, "Idempotency-Key")):
         check_text(value, param)
     if endpoint not in ENDPOINTS:
@@ -88,7 +92,8 @@ def create_batch(
         existing = _by_idempotency_key(jobs, project_id, idempotency_key, fingerprint)
         if existing is not None:
             return existing
-    price = price_for(jobs.settings, served_model_id(jobs.settings))
+    model = batch_model(jobs, project_id, input_file_id)
+    price = price_for(jobs.settings, model or served_model_id(jobs.settings))
     t = now()
     try:
         with session_scope(jobs.sessions) as session:
@@ -102,6 +107,7 @@ def create_batch(
                 expires_at=t + seconds, validation_lease_expires_at=t + jobs.settings.validation_lease_seconds,
                 currency=price.currency, price_input=price.input, price_cached_input=price.cached_input,
                 price_output=price.output, discount_percent=jobs.settings.batch_discount_percent,
+                request_total=request_total, model=model,
             )
             session.add(batch)
     except IntegrityError:  # the same key raced us and won
@@ -112,6 +118,38 @@ def create_batch(
     if jobs.on_batch_created is not None:
         jobs.on_batch_created(batch.id)
     return batch
+
+
+def batch_model(jobs: Jobs, project_id: str, input_file_id: str) -> str | None:
+    """The served model the file's first request names: the batch's model, priced at create and
+    the one whose workers run it. InvalidRequest (``model_not_found``) when no worker serves it;
+    None when the first line names no model (validation reports what is wrong with it)."""
+    with jobs.sessions() as session:
+        storage_key = get_file_row(session, project_id, input_file_id).storage_key
+    named = _first_model(jobs, storage_key)
+    if named is None:
+        return None
+    model = served_id_for(jobs.settings, named)
+    if model is None:
+        raise InvalidRequest(f"the model {named!r} of the file's first request is not served here; served: "
+                             f"{', '.join(served_ids(jobs.settings))}", "input_file_id", code="model_not_found")
+    return model
+
+
+def _first_model(jobs: Jobs, storage_key: str) -> str | None:
+    try:
+        for number, _start, _end, content in iter_lines(jobs.storage.iter_chunks(storage_key),
+                                                        jobs.settings.max_line_bytes):
+            if isinstance(content, LongLine) or is_blank(content):
+                continue
+            text = content.decode("utf-8", errors="replace")
+            record = json.loads(text.removeprefix(BOM) if number == 1 else text)
+            body = record.get("body") if isinstance(record, dict) else None
+            model = body.get("model") if isinstance(body, dict) else None
+            return model if isinstance(model, str) and model else None
+    except (ValueError, RecursionError, NotFound):  # not JSON, or no content: validation says so
+        return None
+    return None
 
 
 def _by_idempotency_key(jobs: Jobs, project_id: str, key: str | None, fingerprint: str) -> Batch | None:
@@ -141,12 +179,16 @@ def get_batch(jobs: Jobs, project_id: str, bid: str) -> Batch:
         return get_batch_row(session, project_id, bid)
 
 
-def list_batches(jobs: Jobs, project_id: str, limit: int, after: str | None) -> tuple[list[Batch], bool]:
-    """Newest first; up to ``limit`` batches after the cursor ``after``, and whether more follow."""
+def list_batches(jobs: Jobs, project_id: str, limit: int, after: str | None, *, endpoint: str | None = None,
+                 newest_first: bool = True) -> tuple[list[Batch], bool]:
+    """Newest first; up to ``limit`` batches after the cursor ``after``, and whether more follow.
+    ``endpoint`` keeps that endpoint's batches only; ``newest_first`` False pages oldest first."""
     with jobs.sessions() as session:
         cursor = get_batch_row(session, project_id, after) if after else None
         query = select(Batch).where(Batch.project_id == project_id)
-        return page(session, query, Batch, cursor, limit, newest_first=True)
+        if endpoint is not None:
+            query = query.where(Batch.endpoint == endpoint)
+        return page(session, query, Batch, cursor, limit, newest_first=newest_first)
 
 
 def cancel_batch(jobs: Jobs, project_id: str, bid: str) -> Batch:

@@ -3,7 +3,8 @@
 Pure Python (no torch, no database), reached through ``lines.parse_line`` by validation,
 the shard reader and ``run-batch`` alike, so all agree on what a body means. Errors are
 ``RequestError`` with the OpenAI ``param`` and an ``ErrorCode``. Chat and completions bodies are
-read here, ``/v1/responses`` bodies by ``responses`` into the same ``ParsedBody``.
+read here, ``/v1/responses`` bodies by ``responses`` and ``/v1/messages`` (Anthropic) bodies by
+``messages`` into the same ``ParsedBody``.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchapi.openai.embeddings import EMBEDDINGS, parse_embeddings
+from batchapi.openai.embeddings import FIELDS as EMBEDDING_FIELDS
 from batchapi.openai.errors import ErrorCode, RequestError, refuse_unknown
 from batchapi.openai.fields import (
     RESPONSE_FORMATS,
@@ -21,6 +24,8 @@ from batchapi.openai.fields import (
     json_schema_format,
     number,
 )
+from batchapi.openai.messages import FIELDS as MESSAGE_FIELDS
+from batchapi.openai.messages import parse_messages
 from batchapi.openai.responses import FIELDS as RESPONSE_FIELDS
 from batchapi.openai.responses import parse_responses
 from batchapi.openai.tools import NAME, call_arguments, parse_tools
@@ -28,11 +33,17 @@ from batchapi.openai.tools import NAME, call_arguments, parse_tools
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 RESPONSES = "/v1/responses"
-ENDPOINTS = (CHAT, COMPLETIONS, RESPONSES)
+MESSAGES = "/v1/messages"  # Anthropic's Messages API, the endpoint of Message Batches
+ENDPOINTS = (CHAT, COMPLETIONS, RESPONSES, EMBEDDINGS, MESSAGES)
+# served by chat models; EMBEDDINGS by embedding models
+GENERATION_ENDPOINTS = (CHAT, COMPLETIONS, RESPONSES, MESSAGES)
 # the body fields that hold the prompt, the output limit and the output's schema, as errors name them
-PROMPT_PARAM = {CHAT: "messages", COMPLETIONS: "prompt", RESPONSES: "input"}
-MAX_TOKENS_PARAM = {CHAT: "max_tokens", COMPLETIONS: "max_tokens", RESPONSES: "max_output_tokens"}
-SCHEMA_PARAM = {CHAT: "response_format.json_schema.schema", RESPONSES: "text.format.schema"}
+PROMPT_PARAM = {CHAT: "messages", COMPLETIONS: "prompt", RESPONSES: "input", EMBEDDINGS: "input",
+                MESSAGES: "messages"}
+MAX_TOKENS_PARAM = {CHAT: "max_tokens", COMPLETIONS: "max_tokens", RESPONSES: "max_output_tokens",
+                    MESSAGES: "max_tokens"}
+SCHEMA_PARAM = {CHAT: "response_format.json_schema.schema", RESPONSES: "text.format.schema",
+                MESSAGES: "tools"}
 
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 MAX_N = 128
@@ -82,6 +93,10 @@ class ParsedBody:
     tool_name: str | None = None
     parallel_tool_calls: bool = True
     echo: dict | None = None  # Responses only: the request's fields its Response object repeats
+    # embeddings only (``openai.embeddings``): the inputs (strings, or token-id lists) and the options
+    inputs: list[str] | list[list[int]] | None = None
+    encoding_format: str = "float"
+    dimensions: int | None = None
 
 
 def _content_text(content: Any, param: str) -> str:
@@ -280,7 +295,8 @@ def parse_body(endpoint: str, body: Any) -> ParsedBody:
         raise RequestError(f"unsupported endpoint {endpoint!r}; expected one of {list(ENDPOINTS)}", "url")
     if not isinstance(body, dict):
         raise RequestError("'body' must be an object", "body", ErrorCode.INVALID_TYPE)
-    refuse_unknown(body, {CHAT: CHAT_FIELDS, COMPLETIONS: COMPLETION_FIELDS, RESPONSES: RESPONSE_FIELDS}[endpoint])
+    refuse_unknown(body, {CHAT: CHAT_FIELDS, COMPLETIONS: COMPLETION_FIELDS, RESPONSES: RESPONSE_FIELDS,
+                          EMBEDDINGS: EMBEDDING_FIELDS, MESSAGES: MESSAGE_FIELDS}[endpoint])
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise RequestError("'model' is required and must be a string", "model", ErrorCode.MISSING_REQUIRED_PARAMETER)
@@ -295,6 +311,13 @@ def parse_body(endpoint: str, body: Any) -> ParsedBody:
             raise RequestError("'best_of' other than n is not supported", "best_of")
 
     parsed = ParsedBody(model=model, endpoint=endpoint)
+    if endpoint == EMBEDDINGS:
+        parse_embeddings(body, parsed)
+        return parsed
+    if endpoint == MESSAGES:  # reads its own sampling fields, under Anthropic's names and ranges
+        parse_messages(body, parsed)
+        _check_tool_turns(parsed.messages)
+        return parsed
     if endpoint == RESPONSES:
         parse_responses(body, parsed)
     elif endpoint == CHAT:

@@ -30,6 +30,7 @@ class ErrorCode(StrEnum):
     MODEL_NOT_FOUND = "model_not_found"
     MODEL_NOT_AVAILABLE = "model_not_available"
     TOO_MANY_LINES = "too_many_lines"
+    TOO_MANY_INPUTS = "too_many_inputs"  # embedding inputs across a batch's lines
     EMPTY_FILE = "empty_file"
     FILE_NOT_FOUND = "file_not_found"
     FILE_TOO_LARGE = "file_too_large"

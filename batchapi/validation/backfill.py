@@ -53,7 +53,7 @@ def count_batch(
         shards = list(session.scalars(
             select(Shard).where(Shard.batch_id == batch_id, Shard.tokens_counted.is_(False)).order_by(Shard.index)
         ))
-    counter = counter or counter_for(served_model(jobs.settings).path)
+    counter = counter or counter_for(served_model(jobs.settings, batch.model).path)
     done = 0
     for shard in shards:
         if stop() or not _still_wanted(jobs, batch_id):

@@ -26,7 +26,8 @@ from batchapi.db.ids import shard_id
 from batchapi.db.models import Batch, File, Shard
 from batchapi.db.session import session_scope
 from batchapi.errors import NotFound, StorageError
-from batchapi.model_store import served_model
+from batchapi.model_store import CHAT, EMBEDDING, default_model_for, served_model
+from batchapi.openai.embeddings import EMBEDDINGS
 from batchapi.openai.errors import ErrorCode
 from batchapi.validation.backfill import batches_to_count, count_batch
 from batchapi.validation.scanner import Limits, LineError, Scanner, ScanResult
@@ -43,6 +44,7 @@ def validate_batch(jobs: Jobs, batch_id: str) -> str:
             return batch.status if batch else "missing"
         file = session.get(File, batch.input_file_id)
         endpoint = batch.endpoint
+        model = batch.model  # the first request's, found at create (None: it names none)
     if file is None or file.deleted_at is not None:
         return _fail(jobs, batch_id, [LineError(ErrorCode.FILE_NOT_FOUND, f"the input file {batch.input_file_id} is gone")])
     try:
@@ -55,20 +57,29 @@ def validate_batch(jobs: Jobs, batch_id: str) -> str:
     if size == 0:
         return _fail(jobs, batch_id, [LineError(ErrorCode.EMPTY_FILE, "the file is empty")])
 
+    kind = EMBEDDING if endpoint == EMBEDDINGS else CHAT
     try:
-        served = served_model(jobs.settings)
+        served = served_model(jobs.settings, model or default_model_for(jobs.settings, kind))
     except LookupError as exc:  # the operator has not pulled the model: say so on the batch
         return _fail(jobs, batch_id, [LineError(ErrorCode.MODEL_NOT_AVAILABLE, f"the served model is not available: {exc}")])
+    if served.kind != kind:
+        return _fail(jobs, batch_id, [LineError(
+            ErrorCode.MODEL_NOT_FOUND, f"the model {served.id!r} is {_a(served.kind)} model; {endpoint} needs "
+            f"{_a(kind)} model", None, "body.model")])
     limits = Limits(
         endpoint=endpoint, served_model=served.id, model_aliases=served.aliases,
         max_lines=jobs.settings.max_file_lines, shard_size=jobs.settings.shard_size,
-        max_line_bytes=jobs.settings.max_line_bytes,
+        max_line_bytes=jobs.settings.max_line_bytes, max_inputs=jobs.settings.max_embedding_inputs,
     )
     scanner = Scanner(limits, counter_for(served.path))
     result = scanner.scan(jobs.storage.iter_chunks(file.storage_key), lambda scan: _renew(jobs, batch_id, scan))
     if result.errors:
         return _fail(jobs, batch_id, result.errors, result.request_report)
     return _start(jobs, batch_id, result)
+
+
+def _a(kind: str) -> str:
+    return f"an {kind}" if kind == EMBEDDING else f"a {kind}"
 
 
 def _renew(jobs: Jobs, batch_id: str, scanner: Scanner) -> bool:
@@ -112,7 +123,7 @@ def _start(jobs: Jobs, batch_id: str, result: ScanResult) -> str:
         return leases.settle_cancelled_validation(jobs, batch_id)
     log.info("batch %s valid: %d requests (%d refused for their body) in %d shards", batch_id, result.request_count,
              result.request_error_total, len(shard_ids))
-    jobs.dispatcher.batch_ready(batch_id, shard_ids)
+    jobs.dispatcher.batch_ready(batch_id, shard_ids, model=result.model)
     return BatchStatus.IN_PROGRESS
 
 

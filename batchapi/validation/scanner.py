@@ -22,11 +22,13 @@ from typing import NamedTuple
 from batchapi.grammar.check import GrammarError, check_schema
 from batchapi.grammar.spec import GrammarSpec
 from batchapi.openai.body import MAX_TOKENS_PARAM, PROMPT_PARAM, SCHEMA_PARAM, ParsedBody
+from batchapi.openai.embeddings import EMBEDDINGS
 from batchapi.openai.errors import ErrorCode, RequestError
 from batchapi.openai.lines import BOM, LongLine, is_blank, iter_lines, parse_line
 from batchapi.openai.tools import output_constraint
 from batchapi.validation.token_counts import (
     PromptCounter,
+    embedding_counts,
     exact_counts,
     output_bound,
     prompt_bound,
@@ -100,6 +102,7 @@ class Limits:
     max_lines: int
     shard_size: int
     max_line_bytes: int | None = None  # None: no limit (``Settings.max_line_bytes`` in the service)
+    max_inputs: int | None = None  # embedding inputs across the file (``Settings.max_embedding_inputs``)
 
 
 @dataclass
@@ -136,6 +139,7 @@ class Scanner:
         # running upper bounds of the valid requests so far, for the estimate while validating
         self.prompt_tokens = 0
         self.output_tokens = 0
+        self.inputs = 0  # embedding inputs so far
 
     def error(self, code: ErrorCode, message: str, line: int | None = None, param: str | None = None) -> None:
         if len(self.errors) < MAX_REPORTED_ERRORS:
@@ -195,7 +199,19 @@ class Scanner:
         if error is not None:
             self.request_error(line, error)
             return _Request(line, 0, 0, None)
+        if parsed.body.inputs is not None and not self.check_inputs(line, len(parsed.body.inputs)):
+            return None
         return _Request(line, 0, 0, parsed.body)
+
+    def check_inputs(self, line: int, count: int) -> bool:
+        """The batch's embedding inputs stay within ``max_inputs`` (OpenAI's 50,000)."""
+        before, self.inputs = self.inputs, self.inputs + count
+        limit = self.limits.max_inputs
+        if limit is None or self.inputs <= limit or before > limit:
+            return True  # reported once, at the line that crosses it
+        self.error(ErrorCode.TOO_MANY_INPUTS, f"the batch's requests hold more than {limit} embedding inputs in all; "
+                   f"this line brings them to {self.inputs}", line, "body.input")
+        return False
 
     def check_model(self, line: int, named: str) -> bool:
         model = self.limits.served_model if named in self.limits.model_aliases else named
@@ -227,6 +243,9 @@ class Scanner:
         the path that holds the batch in ``validating``.
         """
         if not self.pending:
+            return
+        if self.limits.endpoint == EMBEDDINGS:
+            self.count_embeddings()
             return
         context = self.counter.context_length
         bodies = [r for r in self.pending if r.parsed is not None]
@@ -261,6 +280,17 @@ class Scanner:
                            f"context of {context} tokens")
                 param = f"body.{limit}"
             self.error(ErrorCode.CONTEXT_LENGTH_EXCEEDED, message, request.line, param)
+        self.pending, self.pending_bytes = [], 0
+
+    def count_embeddings(self) -> None:
+        """Embedding inputs never exceed the context: the worker cuts them to the model's window.
+        Their exact counts are cheap (short inputs, one batched tokenizer call)."""
+        bodies = [r for r in self.pending if r.parsed is not None]
+        for request, count in zip(bodies, embedding_counts(self.counter, [r.parsed for r in bodies]), strict=True):
+            request.prompt_tokens, request.exact = count, True
+        for request in self.pending:
+            self.done.append(_Valid(request.line, request.start, request.end, request.prompt_tokens, 0))
+            self.prompt_tokens += request.prompt_tokens
         self.pending, self.pending_bytes = [], 0
 
     def result(self) -> ScanResult:

@@ -47,6 +47,8 @@ class PromptCounter:
         self.max_token_bytes = _max_token_bytes(self.tokenizer)
         tok_config = _read_json(model_dir / "tokenizer_config.json")
         self.context_length = _context_length(_read_json(model_dir / "config.json"), tok_config)
+        # an embedding model's inputs are cut to this (sentence-transformers' max_seq_length)
+        self.embedding_window = _embedding_window(model_dir, self.context_length)
         self._specials = {name: _token_text(tok_config.get(name)) for name in SPECIAL_TOKEN_NAMES}
         source = _chat_template(model_dir, tok_config)
         self.chat_template = source or None
@@ -134,7 +136,9 @@ def _groups(texts: list[str], limit: int) -> Iterator[list[str]]:
 
 
 def output_bound(parsed: ParsedBody, prompt_tokens: int, context: int) -> int:
-    """The most tokens a request may generate: max_tokens, or the rest of the context."""
+    """The most tokens a request may generate: max_tokens, or the rest of the context (an embedding: none)."""
+    if parsed.inputs is not None:
+        return 0
     return (parsed.max_tokens or max(context - prompt_tokens, 0)) * parsed.n
 
 
@@ -162,8 +166,20 @@ def prompt_floor(counter: PromptCounter, parsed: ParsedBody) -> int:
     return len(parsed.prompt) if text is None else counter.lower_bound(text[0])
 
 
+def embedding_counts(counter: PromptCounter, requests: list[ParsedBody]) -> list[int]:
+    """The tokens the encoder runs for each embeddings request: every input with the tokenizer's
+    special tokens, cut to the model's window as the worker cuts it."""
+    window = counter.embedding_window
+    texts = [text for p in requests for text in p.inputs if isinstance(text, str)]
+    text_counts = iter(counter.count_texts(texts, add_special_tokens=True))
+    return [sum(min(next(text_counts) if isinstance(item, str) else len(item), window) for item in p.inputs)
+            for p in requests]
+
+
 def exact_counts(counter: PromptCounter, requests: list[ParsedBody]) -> list[int]:
     """Exact prompt token counts, tokenized in batches."""
+    if requests and requests[0].inputs is not None:  # a batch is all embeddings or none
+        return embedding_counts(counter, requests)
     texts = [prompt_text(counter, p) for p in requests]
     chat = [t for t, add in (x for x in texts if x is not None) if not add]
     plain = [t for t, add in (x for x in texts if x is not None) if add]
@@ -290,6 +306,11 @@ def _context_length(config: dict, tok_config: dict) -> int:
             return config[key]
     limit = tok_config.get("model_max_length")
     return limit if isinstance(limit, int) and limit < 10**9 else 2048
+
+
+def _embedding_window(model_dir: Path, context: int) -> int:
+    limit = _read_json(model_dir / "sentence_bert_config.json").get("max_seq_length")
+    return limit if isinstance(limit, int) and 0 < limit <= context else context
 
 
 def _chat_template(model_dir: Path, tok_config: dict) -> str | None:

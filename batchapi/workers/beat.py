@@ -18,10 +18,11 @@ from kombu.exceptions import OperationalError as BrokerError
 from sqlalchemy.exc import OperationalError
 
 from batchapi.batches.context import Jobs
+from batchapi.batches.leases import models_of
 from batchapi.batches.sweeper import sweep
 from batchapi.config import Settings
 from batchapi.errors import StorageError
-from batchapi.workers.celery_app import SWEEP, send_shards
+from batchapi.workers.celery_app import SWEEP, send_shards, shard_queue
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,8 @@ def register(app: Celery, jobs: Jobs) -> None:
     def sweep_task() -> None:
         try:
             report = sweep(jobs)
-            send_shards(app, settings.celery_queue, report.requeued)
+            for model, shard_ids in models_of(jobs, report.requeued).items():
+                send_shards(app, shard_queue(settings, model), shard_ids)
         except (OperationalError, BrokerError, StorageError, OSError):
             log.warning("sweep failed; the next one retries", exc_info=True)
 

@@ -3,7 +3,8 @@
 One request becomes one line through three steps, each in one place: ``openai.lines`` parses
 the input line, ``Codec.request`` turns its body into an engine request, ``Codec.line`` turns
 the outcome (a result, a refusal, or nothing: never run) into the output or error line, in the
-shapes of ``openai.render`` (of ``openai.responses`` for ``/v1/responses``). The shard runner
+shapes of ``openai.render`` (of ``openai.responses`` for ``/v1/responses``, of
+``openai.message_results`` for Anthropic's ``/v1/messages``). The shard runner
 and ``run-batch`` both use it.
 """
 
@@ -13,9 +14,10 @@ from batchapi.engine import ErrorCode as EngineError
 from batchapi.engine import GenerationRequest, GenerationResult, SamplingParams
 from batchapi.grammar.spec import GrammarSpec
 from batchapi.openai import render
-from batchapi.openai.body import RESPONSES, ParsedBody
+from batchapi.openai.body import MESSAGES, RESPONSES, ParsedBody
 from batchapi.openai.errors import ErrorCode, RequestError
 from batchapi.openai.lines import InputLine
+from batchapi.openai.message_results import message_body
 from batchapi.openai.responses import response_body
 from batchapi.openai.tools import output_constraint, template_input
 
@@ -87,4 +89,6 @@ class Codec:
         """The response body of a finished request, in its endpoint's shape."""
         if parsed.endpoint == RESPONSES:
             return response_body(parsed, result, self.model_id)
+        if parsed.endpoint == MESSAGES:
+            return message_body(parsed, result, self.model_id, self.tokenizer)
         return render.completion_body(parsed, result, self.model_id, self.tokenizer, self.system_fingerprint)

@@ -30,7 +30,7 @@ class EmbeddedWorker:
 
     # Dispatcher
 
-    def batch_ready(self, batch_id: str, shard_ids: list[str]) -> None:
+    def batch_ready(self, batch_id: str, shard_ids: list[str], model: str | None = None) -> None:
         if self.runner is not None:
             self.runner.wake()
 

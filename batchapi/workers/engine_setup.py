@@ -12,8 +12,9 @@ import torch
 from batchapi.batches.context import Jobs
 from batchapi.config import Settings
 from batchapi.engine import EngineConfig, EngineFront
-from batchapi.model_store import resolve_model, served_model_id
+from batchapi.model_store import CHAT, resolve_model, served_model
 from batchapi.workers.codec import Codec
+from batchapi.workers.embedding_codec import EmbeddingCodec
 from batchapi.workers.shard_runner import ShardRunner
 
 
@@ -23,11 +24,29 @@ def worker_owner() -> str:
 
 
 def start_runner(jobs: Jobs) -> ShardRunner:
-    """Load the model, start the engine thread and the runner's threads. Should the engine
-    thread die, the runner gives its shards back and this process stops (``stop_this_process``)."""
-    front = EngineFront(engine_config_from(jobs.settings)).start()
-    codec = Codec(front.tokenizer, served_model_id(jobs.settings), front.system_fingerprint)
-    return ShardRunner(jobs, front, codec, worker_owner(), on_engine_death=stop_this_process).start()
+    """Load the served models (``Settings.served_models``: one engine for the chat model, one
+    encoder per embedding model), start their threads and the runner's. Should an engine or
+    encoder thread die, the runner gives its shards back and this process stops (``stop_this_process``)."""
+    settings = jobs.settings
+    served = [served_model(settings, name) for name in settings.served_models]
+    chat = [m for m in served if m.kind == CHAT]
+    if len(chat) > 1:
+        raise ValueError(f"a worker runs one chat model; BATCHAPI_MODELS names {[m.id for m in chat]}")
+    front = codec = None
+    if chat:
+        front = EngineFront(engine_config_from(settings, str(chat[0].path))).start()
+        codec = Codec(front.tokenizer, chat[0].id, front.system_fingerprint)
+    encoders = {m.id: start_encoder(settings, m.path, m.id) for m in served if m.kind != CHAT}
+    return ShardRunner(jobs, front, codec, worker_owner(), on_engine_death=stop_this_process,
+                       encoders=encoders).start()
+
+
+def start_encoder(settings: Settings, path, model_id: str) -> tuple:
+    """An embedding model's encoder front (fp32: vectors as sentence-transformers computes them) and codec."""
+    from batchapi.encoder import EncoderConfig, EncoderFront
+
+    front = EncoderFront(EncoderConfig(path, device=resolve_device(settings.device))).start()
+    return front, EmbeddingCodec(front.tokenizer, model_id, front.max_seq_length, front.dimensions)
 
 
 def stop_this_process() -> None:

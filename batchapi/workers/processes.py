@@ -8,7 +8,7 @@ import os
 from batchapi.batches.context import open_jobs
 from batchapi.config import Settings
 from batchapi.workers import beat
-from batchapi.workers.celery_app import make_celery
+from batchapi.workers.celery_app import make_celery, worker_queues
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ def run_worker(settings: Settings, name: str | None = None) -> None:
     tasks.register(app)
     try:
         app.worker_main([
-            "worker", "--pool=solo", "--concurrency=1", "-Q", settings.celery_queue,
+            "worker", "--pool=solo", "--concurrency=1", "-Q", ",".join(worker_queues(settings)),
             "-n", name or f"batchapi-{os.getpid()}@%h", "--without-gossip", "--without-mingle",
             "--loglevel=INFO",
         ])

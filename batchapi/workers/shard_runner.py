@@ -58,12 +58,20 @@ def engine_failure(request_id: str, exc: BaseException) -> GenerationResult:
 
 
 class ShardRunner:
-    def __init__(self, jobs: Jobs, front: EngineFront, codec: Codec, owner: str,
-                 on_engine_death: Callable[[], None] | None = None):
+    def __init__(self, jobs: Jobs, front: EngineFront | None, codec: Codec | None, owner: str,
+                 on_engine_death: Callable[[], None] | None = None, encoders: dict[str, tuple] | None = None):
+        """``front``/``codec``: the chat model's engine (None on a worker of embedding models only);
+        ``encoders``: model id -> (``encoder.EncoderFront``, ``EmbeddingCodec``) of its embedding models."""
         self.jobs = jobs
         self.settings = jobs.settings
         self.front = front
         self.codec = codec
+        # model id -> (front, codec); a shard runs on its batch's model's
+        self.backends: dict[str, tuple] = {} if front is None else {codec.model_id: (front, codec)}
+        self.backends.update(encoders or {})
+        assert self.backends, "a runner serves at least one model"
+        self.models = list(self.backends)
+        self.fronts = [f for f, _ in self.backends.values()]
         self.owner = owner
         self.on_engine_death = on_engine_death  # called once, on the monitor thread
         self.engine_dead = threading.Event()  # set under _lock, so _start never adds work after it
@@ -97,7 +105,7 @@ class ShardRunner:
             time.sleep(0.1)  # the feeder may claim this very shard meanwhile: then it is skipped
         if self.engine_dead.is_set():
             return "skipped"  # left queued: a live worker's feeder finds it
-        claimed = leases.claim(self.jobs, shard_id, self.owner)
+        claimed = leases.claim(self.jobs, shard_id, self.owner, self.models)
         if claimed is None:
             self.wake()
             return "skipped"
@@ -128,22 +136,33 @@ class ShardRunner:
         if released:
             log.info("gave %d shards back to the queue", released)
         self._finisher.shutdown(wait=True)
-        self.front.shutdown()
+        for front in self.fronts:
+            front.shutdown()
 
     def _held(self) -> list[ShardWork]:
         with self._lock:
             return list(self._inflight.values())
 
+    def _backend(self, work: ShardWork) -> tuple:
+        """The (front, codec) of the shard's model (a row from before models were recorded: the first)."""
+        return self.backends.get(work.shard.model) or next(iter(self.backends.values()))
+
+    def _alive(self) -> bool:
+        return all(front.is_alive() for front in self.fronts)
+
+    def _waiting(self) -> int:
+        return sum(front.num_waiting() for front in self.fronts)
+
     # ---- feeder ----
 
     def _has_room(self) -> bool:
-        if not self.front.is_alive():
+        if not self._alive():
             return False
         with self._lock:
             held = len(self._inflight)
         if held and self._stalled():
             return False
-        return held < self.settings.max_shards_in_flight and self.front.num_waiting() <= self.settings.engine_watermark
+        return held < self.settings.max_shards_in_flight and self._waiting() <= self.settings.engine_watermark
 
     def _stalled(self) -> bool:
         """The engine's queues and KV cache have not moved for a whole lease while requests are
@@ -152,7 +171,7 @@ class ShardRunner:
         return time.monotonic() - self._last_progress > self.settings.lease_seconds
 
     def _watch_engine(self) -> None:
-        state = (self.front.num_waiting(), self.front.num_running(), self.front.kv_usage())
+        state = tuple((f.num_waiting(), f.num_running(), f.kv_usage()) for f in self.fronts)
         if state != self._engine_state:
             self._engine_state = state
             self._last_progress = time.monotonic()
@@ -164,7 +183,7 @@ class ShardRunner:
                 self._wake.clear()
                 continue
             try:
-                claimed = leases.claim_next(self.jobs, self.owner)
+                claimed = leases.claim_next(self.jobs, self.owner, self.models)
             except OperationalError:
                 log.warning("database unavailable while claiming; retrying", exc_info=True)
                 claimed = None
@@ -186,10 +205,14 @@ class ShardRunner:
             log.error("the input of shard %s is gone from storage", claimed.id)
             return None
         work = ShardWork(claimed, lines)
+        front, codec = self._backend(work)
         requests = []
         for line in work.runnable():
             try:
-                requests.append(self.codec.request(line, work.request_id(line)))
+                requests.append(codec.request(line, work.request_id(line)))
+            except RequestError as exc:  # options the model does not have: that request's error
+                exc.custom_id = line.custom_id
+                line.body, line.error = None, exc
             except ValueError as exc:  # sampling settings the engine refuses: that request's error
                 line.body, line.error = None, RequestError(str(exc), custom_id=line.custom_id)
         work.expect([r.request_id for r in requests])
@@ -206,7 +229,7 @@ class ShardRunner:
         if work.done.is_set():  # nothing to run: every line was rejected
             self._finish(work)
         for request in requests:
-            future = self.front.submit(request)
+            future = front.submit(request)
             future.add_done_callback(lambda f, w=work, rid=request.request_id: self._on_done(w, rid, f))
         return work
 
@@ -217,7 +240,7 @@ class ShardRunner:
         result = future.result() if exc is None else engine_failure(request_id, exc)
         if work.add(result):
             self._finish(work)
-        elif self.front.num_waiting() <= self.settings.engine_watermark:
+        elif self._waiting() <= self.settings.engine_watermark:
             self._wake.set()  # the queue drained: let the feeder claim now, not at its next tick
 
     def _finish(self, work: ShardWork) -> None:
@@ -239,7 +262,7 @@ class ShardRunner:
 
     def _store(self, work: ShardWork) -> None:
         shard = work.shard
-        rendered = work.render(self.codec)
+        rendered = work.render(self._backend(work)[1])
         out_key, err_key = shard_output_key(shard.batch_id, shard.index), shard_error_key(shard.batch_id, shard.index)
         try:
             if shard.id not in leases.heartbeat(self.jobs, [shard.id], self.owner):
@@ -266,7 +289,7 @@ class ShardRunner:
     def _monitor_loop(self) -> None:
         last_beat = time.monotonic()
         while not self._stop.wait(MONITOR_SECONDS):
-            if not self.engine_dead.is_set() and not self.front.is_alive():
+            if not self.engine_dead.is_set() and not self._alive():
                 self._give_up_engine()
             self._watch_engine()
             try:
@@ -333,7 +356,8 @@ class ShardRunner:
         aborted = work.close(reason, lost)
         if not aborted:  # it had finished already
             return
+        front = self._backend(work)[0]
         for request_id in aborted:
-            self.front.abort(request_id)
+            front.abort(request_id)
         log.info("shard %s closed (%s): %d requests aborted", work.shard.id, reason or "lease lost", len(aborted))
         self._finish(work)

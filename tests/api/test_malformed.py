@@ -31,7 +31,7 @@ CASES = [
     ("POST", "/v1/batches", {"content": b"{not json", "headers": {"Content-Type": "application/json"}}, 400),
     ("POST", "/v1/batches", {"json": ["a", "b"]}, 400),
     ("POST", "/v1/batches", {"json": {}}, 400),
-    ("POST", "/v1/batches", {"json": {**GOOD, "endpoint": "/v1/embeddings"}}, 400),
+    ("POST", "/v1/batches", {"json": {**GOOD, "endpoint": "/v1/audio/speech"}}, 400),
     ("POST", "/v1/batches", {"json": {**GOOD, "endpoint": 5}}, 400),
     ("POST", "/v1/batches", {"json": {**GOOD, "completion_window": "forever"}}, 400),
     ("POST", "/v1/batches", {"json": {**GOOD, "completion_window": "30m"}}, 400),

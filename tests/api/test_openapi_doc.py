@@ -1,5 +1,6 @@
 """/openapi.json lists, for every route, the methods it takes and the error statuses it really
-answers with, each in the OpenAI error shape; no 422, which this API never sends."""
+answers with, each in the OpenAI error shape (Anthropic's on the Message Batches routes); no 422,
+which this API never sends."""
 
 from __future__ import annotations
 
@@ -22,6 +23,12 @@ EXPECTED = {
     ("get", "/v1/models"): AUTHED,
     ("get", "/v1/models/{model}"): AUTHED | {"404"},
     ("get", "/health"): COMMON | {"503"},
+    ("post", "/v1/messages/batches"): AUTHED | {"404", "413"},
+    ("get", "/v1/messages/batches"): AUTHED | {"404"},
+    ("get", "/v1/messages/batches/{message_batch_id}"): AUTHED | {"404"},
+    ("post", "/v1/messages/batches/{message_batch_id}/cancel"): AUTHED | {"404", "409"},
+    ("delete", "/v1/messages/batches/{message_batch_id}"): AUTHED | {"404", "503"},
+    ("get", "/v1/messages/batches/{message_batch_id}/results"): AUTHED | {"404", "503"},
 }
 
 
@@ -44,7 +51,8 @@ def test_each_route_lists_its_error_responses_in_the_openai_shape(document, meth
     for status, response in responses.items():
         if status.startswith(("4", "5")) and path != "/health" or status == "431":
             schema = response["content"]["application/json"]["schema"]
-            assert schema == {"$ref": "#/components/schemas/ErrorResponse"}, (status, schema)
+            shape = "AnthropicErrorResponse" if path.startswith("/v1/messages/") and status != "431" else "ErrorResponse"
+            assert schema == {"$ref": f"#/components/schemas/{shape}"}, (status, schema)
             assert response["description"]
 
 

@@ -54,7 +54,7 @@ def test_body_errors_name_the_field_as_the_endpoint_sees_it():
 def test_without_a_batch_endpoint_any_supported_url_is_taken():
     completion = good(url="/v1/completions", body={"model": "m", "prompt": "Once"})
     assert parse_line(encode(completion), 1, None).body.prompt == "Once"
-    assert parse_line(encode(good(url="/v1/embeddings")), 1, None).error.code == ErrorCode.INVALID_URL
+    assert parse_line(encode(good(url="/v1/audio/speech")), 1, None).error.code == ErrorCode.INVALID_URL
 
 
 def test_a_byte_order_mark_is_taken_before_the_first_line_only():

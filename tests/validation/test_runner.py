@@ -34,7 +34,7 @@ class RecordingDispatcher:
         self.jobs = jobs
         self.ready: list[tuple[str, list[str], int]] = []
 
-    def batch_ready(self, batch_id, shard_ids):
+    def batch_ready(self, batch_id, shard_ids, model=None):
         with self.jobs.sessions() as session:  # a fresh session sees only committed rows
             visible = len(session.scalars(select(Shard.id).where(Shard.batch_id == batch_id)).all())
         self.ready.append((batch_id, shard_ids, visible))

@@ -99,7 +99,7 @@ def cluster(tmp_path_factory, s3, tiny_llama_dir):
         upgrade(settings)
         cluster = Cluster(settings, workdir, redis)
         stack.callback(cluster.stop_workers)
-        dispatcher = CeleryDispatcher(make_celery(settings), settings.celery_queue)
+        dispatcher = CeleryDispatcher(make_celery(settings), settings.celery_queue, settings)  # a queue per model
         server = stack.enter_context(live_server(settings, dispatcher=dispatcher))
         cluster.server, cluster.base_url = server, server.base_url
         stack.callback(cluster.stop_beat)

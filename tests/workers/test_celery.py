@@ -148,7 +148,7 @@ def test_expiry_mid_run_keeps_finished_results(cluster, two_workers, model):
 
 
 def test_redis_restart_mid_batch(cluster, two_workers, model):
-    lines = long_lines(model, "redis", n=300)
+    lines = long_lines(model, "redis", n=600)  # still running when the broker is back
     with cluster.http() as http:
         batch_id = submit(http, lines)
         wait_for(http, batch_id, lambda b: b["status"] == "in_progress", 60, "validation")

@@ -196,7 +196,7 @@ def test_a_stuck_engine_lets_its_leases_run_out(tmp_path, tiny_llama_dir, monkey
     unstuck = threading.Event()
     with without_worker(settings, "stuck", 4) as (server, _, _, batch):
         front = started_front(settings, monkeypatch, lambda real: unstuck.wait() and [])
-        runner = ShardRunner(server.jobs, front, Codec(front.tokenizer, "tiny"), "stuck-worker").start()
+        runner = ShardRunner(server.jobs, front, Codec(front.tokenizer, "tiny-llama"), "stuck-worker").start()
         try:
             deadline = time.monotonic() + 30
             while True:
@@ -232,7 +232,7 @@ def test_a_dead_engine_gives_its_shards_back_at_once(tmp_path, tiny_llama_dir, m
     with without_worker(settings, "dead", 24) as (server, client, lines, batch):
         jobs, deaths = server.jobs, []
         front = started_front(settings, monkeypatch, dies_on_the_third_step)
-        doomed = ShardRunner(jobs, front, Codec(front.tokenizer, "tiny"), "doomed-worker",
+        doomed = ShardRunner(jobs, front, Codec(front.tokenizer, "tiny-llama"), "doomed-worker",
                              on_engine_death=lambda: deaths.append(time.monotonic())).start()
         try:
             deadline = time.monotonic() + 60
@@ -253,7 +253,7 @@ def test_a_dead_engine_gives_its_shards_back_at_once(tmp_path, tiny_llama_dir, m
         finally:
             doomed.shutdown()
         front = started_front(settings, monkeypatch, lambda real: real())
-        healthy = ShardRunner(jobs, front, Codec(front.tokenizer, "tiny"), "healthy-worker").start()
+        healthy = ShardRunner(jobs, front, Codec(front.tokenizer, "tiny-llama"), "healthy-worker").start()
         try:
             done = wait(client, batch.id, timeout=120)
         finally:

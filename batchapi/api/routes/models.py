@@ -11,12 +11,12 @@ router = APIRouter(prefix="/v1/models", tags=["models"], responses=error_respons
 
 @router.get("")
 def list_models(request: Request, _project_id: ProjectDep) -> ModelList:
-    return ModelList(data=[request.app.state.model])
+    return ModelList(data=request.app.state.models)
 
 
 @router.get("/{model:path}", responses=error_responses(404))
 def retrieve_model(request: Request, _project_id: ProjectDep, model: str) -> ModelObject:
-    served: ModelObject = request.app.state.model
-    if model != served.id:
-        raise NotFound(f"The model '{model}' does not exist", "model", code="model_not_found")
-    return served
+    for served in request.app.state.models:
+        if model == served.id:
+            return served
+    raise NotFound(f"The model '{model}' does not exist", "model", code="model_not_found")

@@ -1,0 +1,72 @@
+"""Anthropic's Message Batches API (docs/API_EXTENSIONS.md): the same batches, Anthropic's wire format."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import StreamingResponse
+
+from batchapi.api.deps import AnthropicProjectDep, JobsDep
+from batchapi.api.message_schemas import DeletedMessageBatch, MessageBatch, MessageBatchList, error_responses
+from batchapi.api.schemas import error_responses as openai_error_responses
+from batchapi.batches import messages
+from batchapi.errors import InvalidRequest
+
+# a request head too large is refused before any route, in the OpenAI shape (api/limits.py)
+router = APIRouter(prefix="/v1/messages/batches", tags=["message batches"],
+                   responses={**error_responses(400, 401, 404), **openai_error_responses(431)})
+
+
+@router.post("", responses=error_responses(413))
+async def create_message_batch(request: Request, jobs: JobsDep, project_id: AnthropicProjectDep) -> MessageBatch:
+    """Body: ``{"requests": [{"custom_id", "params"}]}``, read by hand: a problem in one request's
+    ``params`` is that request's errored result, not a refusal of the batch."""
+    raw = await request.body()
+    try:
+        body = await run_in_threadpool(json.loads, raw)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+        raise InvalidRequest("The request body is not valid JSON.") from None
+    batch = await run_in_threadpool(messages.create, jobs, project_id, body)
+    return MessageBatch.of(batch, str(request.base_url))
+
+
+@router.get("")
+def list_message_batches(
+    request: Request,
+    jobs: JobsDep,
+    project_id: AnthropicProjectDep,
+    before_id: str | None = None,
+    after_id: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 20,
+) -> MessageBatchList:
+    rows, has_more = messages.list_page(jobs, project_id, limit, after_id, before_id)
+    data = [MessageBatch.of(r, str(request.base_url)) for r in rows]
+    return MessageBatchList(data=data, has_more=has_more, first_id=data[0].id if data else None,
+                            last_id=data[-1].id if data else None)
+
+
+@router.get("/{message_batch_id}")
+def retrieve_message_batch(request: Request, jobs: JobsDep, project_id: AnthropicProjectDep,
+                           message_batch_id: str) -> MessageBatch:
+    return MessageBatch.of(messages.get(jobs, project_id, message_batch_id), str(request.base_url))
+
+
+@router.post("/{message_batch_id}/cancel", responses=error_responses(409))
+def cancel_message_batch(request: Request, jobs: JobsDep, project_id: AnthropicProjectDep,
+                         message_batch_id: str) -> MessageBatch:
+    return MessageBatch.of(messages.cancel(jobs, project_id, message_batch_id), str(request.base_url))
+
+
+@router.delete("/{message_batch_id}", responses=error_responses(503))
+def delete_message_batch(jobs: JobsDep, project_id: AnthropicProjectDep, message_batch_id: str) -> DeletedMessageBatch:
+    return DeletedMessageBatch(id=messages.delete(jobs, project_id, message_batch_id))
+
+
+@router.get("/{message_batch_id}/results", response_class=StreamingResponse, responses=error_responses(503))
+def message_batch_results(jobs: JobsDep, project_id: AnthropicProjectDep, message_batch_id: str) -> StreamingResponse:
+    """JSONL, one line per request, for an ended batch: ``{"custom_id", "result"}``."""
+    return StreamingResponse(messages.iter_results(jobs, project_id, message_batch_id),
+                             media_type="application/binary")

@@ -1,0 +1,194 @@
+"""Anthropic Message Batches on the one batch machinery: create, retrieve, list, cancel, delete, results.
+
+A Message Batch is an ordinary batch row whose endpoint is ``/v1/messages``: the API writes its
+requests as an input file (one line per request, ``{"custom_id", "method": "POST", "url":
+"/v1/messages", "body": params}``) through the Files service, and validation, shards, workers,
+usage and cost are those of every batch. Its id is the row's under Anthropic's prefix
+(``batch_X`` is ``msgbatch_X``). The results are the batch's stored output and error lines in
+Anthropic's shape (``openai.message_results``); a batch that ended before any shard ran (it failed
+validation, or was cancelled or expired while validating) has each request of its input ended
+with the batch's reason.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+from collections.abc import Iterator
+
+from sqlalchemy import delete as sql_delete
+from sqlalchemy import select
+
+from batchapi.batches import service
+from batchapi.batches.context import Jobs
+from batchapi.batches.files import upload_file
+from batchapi.batches.states import TERMINAL, BatchStatus
+from batchapi.db.clock import now
+from batchapi.db.models import Batch, File, Shard
+from batchapi.db.session import session_scope
+from batchapi.errors import InvalidRequest, NotFound
+from batchapi.openai.body import MESSAGES
+from batchapi.openai.lines import is_blank, iter_lines
+from batchapi.openai.message_results import dump, error_result, result_lines
+
+PREFIX, ROW_PREFIX = "msgbatch_", "batch_"
+MAX_REQUESTS = 100_000
+CUSTOM_ID = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+WINDOW = "24h"
+# what a request of a batch that ended before it ran ends as
+UNRUN = {BatchStatus.CANCELLED: {"type": "canceled"}, BatchStatus.EXPIRED: {"type": "expired"}}
+
+
+def public_id(row_id: str) -> str:
+    return PREFIX + row_id.removeprefix(ROW_PREFIX)
+
+
+def _row_id(message_batch_id: str) -> str:
+    if not message_batch_id.startswith(PREFIX):
+        raise _not_found(message_batch_id)
+    return ROW_PREFIX + message_batch_id.removeprefix(PREFIX)
+
+
+def _not_found(message_batch_id: str) -> NotFound:
+    return NotFound(f"No message batch found with id '{message_batch_id}'.", "message_batch_id")
+
+
+def input_lines(jobs: Jobs, body: object) -> tuple[bytes, int]:
+    """The input file of a create request's body, and its number of requests. A malformed
+    envelope (not custom_id and params, a custom_id repeated) refuses the whole request; a
+    problem inside ``params`` is left to that request's result."""
+    requests = body.get("requests") if isinstance(body, dict) else None
+    if not isinstance(requests, list) or not requests:
+        raise InvalidRequest("requests: a non-empty array of {custom_id, params} is required", "requests")
+    limit = min(MAX_REQUESTS, jobs.settings.max_file_lines)
+    if len(requests) > limit:
+        raise InvalidRequest(f"requests: at most {limit} requests per batch, got {len(requests)}", "requests")
+    unknown = sorted(set(body) - {"requests"})
+    if unknown:
+        raise InvalidRequest(f"{unknown[0]}: Extra inputs are not permitted", unknown[0])
+    seen: set[str] = set()
+    out = io.BytesIO()
+    for i, request in enumerate(requests):
+        out.write(_line(request, i, seen, jobs.settings.max_line_bytes))
+    return out.getvalue(), len(requests)
+
+
+def _line(request: object, i: int, seen: set[str], max_bytes: int) -> bytes:
+    at = f"requests.{i}"
+    if not isinstance(request, dict) or set(request) != {"custom_id", "params"}:
+        raise InvalidRequest(f"{at}: each request must be an object of exactly 'custom_id' and 'params'", at)
+    custom_id, params = request["custom_id"], request["params"]
+    if not isinstance(custom_id, str) or not CUSTOM_ID.fullmatch(custom_id):
+        raise InvalidRequest(f"{at}.custom_id: 1 to 64 of a-z, A-Z, 0-9, '_' and '-'", f"{at}.custom_id")
+    if custom_id in seen:
+        raise InvalidRequest(f"{at}.custom_id: the custom_id {custom_id!r} is used more than once; each request "
+                             "needs its own", f"{at}.custom_id")
+    seen.add(custom_id)
+    if not isinstance(params, dict):
+        raise InvalidRequest(f"{at}.params: must be an object", f"{at}.params")
+    record = {"custom_id": custom_id, "method": "POST", "url": MESSAGES, "body": params}
+    try:
+        line = json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+    except UnicodeEncodeError:
+        raise InvalidRequest(f"{at}.params: holds a lone UTF-16 surrogate, which is not text", f"{at}.params") from None
+    if len(line) > max_bytes:
+        raise InvalidRequest(f"{at}: the request is {len(line)} bytes; the limit is {max_bytes}", at)
+    return line
+
+
+def create(jobs: Jobs, project_id: str, body: object) -> Batch:
+    data, count = input_lines(jobs, body)
+    file = upload_file(jobs, project_id, "message_batch_requests.jsonl", "batch", io.BytesIO(data))
+    return service.create_batch(jobs, project_id, file.id, MESSAGES, WINDOW, request_total=count)
+
+
+def _row(session, project_id: str, message_batch_id: str) -> Batch:
+    batch = session.get(Batch, _row_id(message_batch_id))
+    if batch is None or batch.project_id != project_id or batch.endpoint != MESSAGES:
+        raise _not_found(message_batch_id)
+    return batch
+
+
+def get(jobs: Jobs, project_id: str, message_batch_id: str) -> Batch:
+    with jobs.sessions() as session:
+        return _row(session, project_id, message_batch_id)
+
+
+def list_page(jobs: Jobs, project_id: str, limit: int, after_id: str | None,
+              before_id: str | None) -> tuple[list[Batch], bool]:
+    """Newest first, as Anthropic lists: ``after_id`` pages to older batches, ``before_id`` to the
+    ``limit`` newer ones just before it; whether more follow in that direction."""
+    if after_id is not None and before_id is not None:
+        raise InvalidRequest("give at most one of before_id and after_id", "before_id")
+    cursor = before_id or after_id
+    if cursor is not None:
+        get(jobs, project_id, cursor)
+        cursor = _row_id(cursor)
+    rows, more = service.list_batches(jobs, project_id, limit, cursor, endpoint=MESSAGES,
+                                      newest_first=before_id is None)
+    return (rows[::-1] if before_id is not None else rows), more
+
+
+def cancel(jobs: Jobs, project_id: str, message_batch_id: str) -> Batch:
+    """Cancel; a batch that already ended is returned as it is, as Anthropic does."""
+    batch = get(jobs, project_id, message_batch_id)
+    if batch.status in TERMINAL:
+        return batch
+    return service.cancel_batch(jobs, project_id, batch.id)
+
+
+def delete(jobs: Jobs, project_id: str, message_batch_id: str) -> str:
+    """Remove an ended batch: its row, its shards, its files and their objects."""
+    with session_scope(jobs.sessions) as session:
+        batch = _row(session, project_id, message_batch_id)
+        if batch.status not in TERMINAL:
+            raise InvalidRequest(f"Message batch {message_batch_id} has not ended yet; cancel it first, and delete "
+                                 "it once processing_status is 'ended'.", "message_batch_id")
+        file_ids = [f for f in (batch.input_file_id, batch.output_file_id, batch.error_file_id) if f]
+        files = list(session.scalars(select(File).where(File.id.in_(file_ids), File.deleted_at.is_(None))))
+        shards = session.execute(select(Shard.output_key, Shard.error_key).where(Shard.batch_id == batch.id)).all()
+        keys = [f.storage_key for f in files] + [k for pair in shards for k in pair if k]
+        for file in files:
+            file.deleted_at = now()
+        session.execute(sql_delete(Shard).where(Shard.batch_id == batch.id))
+        session.delete(batch)
+    for key in keys:
+        jobs.storage.delete(key)
+    return message_batch_id
+
+
+def iter_results(jobs: Jobs, project_id: str, message_batch_id: str) -> Iterator[bytes]:
+    """The results of an ended batch, one JSONL line per request: output lines, then error lines."""
+    batch = get(jobs, project_id, message_batch_id)
+    if batch.status not in TERMINAL:
+        raise InvalidRequest(f"Message batch {message_batch_id} is still processing; its results are available "
+                             "once processing_status is 'ended'.", "message_batch_id")
+    with jobs.sessions() as session:
+        ids = [f for f in (batch.output_file_id, batch.error_file_id) if f]
+        keys = {f.id: f.storage_key for f in session.scalars(select(File).where(File.id.in_(ids)))}
+        input_key = session.get(File, batch.input_file_id).storage_key
+    if not keys:
+        return _unrun_results(jobs, batch, input_key)
+    return _stored_results(jobs, [keys[f] for f in ids if f in keys])
+
+
+def _stored_results(jobs: Jobs, keys: list[str]) -> Iterator[bytes]:
+    for key in keys:
+        lines = (content for _, _, _, content in iter_lines(jobs.storage.iter_chunks(key)))
+        yield from result_lines(lines)
+
+
+def _unrun_results(jobs: Jobs, batch: Batch, input_key: str) -> Iterator[bytes]:
+    """Every request of a batch that ended before running any: ended with the batch's reason."""
+    result = UNRUN.get(BatchStatus(batch.status)) or error_result(_failure(batch))
+    for _, _, _, content in iter_lines(jobs.storage.iter_chunks(input_key)):
+        if not is_blank(content):
+            yield dump({"custom_id": json.loads(content)["custom_id"], "result": result})
+
+
+def _failure(batch: Batch) -> str:
+    errors = (batch.errors or {}).get("data") or [{}]
+    first = errors[0]
+    line = f" (request {first['line']})" if first.get("line") else ""
+    return f"The batch failed validation{line}: {first.get('message', 'unknown error')}"

@@ -1,0 +1,209 @@
+"""EncoderFront: a thread-safe door to one ``Encoder`` running on a background thread.
+
+Requests carry lists of token-id inputs; the thread takes everything queued, sorts the inputs
+by length (so a batch pads little), cuts them into batches of at most ``max_batch_tokens``
+padded tokens, encodes them and completes each request's future once all its inputs are done.
+No KV cache, no steps: an input is encoded once. A bad request (a token id outside the
+vocabulary) finishes with an error; a failed forward fails that round's requests; neither stops
+the thread. The interface mirrors ``engine.EngineFront`` where the shard runner uses it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+
+from batchapi.encoder.model import Encoder
+
+log = logging.getLogger(__name__)
+
+
+class EncoderError(StrEnum):
+    INVALID_REQUEST = "invalid_request"
+    ABORTED = "aborted"
+    ENGINE_FAILURE = "engine_failure"
+
+
+@dataclass
+class EncoderConfig:
+    model_path: str | Path
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_batch_tokens: int = 16384  # padded tokens per forward
+
+    def __post_init__(self):
+        self.model_path = Path(self.model_path).expanduser()
+        assert self.dtype in ("float32", "bfloat16", "float16"), f"unsupported dtype {self.dtype!r}"
+        assert self.max_batch_tokens >= 512, "max_batch_tokens must hold at least one full-window input"
+
+
+@dataclass(frozen=True)
+class EmbeddingRequest:
+    request_id: str
+    inputs: list[list[int]]  # token ids, each truncated to the model's max_seq_length by the front
+
+
+@dataclass
+class EmbeddingResult:
+    """One request's vectors (little-endian float32 bytes each, in input order) and usage."""
+
+    request_id: str
+    prompt_tokens: int  # the tokens encoded, after truncation
+    vectors: list[bytes] = field(default_factory=list)
+    error: str | None = None
+    error_code: EncoderError | None = None
+    cached_tokens: int = 0  # as a GenerationResult: an embedding has no cache and no output
+    completion_tokens: int = 0
+
+
+@dataclass
+class _Pending:
+    request: EmbeddingRequest
+    future: Future
+    vectors: list[bytes | None]
+    left: int
+
+
+class EncoderFront:
+    def __init__(self, config: EncoderConfig, encoder: Encoder | None = None):
+        self.config = config
+        self.encoder = encoder or Encoder(config.model_path, config.device, config.dtype)
+        self.tokenizer = self.encoder.tokenizer
+        self.max_seq_length = self.encoder.max_seq_length
+        self.dimensions = self.encoder.dimensions
+        self.system_fingerprint = None
+        self._wake = threading.Condition()
+        self._inbox: list[_Pending] = []
+        self._running: dict[str, _Pending] = {}
+        self._aborts: set[str] = set()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    # ---- any thread ----
+
+    def start(self) -> EncoderFront:
+        assert self._thread is None, "the encoder front is already started"
+        self._thread = threading.Thread(target=self._run, name="batchapi-encoder", daemon=True)
+        self._thread.start()
+        return self
+
+    def submit(self, request: EmbeddingRequest, callback=None) -> Future:
+        assert callback is None, "the encoder front reports through the future only"
+        future: Future = Future()
+        with self._wake:
+            if self._stop:
+                raise RuntimeError("the encoder front is shut down")
+            self._inbox.append(_Pending(request, future, [None] * len(request.inputs), len(request.inputs)))
+            self._wake.notify()
+        return future
+
+    def abort(self, request_id: str) -> None:
+        with self._wake:
+            self._aborts.add(request_id)
+            self._wake.notify()
+
+    def num_waiting(self) -> int:
+        with self._wake:
+            return len(self._inbox)
+
+    def num_running(self) -> int:
+        with self._wake:
+            return len(self._running)
+
+    def kv_usage(self) -> float:
+        return 0.0
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def shutdown(self) -> None:
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        with self._wake:
+            left, self._inbox = self._inbox, []
+        for pending in left:
+            self._fail(pending, EncoderError.ABORTED, "the encoder shut down")
+
+    # ---- the encoder thread ----
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._inbox and not self._stop:
+                    self._wake.wait()
+                if self._stop:
+                    return
+                batch, self._inbox = self._inbox, []
+                aborts, self._aborts = self._aborts, set()
+                self._running = {p.request.request_id: p for p in batch}
+            try:
+                self._round(batch, aborts)
+            finally:
+                with self._wake:
+                    self._running = {}
+
+    def _round(self, batch: list[_Pending], aborts: set[str]) -> None:
+        items = []  # (length, pending, input index, ids)
+        for pending in batch:
+            if pending.request.request_id in aborts:
+                self._fail(pending, EncoderError.ABORTED, "aborted")
+                continue
+            problem = self._check(pending.request)
+            if problem is not None:
+                self._fail(pending, EncoderError.INVALID_REQUEST, problem)
+                continue
+            for i, ids in enumerate(pending.request.inputs):
+                ids = ids[: self.max_seq_length]
+                items.append((len(ids), pending, i, ids))
+        items.sort(key=lambda item: item[0], reverse=True)
+        for group in self._groups(items):
+            try:
+                vectors = self.encoder.encode([ids for _, _, _, ids in group])
+            except Exception as exc:  # noqa: BLE001 - a failed forward fails its requests, never the thread
+                log.exception("the encoder failed on a batch of %d inputs", len(group))
+                for _, pending, _, _ in group:
+                    self._fail(pending, EncoderError.ENGINE_FAILURE, f"the encoder failed: {exc}")
+                continue
+            for (_, pending, i, _), vector in zip(group, vectors, strict=True):
+                self._done(pending, i, vector.numpy().astype("<f4").tobytes())
+
+    def _groups(self, items: list) -> list[list]:
+        """Sorted longest first, so a group's first input sets its padded length."""
+        groups, current = [], []
+        for item in items:
+            if current and current[0][0] * (len(current) + 1) > self.config.max_batch_tokens:
+                groups.append(current)
+                current = []
+            current.append(item)
+        if current:
+            groups.append(current)
+        return groups
+
+    def _check(self, request: EmbeddingRequest) -> str | None:
+        vocab = self.encoder.vocab_size
+        for i, ids in enumerate(request.inputs):
+            if not ids:
+                return f"input {i} is empty"
+            if any(t < 0 or t >= vocab for t in ids):
+                return f"input {i} holds a token id outside the model's vocabulary of {vocab}"
+        return None
+
+    def _done(self, pending: _Pending, index: int, vector: bytes) -> None:
+        if pending.future.done():
+            return
+        pending.vectors[index] = vector
+        pending.left -= 1
+        if pending.left == 0:
+            tokens = sum(min(len(ids), self.max_seq_length) for ids in pending.request.inputs)
+            pending.future.set_result(EmbeddingResult(pending.request.request_id, tokens, list(pending.vectors)))
+
+    def _fail(self, pending: _Pending, code: EncoderError, message: str) -> None:
+        if not pending.future.done():
+            pending.future.set_result(EmbeddingResult(pending.request.request_id, 0, error=message, error_code=code))
