@@ -19,16 +19,15 @@ from openai import OpenAI
 from openai.types import CreateEmbeddingResponse
 from transformers import AutoModel, AutoTokenizer
 
-from batchapi.db.migrate import upgrade
-from batchapi.workers.embedded import EmbeddedWorker
-from tests.utils import services
-from tests.utils.batch_service import jsonl, live_server, service_settings, wait_until
+from tests.utils.batch_service import (
+    embedded_stack,
+    jsonl,
+    wait_until,
+)
 
 EMBEDDINGS = "/v1/embeddings"
 MAX_INPUTS = 40  # the batch's embedding input limit on this server (OpenAI's 50,000 by default)
-SETTINGS = dict(shard_size=4, sweep_seconds=0.5, worker_poll_seconds=0.5, max_num_seqs=8, kv_cache_gb=0.25,
-                device="cpu", auth_required=False, lease_seconds=30, heartbeat_seconds=2.0,
-                max_embedding_inputs=MAX_INPUTS)
+SETTINGS = dict(shard_size=4, max_num_seqs=8, auth_required=False, max_embedding_inputs=MAX_INPUTS)
 TEXTS = ["The cat sits on the mat.", "A quick brown fox jumps over the lazy dog.", "hello world",
          "Batch inference is cheaper than online inference.", "Paris is the capital of France."]
 LONG = " ".join(["embedding models cut long inputs"] * 80)  # ~400 tokens: cut to 256 as sentence-transformers
@@ -36,13 +35,9 @@ LONG = " ".join(["embedding models cut long inputs"] * 80)  # ~400 tokens: cut t
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, smollm2_dir, minilm_dir, s3):
-    with services.fresh_database("batchapi_embeddings") as pg_url:
-        settings = service_settings(tmp_path_factory.mktemp("embeddings"), smollm2_dir, pg_url=pg_url, s3=s3,
-                                    models=[str(smollm2_dir), str(minilm_dir)], **SETTINGS)
-        upgrade(settings)
-        worker = EmbeddedWorker()
-        with live_server(settings, dispatcher=worker, hook=worker.run, sweep_shards=True) as server:
-            yield server
+    with embedded_stack(tmp_path_factory.mktemp("embeddings"), smollm2_dir, "embeddings", s3,
+                        models=[str(smollm2_dir), str(minilm_dir)], **SETTINGS) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

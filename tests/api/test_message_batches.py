@@ -16,15 +16,11 @@ from anthropic.types import Message
 from anthropic.types.messages import MessageBatch
 
 from batchapi.batches.billing import cost
-from batchapi.db.migrate import upgrade
 from batchapi.db.models import Batch
-from batchapi.workers.embedded import EmbeddedWorker
 from tests.api.conftest import new_key
-from tests.utils import services
-from tests.utils.batch_service import live_server, service_settings, wait_until
+from tests.utils.batch_service import embedded_stack, wait_until
 
-SETTINGS = dict(shard_size=4, sweep_seconds=0.5, worker_poll_seconds=0.5, max_num_seqs=16, kv_cache_gb=0.25,
-                device="cpu", auth_required=True, lease_seconds=30, heartbeat_seconds=2.0)
+SETTINGS = dict(shard_size=4, max_num_seqs=16, auth_required=True)
 WEATHER = {"type": "object",
            "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"type": "string", "enum": ["c", "f"]}},
            "required": ["city", "unit"], "additionalProperties": False}
@@ -32,13 +28,9 @@ WEATHER = {"type": "object",
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_llama_dir, s3):
-    with services.fresh_database("batchapi_message_batches") as pg_url:
-        settings = service_settings(tmp_path_factory.mktemp("msgbatch"), tiny_llama_dir, pg_url=pg_url, s3=s3,
-                                    **SETTINGS)
-        upgrade(settings)
-        worker = EmbeddedWorker()
-        with live_server(settings, dispatcher=worker, hook=worker.run, sweep_shards=True) as server:
-            yield server
+    with embedded_stack(tmp_path_factory.mktemp("msgbatch"), tiny_llama_dir, "message_batches", s3,
+                        **SETTINGS) as server:
+        yield server
 
 
 @pytest.fixture

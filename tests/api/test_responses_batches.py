@@ -14,13 +14,9 @@ import pytest
 from openai import OpenAI
 from openai.types.responses import Response
 
-from batchapi.db.migrate import upgrade
-from batchapi.workers.embedded import EmbeddedWorker
-from tests.utils import services
-from tests.utils.batch_service import jsonl, live_server, service_settings, wait_until
+from tests.utils.batch_service import embedded_stack, jsonl, run_to_end, wait_until
 
-SETTINGS = dict(shard_size=4, sweep_seconds=0.5, worker_poll_seconds=0.5, max_num_seqs=16, kv_cache_gb=0.25,
-                device="cpu", auth_required=False, lease_seconds=30, heartbeat_seconds=2.0)
+SETTINGS = dict(shard_size=4, max_num_seqs=16, auth_required=False)
 URL = "/v1/responses"
 SENTIMENT = {"type": "object", "properties": {"label": {"type": "string", "enum": ["positive", "negative"]},
                                               "reason": {"type": "string", "maxLength": 40}},
@@ -34,13 +30,9 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The curren
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, smollm2_dir, s3):
-    with services.fresh_database("batchapi_responses") as pg_url:
-        settings = service_settings(tmp_path_factory.mktemp("responses"), smollm2_dir, pg_url=pg_url, s3=s3,
-                                    **SETTINGS)
-        upgrade(settings)
-        worker = EmbeddedWorker()
-        with live_server(settings, dispatcher=worker, hook=worker.run, sweep_shards=True) as server:
-            yield server
+    with embedded_stack(tmp_path_factory.mktemp("responses"), smollm2_dir, "responses", s3,
+                        **SETTINGS) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -59,20 +51,7 @@ def line(custom_id: str, model: str, input, **body) -> dict:
 
 
 def run(client: OpenAI, lines: list[dict]):
-    """Upload, create, wait for the end; (batch, {custom_id: output line}, {custom_id: error line})."""
-    uploaded = client.files.create(file=("batch.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
-    batch = client.batches.create(input_file_id=uploaded.id, endpoint=URL, completion_window="24h")
-    batch = wait_until(lambda: (b := client.batches.retrieve(batch.id)).status in ("completed", "failed") and b,
-                       timeout=600, interval=0.3)
-    assert batch.status == "completed", batch.errors
-
-    def read(file_id):
-        if file_id is None:
-            return {}
-        records = [json.loads(x) for x in client.files.content(file_id).text.splitlines()]
-        return {r["custom_id"]: r for r in records}
-
-    return batch, read(batch.output_file_id), read(batch.error_file_id)
+    return run_to_end(client, lines, URL)
 
 
 def response(record: dict) -> Response:

@@ -5,20 +5,15 @@ service cannot enforce fails alone, and a schema shared by a batch compiles once
 
 from __future__ import annotations
 
-import io
 import json
 
 import jsonschema
 import pytest
 from openai import OpenAI
 
-from batchapi.db.migrate import upgrade
-from batchapi.workers.embedded import EmbeddedWorker
-from tests.utils import services
-from tests.utils.batch_service import jsonl, live_server, service_settings, wait_until
+from tests.utils.batch_service import embedded_stack, run_to_end
 
-SETTINGS = dict(shard_size=8, sweep_seconds=0.5, worker_poll_seconds=0.5, max_num_seqs=16, kv_cache_gb=0.25,
-                device="cpu", auth_required=False, lease_seconds=30, heartbeat_seconds=2.0)
+SETTINGS = dict(shard_size=8, max_num_seqs=16, auth_required=False)
 LABELS = ["positive", "negative", "neutral"]
 CLASSIFY = {
     "type": "object",
@@ -55,14 +50,9 @@ PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATH
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, smollm2_dir, s3):
-    with services.fresh_database("batchapi_structured") as pg_url:
-        settings = service_settings(tmp_path_factory.mktemp("structured"), smollm2_dir, pg_url=pg_url, s3=s3,
-                                    **SETTINGS)
-        upgrade(settings)
-        worker = EmbeddedWorker()
-        with live_server(settings, dispatcher=worker, hook=worker.run, sweep_shards=True) as server:
-            server.worker = worker
-            yield server
+    with embedded_stack(tmp_path_factory.mktemp("structured"), smollm2_dir, "structured", s3,
+                        **SETTINGS) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -83,21 +73,7 @@ def line(custom_id: str, model: str, messages: list[dict] | str, **body) -> dict
 
 
 def run(client: OpenAI, lines: list[dict]):
-    """Upload, create, wait for the end; (batch, {custom_id: output line}, {custom_id: error line})."""
-    uploaded = client.files.create(file=("batch.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
-    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
-                                  completion_window="24h")
-    batch = wait_until(lambda: (b := client.batches.retrieve(batch.id)).status in ("completed", "failed") and b,
-                       timeout=600, interval=0.3)
-    assert batch.status == "completed", batch.errors
-
-    def read(file_id):
-        if file_id is None:
-            return {}
-        records = [json.loads(x) for x in client.files.content(file_id).text.splitlines()]
-        return {r["custom_id"]: r for r in records}
-
-    return batch, read(batch.output_file_id), read(batch.error_file_id)
+    return run_to_end(client, lines, "/v1/chat/completions")
 
 
 def message(record: dict) -> tuple[dict, dict]:

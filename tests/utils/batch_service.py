@@ -59,6 +59,7 @@ def jsonl(lines: list) -> bytes:
 class LiveServer:
     base_url: str
     app: object
+    worker: object = None  # the embedded worker, when the server runs one
 
     @property
     def jobs(self):
@@ -97,3 +98,46 @@ def wait_until(predicate, timeout: float = 30.0, interval: float = 0.05):
             return value
         assert time.monotonic() < deadline, "timed out"
         time.sleep(interval)
+
+
+# the live stack of the end-to-end API tests: quick sweeps and leases, the embedded worker on CPU
+EMBEDDED = dict(sweep_seconds=0.5, worker_poll_seconds=0.5, kv_cache_gb=0.25, device="cpu", lease_seconds=30,
+                heartbeat_seconds=2.0)
+
+
+@contextmanager
+def embedded_stack(tmp_path: Path, model_dir: Path, name: str, s3: S3Server | None = None,
+                   **overrides) -> Iterator[LiveServer]:
+    """A live server on a fresh PostgreSQL database (and S3 when given) with the embedded worker
+    running shards in the same process; ``server.worker`` is that worker."""
+    from batchapi.db.migrate import upgrade
+    from batchapi.workers.embedded import EmbeddedWorker
+    from tests.utils import services
+
+    with services.fresh_database(f"batchapi_{name}") as pg_url:
+        settings = service_settings(tmp_path, model_dir, pg_url=pg_url, s3=s3, **{**EMBEDDED, **overrides})
+        upgrade(settings)
+        worker = EmbeddedWorker()
+        with live_server(settings, dispatcher=worker, hook=worker.run, sweep_shards=True) as server:
+            server.worker = worker
+            yield server
+
+
+def run_to_end(client, lines: list, endpoint: str, timeout: float = 600):
+    """Through the openai SDK: upload ``lines``, create a batch on ``endpoint``, wait until it
+    completes; (batch, {custom_id: output line}, {custom_id: error line})."""
+    import io
+
+    uploaded = client.files.create(file=("batch.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint=endpoint, completion_window="24h")
+    batch = wait_until(lambda: (b := client.batches.retrieve(batch.id)).status in ("completed", "failed") and b,
+                       timeout=timeout, interval=0.3)
+    assert batch.status == "completed", batch.errors
+
+    def read(file_id):
+        if file_id is None:
+            return {}
+        records = [json.loads(x) for x in client.files.content(file_id).text.splitlines()]
+        return {r["custom_id"]: r for r in records}
+
+    return batch, read(batch.output_file_id), read(batch.error_file_id)
