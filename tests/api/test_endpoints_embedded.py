@@ -1,0 +1,123 @@
+"""Every wire format on the embedded default (SQLite, a local storage directory, the embedded
+worker serving a chat model and the embedding model): a batch on /v1/responses, /v1/embeddings
+and Anthropic's Message Batches runs end to end through the unmodified SDKs, and a cancel right
+after create ends each with every request accounted for once (or, when it lands while the file
+is still validating, with no request accepted)."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import pytest
+from openai import OpenAI
+from openai.types import CreateEmbeddingResponse
+from openai.types.responses import Response
+
+from batchapi.db.migrate import upgrade
+from batchapi.workers.embedded import EmbeddedWorker
+from tests.utils.batch_service import jsonl, live_server, run_to_end, service_settings, wait_until
+
+SETTINGS = dict(shard_size=2, sweep_seconds=0.5, worker_poll_seconds=0.5, max_num_seqs=8, kv_cache_gb=0.05,
+                device="cpu", auth_required=False, lease_seconds=30, heartbeat_seconds=2.0)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_llama_dir, minilm_dir):
+    settings = service_settings(tmp_path_factory.mktemp("embedded-endpoints"), tiny_llama_dir,
+                                models=[str(tiny_llama_dir), str(minilm_dir)], **SETTINGS)
+    assert settings.sqlalchemy_url.startswith("sqlite")
+    upgrade(settings)
+    worker = EmbeddedWorker()
+    with live_server(settings, dispatcher=worker, hook=worker.run, sweep_shards=True) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def openai_client(server) -> OpenAI:
+    return OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def anthropic_client(server) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def models(openai_client) -> dict[str, str]:
+    ids = [m.id for m in openai_client.models.list()]
+    chat = next(i for i in ids if "minilm" not in i)
+    embedding = next(i for i in ids if "minilm" in i)
+    return {"chat": chat, "embedding": embedding}
+
+
+def lines(url: str, count: int, body) -> list[dict]:
+    return [{"custom_id": f"r{i}", "method": "POST", "url": url, "body": body(i)} for i in range(count)]
+
+
+def test_responses_and_embeddings_batches_run_on_the_embedded_default(openai_client, models):
+    responses = lines("/v1/responses", 3, lambda i: {"model": models["chat"], "input": f"Say {i}.",
+                                                      "max_output_tokens": 4, "temperature": 0})
+    batch, output, errors = run_to_end(openai_client, responses, "/v1/responses")
+    assert errors == {} and sorted(output) == ["r0", "r1", "r2"]
+    usage = [Response.model_validate(r["response"]["body"]).usage for r in output.values()]
+    assert batch.usage.output_tokens == sum(u.output_tokens for u in usage)
+
+    embeddings = lines("/v1/embeddings", 3, lambda i: {"model": models["embedding"], "input": [f"text {i}", "more"]})
+    batch, output, errors = run_to_end(openai_client, embeddings, "/v1/embeddings")
+    assert errors == {} and sorted(output) == ["r0", "r1", "r2"]
+    bodies = [CreateEmbeddingResponse.model_validate(r["response"]["body"]) for r in output.values()]
+    assert all(len(b.data) == 2 and len(b.data[0].embedding) == 384 for b in bodies)
+    assert batch.usage.input_tokens == sum(b.usage.prompt_tokens for b in bodies)
+
+
+def test_message_batches_run_on_the_embedded_default(anthropic_client, models):
+    requests = [{"custom_id": f"m{i}", "params": {"model": models["chat"], "max_tokens": 4,
+                                                  "messages": [{"role": "user", "content": f"Hi {i}"}]}}
+                for i in range(3)]
+    batch = anthropic_client.messages.batches.create(requests=requests)
+    batch = wait_until(lambda: (b := anthropic_client.messages.batches.retrieve(batch.id)).processing_status
+                       == "ended" and b, timeout=300, interval=0.3)
+    results = {r.custom_id: r.result for r in anthropic_client.messages.batches.results(batch.id)}
+    assert sorted(results) == ["m0", "m1", "m2"] and {r.type for r in results.values()} == {"succeeded"}
+    assert batch.request_counts.succeeded == 3
+
+
+@pytest.mark.parametrize("url", ["/v1/responses", "/v1/embeddings"])
+def test_a_cancel_right_after_create_accounts_for_every_request_once(openai_client, models, url, tmp_path):
+    if url == "/v1/embeddings":
+        body = lambda i: {"model": models["embedding"], "input": [f"input {i} {j}" for j in range(64)]}  # noqa: E731
+    else:
+        body = lambda i: {"model": models["chat"], "input": f"Count to {i}.", "max_output_tokens": 64}  # noqa: E731
+    requests = lines(url, 40, body)
+    uploaded = openai_client.files.create(file=("batch.jsonl", jsonl(requests)), purpose="batch")
+    batch = openai_client.batches.create(input_file_id=uploaded.id, endpoint=url, completion_window="24h")
+    openai_client.batches.cancel(batch.id)
+    try:
+        batch = wait_until(lambda: (b := openai_client.batches.retrieve(batch.id)).status == "cancelled" and b,
+                           timeout=60, interval=0.3)
+    except AssertionError:
+        raise AssertionError(f"not cancelled: {openai_client.batches.retrieve(batch.id)}") from None
+    seen = []
+    for file_id in (batch.output_file_id, batch.error_file_id):
+        if file_id is not None:
+            seen.extend(json.loads(x)["custom_id"]
+                        for x in openai_client.files.content(file_id).text.splitlines())
+    if batch.request_counts.total == 0:  # cancelled while validating: no request was accepted, none ran
+        assert seen == [] and batch.in_progress_at is None
+    else:
+        assert sorted(seen) == sorted(r["custom_id"] for r in requests)
+
+
+def test_a_message_batch_cancel_ends_it_with_every_request_once(anthropic_client, models):
+    requests = [{"custom_id": f"c{i}", "params": {"model": models["chat"], "max_tokens": 64,
+                                                  "messages": [{"role": "user", "content": f"Count to {i}"}]}}
+                for i in range(40)]
+    batch = anthropic_client.messages.batches.create(requests=requests)
+    assert anthropic_client.messages.batches.cancel(batch.id).processing_status in ("canceling", "ended")
+    batch = wait_until(lambda: (b := anthropic_client.messages.batches.retrieve(batch.id)).processing_status
+                       == "ended" and b, timeout=300, interval=0.3)
+    results = [r.custom_id for r in anthropic_client.messages.batches.results(batch.id)]
+    assert sorted(results) == sorted(r["custom_id"] for r in requests)
+    counts = batch.request_counts
+    assert counts.succeeded + counts.errored + counts.canceled + counts.expired == 40 and counts.processing == 0
