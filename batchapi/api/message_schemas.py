@@ -31,16 +31,16 @@ class MessageBatchRequestCounts(BaseModel):
 
     @classmethod
     def of(cls, b: Batch) -> MessageBatchRequestCounts:
-        """From the batch's counts. A failed request of a cancelled or expired batch counts as
-        ``errored`` when validation refused its body and as canceled/expired otherwise (the
-        batch counts no finer); a batch that failed validation ran none, so all errored."""
+        """From the batch's counts: a failed request is ``errored`` unless a cancel or expiry cut it
+        off before it ran (``request_unrun``), and every request of an ended cancelled or expired
+        batch that is neither succeeded nor errored is canceled or expired (those of shards never
+        made, too); a batch that failed validation ran none, so all errored."""
         counts = dict(succeeded=b.request_completed, errored=b.request_failed, canceled=0, expired=0)
         status = BatchStatus(b.status)
         if status == BatchStatus.FAILED:
             counts["errored"] = b.request_total - b.request_completed
         elif status in UNFINISHED:
-            refused = (b.request_errors or {}).get("total", 0)
-            counts["errored"] = min(b.request_failed, refused)
+            counts["errored"] = b.request_failed - b.request_unrun
             counts[UNFINISHED[status]] = b.request_total - b.request_completed - counts["errored"]
         processing = max(0, b.request_total - sum(counts.values()))
         return cls(processing=processing, **counts)

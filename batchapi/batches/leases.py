@@ -43,6 +43,10 @@ class Claimed:
     model: str | None = None  # the batch's model: which of a worker's models runs it
 
 
+# the reasons that cut a shard short without the requests being at fault: theirs are "unrun"
+CUT_OFF = frozenset({"batch_cancelled", "batch_expired"})
+
+
 @dataclass(frozen=True)
 class Outcome:
     """A finished shard: its counts and usage (usage counts succeeded requests only)."""
@@ -53,6 +57,7 @@ class Outcome:
     cached_tokens: int = 0
     output_tokens: int = 0
     reason: str | None = None  # batch_cancelled / batch_expired / shard_failed when cut short
+    unrun: int = 0  # of the failed: never run because a cancel or expiry cut the shard short
 
 
 def _runnable_batches(t: int):
@@ -204,7 +209,7 @@ def complete(jobs: Jobs, claimed: Claimed, owner: str, outcome: Outcome, output_
             .values(
                 status=status, lease_expires_at=None, finished_at=now(), output_key=output_key,
                 error_key=error_key, last_error=outcome.reason, completed_count=outcome.completed,
-                failed_count=outcome.failed, input_tokens=outcome.input_tokens,
+                failed_count=outcome.failed, unrun_count=outcome.unrun, input_tokens=outcome.input_tokens,
                 cached_tokens=outcome.cached_tokens, output_tokens=outcome.output_tokens,
             )
             .execution_options(synchronize_session=False)
@@ -217,6 +222,7 @@ def complete(jobs: Jobs, claimed: Claimed, owner: str, outcome: Outcome, output_
             .values(
                 request_completed=Batch.request_completed + outcome.completed,
                 request_failed=Batch.request_failed + outcome.failed,
+                request_unrun=Batch.request_unrun + outcome.unrun,
                 input_tokens=Batch.input_tokens + outcome.input_tokens,
                 cached_tokens=Batch.cached_tokens + outcome.cached_tokens,
                 output_tokens=Batch.output_tokens + outcome.output_tokens,

@@ -32,7 +32,7 @@ from sqlalchemy.exc import OperationalError
 from batchapi.batches import leases
 from batchapi.batches.context import Jobs
 from batchapi.batches.finalize import finalize_batch
-from batchapi.batches.leases import Outcome
+from batchapi.batches.leases import CUT_OFF, Outcome
 from batchapi.batches.shard_input import read_custom_ids
 from batchapi.batches.states import OPEN_SHARDS, BatchStatus, ShardStatus
 from batchapi.db.clock import now
@@ -200,7 +200,9 @@ def close_shard(jobs: Jobs, shard_id: str, reason: ErrorCode) -> bool:
     err_key = shard_error_key(claimed.batch_id, claimed.index)
     jobs.storage.put_chunks(out_key, [b""])
     jobs.storage.put_chunks(err_key, (render.never_ran(cid, reason) for cid in custom_ids))
-    return leases.complete(jobs, claimed, OWNER, Outcome(0, len(custom_ids), reason=reason), out_key, err_key)
+    unrun = len(custom_ids) if reason in CUT_OFF else 0
+    return leases.complete(jobs, claimed, OWNER, Outcome(0, len(custom_ids), reason=reason, unrun=unrun), out_key,
+                           err_key)
 
 
 def _custom_ids(jobs: Jobs, claimed: leases.Claimed) -> list[str | None]:

@@ -104,6 +104,8 @@ class Batch(Base):
     request_total: Mapped[int] = mapped_column(default=0)
     request_completed: Mapped[int] = mapped_column(default=0)
     request_failed: Mapped[int] = mapped_column(default=0)
+    # of the failed: those cut off by a cancel or expiry, never run (Anthropic's canceled/expired)
+    request_unrun: Mapped[int] = mapped_column(default=0, server_default="0")
     input_tokens: Mapped[int] = mapped_column(default=0)
     cached_tokens: Mapped[int] = mapped_column(default=0)
     output_tokens: Mapped[int] = mapped_column(default=0)
@@ -158,6 +160,7 @@ class Shard(Base):
 
     completed_count: Mapped[int] = mapped_column(default=0)
     failed_count: Mapped[int] = mapped_column(default=0)
+    unrun_count: Mapped[int] = mapped_column(default=0, server_default="0")  # of the failed: never run
     input_tokens: Mapped[int] = mapped_column(default=0)
     cached_tokens: Mapped[int] = mapped_column(default=0)
     output_tokens: Mapped[int] = mapped_column(default=0)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from batchapi.batches.leases import Claimed, Outcome
+from batchapi.batches.leases import CUT_OFF, Claimed, Outcome
 from batchapi.engine import GenerationResult
 from batchapi.openai.errors import ErrorCode
 from batchapi.openai.lines import InputLine
@@ -74,7 +74,7 @@ class ShardWork:
     def render(self, codec: Codec) -> Rendered:
         """The output and error lines in input order."""
         output, errors = [], []
-        completed = failed = input_tokens = cached = output_tokens = 0
+        completed = failed = unrun = input_tokens = cached = output_tokens = 0
         not_run = self.reason or ErrorCode.SHARD_FAILED
         for line in self.lines:
             result = self.results.get(self.request_id(line))
@@ -82,11 +82,12 @@ class ShardWork:
             if not ok:
                 errors.append(rendered)
                 failed += 1
+                unrun += result is None and line.error is None and self.reason in CUT_OFF
                 continue
             output.append(rendered)
             completed += 1
             input_tokens += result.prompt_tokens
             cached += result.cached_tokens
             output_tokens += result.completion_tokens
-        outcome = Outcome(completed, failed, input_tokens, cached, output_tokens, self.reason)
+        outcome = Outcome(completed, failed, input_tokens, cached, output_tokens, self.reason, unrun)
         return Rendered(b"".join(output), b"".join(errors), outcome)

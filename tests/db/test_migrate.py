@@ -11,7 +11,7 @@ from batchapi.db.migrate import current, downgrade, upgrade
 from batchapi.db.models import Base
 from tests.utils import services
 
-HEAD = "0002"
+HEAD = "0003"
 TABLES = {"projects", "api_keys", "files", "batches", "shards", "alembic_version"}
 
 
