@@ -108,7 +108,7 @@ def some_done(batch: dict) -> bool:
 
 
 def test_cancel_mid_run_keeps_finished_results(cluster, two_workers, model):
-    lines = long_lines(model, "cancel")
+    lines = long_lines(model, "cancel", n=600)  # still running when the cancel lands, on a fast machine too
     with cluster.http() as http:
         batch_id = submit(http, lines)
         wait_for(http, batch_id, some_done, 120, "some finished requests")
@@ -132,7 +132,7 @@ def test_expiry_mid_run_keeps_finished_results(cluster, two_workers, model):
     from batchapi.db.models import Batch
     from batchapi.db.session import session_scope
 
-    lines = long_lines(model, "expire")
+    lines = long_lines(model, "expire", n=600)
     with cluster.http() as http:
         batch_id = submit(http, lines)
         wait_for(http, batch_id, some_done, 120, "some finished requests")
