@@ -166,11 +166,16 @@ def iter_results(jobs: Jobs, project_id: str, message_batch_id: str) -> Iterator
                              "once processing_status is 'ended'.", "message_batch_id")
     with jobs.sessions() as session:
         ids = [f for f in (batch.output_file_id, batch.error_file_id) if f]
-        keys = {f.id: f.storage_key for f in session.scalars(select(File).where(File.id.in_(ids)))}
-        input_key = session.get(File, batch.input_file_id).storage_key
-    if not keys:
+        live = select(File).where(File.id.in_(ids), File.deleted_at.is_(None))
+        keys = {f.id: f.storage_key for f in session.scalars(live)}
+        source = session.get(File, batch.input_file_id)
+        input_key = source.storage_key if source is not None and source.deleted_at is None else None
+    gone = NotFound(f"The results of message batch {message_batch_id} were deleted.", "message_batch_id")
+    if len(keys) < len(ids) or (not ids and input_key is None):
+        raise gone  # before the stream starts: a 404, never a 200 cut short
+    if not ids:
         return _unrun_results(jobs, batch, input_key)
-    return _stored_results(jobs, [keys[f] for f in ids if f in keys])
+    return _stored_results(jobs, [keys[f] for f in ids])
 
 
 def _stored_results(jobs: Jobs, keys: list[str]) -> Iterator[bytes]:

@@ -123,7 +123,7 @@ class EngineFront:
         known = request.request_id in self.engine.requests
         try:
             self.engine.add_request(request)
-        except (AssertionError, TypeError, ValueError) as exc:
+        except Exception as exc:  # bad types, a duplicate id, a grammar compiler that cannot start
             log.warning("request %s refused: %s", request.request_id, exc)
             if not known:
                 self.engine.requests.pop(request.request_id, None)

@@ -72,8 +72,8 @@ def result_line(record: dict) -> bytes:
         server = detail.get("code") == ErrorCode.SERVER_ERROR
         result = error_result(detail["message"], "api_error" if server else "invalid_request_error")
     else:
-        code = ErrorCode(error["code"])
-        result = {"type": NOT_RUN[code]} if code in NOT_RUN else error_result(error["message"], "api_error")
+        code = error.get("code")  # a str; an unknown code (another version's) is an api_error, never a crash
+        result = {"type": NOT_RUN[code]} if code in NOT_RUN else error_result(error.get("message", ""), "api_error")
     return dump({"custom_id": record["custom_id"], "result": result})
 
 

@@ -215,6 +215,12 @@ class ShardRunner:
                 line.body, line.error = None, exc
             except ValueError as exc:  # sampling settings the engine refuses: that request's error
                 line.body, line.error = None, RequestError(str(exc), custom_id=line.custom_id)
+            except Exception as exc:  # the chat template failed on this request: its error, not the feeder's
+                log.warning("could not build the engine request of line %d of shard %s", line.line, claimed.id,
+                            exc_info=True)
+                line.body, line.error = None, RequestError(
+                    f"the request could not be prepared for the model: {exc}", None, ErrorCode.SERVER_ERROR,
+                    custom_id=line.custom_id)
         work.expect([r.request_id for r in requests])
         with self._lock:
             dead = self.engine_dead.is_set()

@@ -130,3 +130,10 @@ def test_stored_lines_become_anthropic_results():
     assert translated(render.never_ran("d", ErrorCode.BATCH_CANCELLED))["result"] == {"type": "canceled"}
     assert translated(render.never_ran("e", ErrorCode.BATCH_EXPIRED))["result"] == {"type": "expired"}
     assert translated(render.never_ran("f", ErrorCode.SHARD_FAILED))["result"]["error"]["error"]["type"] == "api_error"
+
+
+def test_an_error_code_this_version_does_not_know_is_an_api_error_not_a_broken_stream():
+    line = json.dumps({"id": "x", "custom_id": "g", "response": None,
+                       "error": {"code": "a_code_from_another_version", "message": "gone"}}).encode()
+    assert translated(line) == {"custom_id": "g", "result": {"type": "errored", "error": {
+        "type": "error", "error": {"type": "api_error", "message": "gone"}}}}
