@@ -66,8 +66,7 @@ def _runnable_batches(t: int):
 
 def _of_models(query, models: list[str] | None):
     """Only batches of ``models`` (None: any), so a worker claims only what it can run."""
-    # a batch with no model recorded (made before batches kept one) may go to any worker
-    return query if models is None else query.where(or_(Batch.model.in_(models), Batch.model.is_(None)))
+    return query if models is None else query.where(Batch.model.in_(models))
 
 
 def claim(jobs: Jobs, shard_id: str, owner: str, models: list[str] | None = None) -> Claimed | None:
