@@ -29,7 +29,6 @@ import json
 import os
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -39,7 +38,7 @@ import uuid
 from pathlib import Path
 
 import httpx
-from procs import answers, free_port, stat_fields, wait_until
+from procs import answers, free_port, stat_fields, stop_group, wait_until
 
 BIN = Path(sys.executable).parent / "batchapi"
 HERE = Path(__file__).resolve().parent
@@ -211,14 +210,7 @@ class Processes:
         return proc
 
     def stop(self, name: str) -> None:
-        proc = self.procs.pop(name)
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_group(self.procs.pop(name))
 
     def stop_all(self) -> None:
         for name in reversed(list(self.procs)):

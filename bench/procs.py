@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import subprocess
 import time
 from pathlib import Path
 
@@ -41,3 +43,15 @@ def cpu_seconds(pid: int | str) -> float:
     """User + system CPU time of a process and its threads so far."""
     fields = stat_fields(pid)
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the process group a bench started (``start_new_session``), SIGKILL after 30 s."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

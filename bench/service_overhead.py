@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -28,7 +27,7 @@ import time
 from pathlib import Path
 
 import httpx
-from procs import answers, cpu_seconds, free_port, wait_until
+from procs import answers, cpu_seconds, free_port, stop_group, wait_until
 
 BIN = Path(sys.executable).parent / "batchapi"
 TOPICS = ["the ocean", "a violin", "tax forms", "volcanoes", "a chess opening", "bread", "satellites", "moss"]
@@ -66,12 +65,7 @@ class Service:
 
     def stop(self) -> None:
         for proc in reversed(self.procs):
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
+            stop_group(proc)
 
     def cpu(self) -> dict[str, float]:
         """CPU seconds so far of each live process, by name (api, worker, redis)."""

@@ -70,12 +70,14 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (
             f"logits {tuple(logits.shape)} do not match {len(rows)} rows"
         )
-        if all(r.params.greedy and not _modifies_logits(r.params) and r.matcher is None for r in rows):
+        plain_greedy = all(r.params.greedy and not _modifies_logits(r.params) for r in rows)
+        matchers = [r.matcher for r in rows]
+        if plain_greedy and all(m is None for m in matchers):
             token_ids = self._argmax(logits)  # fast path: nothing to apply
-        elif all(r.params.greedy and not _modifies_logits(r.params) and not r.params.logprobs for r in rows):
+        elif plain_greedy and not any(r.params.logprobs for r in rows):
             # greedy under grammars, no logprobs wanted: mask the logits in place (nothing reads
             # the raw ones again) rather than copy them to the fp32 scratch first
-            apply_masks(logits, [r.matcher for r in rows], self._apply_bitmask)
+            apply_masks(logits, matchers, self._apply_bitmask)
             token_ids = self._argmax(logits)
         else:
             token_ids = self._choose(logits, rows)

@@ -14,22 +14,16 @@ from openai import OpenAI
 from openai.types import CreateEmbeddingResponse
 from openai.types.responses import Response
 
-from batchapi.db.migrate import upgrade
-from batchapi.workers.embedded import EmbeddedWorker
-from tests.utils.batch_service import jsonl, live_server, run_to_end, service_settings, wait_until
+from tests.utils.batch_service import embedded_stack, jsonl, run_to_end, wait_until
 
-SETTINGS = dict(shard_size=2, sweep_seconds=0.5, worker_poll_seconds=0.5, max_num_seqs=8, kv_cache_gb=0.05,
-                device="cpu", auth_required=False, lease_seconds=30, heartbeat_seconds=2.0)
+SETTINGS = dict(shard_size=2, max_num_seqs=8, kv_cache_gb=0.05, auth_required=False)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_llama_dir, minilm_dir):
-    settings = service_settings(tmp_path_factory.mktemp("embedded-endpoints"), tiny_llama_dir,
-                                models=[str(tiny_llama_dir), str(minilm_dir)], **SETTINGS)
-    assert settings.sqlalchemy_url.startswith("sqlite")
-    upgrade(settings)
-    worker = EmbeddedWorker()
-    with live_server(settings, dispatcher=worker, hook=worker.run, sweep_shards=True) as server:
+    with embedded_stack(tmp_path_factory.mktemp("embedded-endpoints"), tiny_llama_dir, None,
+                        models=[str(tiny_llama_dir), str(minilm_dir)], **SETTINGS) as server:
+        assert server.jobs.settings.sqlalchemy_url.startswith("sqlite")
         yield server
 
 

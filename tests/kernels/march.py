@@ -17,3 +17,17 @@ def build_for(march: str, needs: set[str], source: Path, tmp_path: Path, monkeyp
     build._build(build._compiler(), target, source)
     assert target.stat().st_size > 0
     return False
+
+
+# -march targets without AVX-512, whose loops the native build on an AVX-512 CPU never takes
+PORTABLE = [("x86-64", {"sse2"}), ("haswell", {"avx2", "fma"})]
+
+
+def load_portable_elementwise(march: str, needs: set[str], tmp_path: Path, monkeypatch) -> bool:
+    """The elementwise library built for ``march`` and loaded in place of the native one; False
+    where this CPU cannot run that build (built, not loaded)."""
+    if not build_for(march, needs, build.ELEMENTWISE_SOURCE, tmp_path, monkeypatch):
+        return False
+    monkeypatch.setattr(build, "_state", {})
+    assert build.load_elementwise() is not None
+    return True

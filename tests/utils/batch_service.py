@@ -7,7 +7,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,15 +106,16 @@ EMBEDDED = dict(sweep_seconds=0.5, worker_poll_seconds=0.5, kv_cache_gb=0.25, de
 
 
 @contextmanager
-def embedded_stack(tmp_path: Path, model_dir: Path, name: str, s3: S3Server | None = None,
+def embedded_stack(tmp_path: Path, model_dir: Path, name: str | None, s3: S3Server | None = None,
                    **overrides) -> Iterator[LiveServer]:
-    """A live server on a fresh PostgreSQL database (and S3 when given) with the embedded worker
-    running shards in the same process; ``server.worker`` is that worker."""
+    """A live server with the embedded worker running shards in the same process (``server.worker``):
+    on a fresh PostgreSQL database named after ``name`` (and S3 when given), or with ``name`` None
+    on the embedded default, SQLite and a local storage directory."""
     from batchapi.db.migrate import upgrade
     from batchapi.workers.embedded import EmbeddedWorker
     from tests.utils import services
 
-    with services.fresh_database(f"batchapi_{name}") as pg_url:
+    with services.fresh_database(f"batchapi_{name}") if name else nullcontext() as pg_url:
         settings = service_settings(tmp_path, model_dir, pg_url=pg_url, s3=s3, **{**EMBEDDED, **overrides})
         upgrade(settings)
         worker = EmbeddedWorker()

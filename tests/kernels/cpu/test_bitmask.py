@@ -8,7 +8,7 @@ import torch
 
 from batchapi.kernels.cpu import build, elementwise
 from batchapi.kernels.torch import bitmask as twin_bitmask
-from tests.kernels.march import build_for
+from tests.kernels.march import PORTABLE, load_portable_elementwise
 
 DTYPES = [torch.float32, torch.bfloat16]
 # (batch, vocab, words): vocab a multiple of 32 or not, words just covering it or more
@@ -138,13 +138,11 @@ def test_without_the_library_it_is_the_twin(monkeypatch):
     assert_same(logits, twin)
 
 
-@pytest.mark.parametrize(("march", "needs"), [("x86-64", {"sse2"}), ("haswell", {"avx2", "fma"})])
+@pytest.mark.parametrize(("march", "needs"), PORTABLE)
 def test_the_portable_c_matches_the_twin_too(march, needs, tmp_path, monkeypatch):
     """The loops for CPUs without AVX-512, built here for x86 CPUs that lack it."""
-    if not build_for(march, needs, build.ELEMENTWISE_SOURCE, tmp_path, monkeypatch):
+    if not load_portable_elementwise(march, needs, tmp_path, monkeypatch):
         return  # a CPU without them: built, not run
-    monkeypatch.setattr(build, "_state", {})
-    assert build.load_elementwise() is not None
     for dtype in DTYPES:
         for batch, vocab, words in SHAPES:
             rows = [batch - 1, 0]

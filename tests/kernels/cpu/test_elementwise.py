@@ -13,7 +13,7 @@ import torch
 
 from batchapi.kernels import TORCH_OPS, build_rope_cache
 from batchapi.kernels.cpu import build, elementwise
-from tests.kernels.march import build_for
+from tests.kernels.march import PORTABLE, load_portable_elementwise
 
 TWIN = TORCH_OPS
 DTYPES = [torch.float32, torch.bfloat16]
@@ -230,13 +230,11 @@ def test_a_slot_past_the_caches_is_refused_before_anything_is_written():
     assert not k_cache.any() and not v_cache.any()
 
 
-@pytest.mark.parametrize(("march", "needs"), [("x86-64", {"sse2"}), ("haswell", {"avx2", "fma"})])
+@pytest.mark.parametrize(("march", "needs"), PORTABLE)
 def test_the_portable_c_matches_the_twin_too(march, needs, tmp_path, monkeypatch):
     """The loops for CPUs without AVX-512, built here for x86 CPUs that lack it."""
-    if not build_for(march, needs, build.ELEMENTWISE_SOURCE, tmp_path, monkeypatch):
+    if not load_portable_elementwise(march, needs, tmp_path, monkeypatch):
         return  # a CPU without them: built, not run
-    monkeypatch.setattr(build, "_state", {})
-    assert build.load_elementwise() is not None
     for dtype in DTYPES:
         x, residual = randn(5, 100, dtype=dtype, seed=1), randn(5, 100, dtype=dtype, seed=2)
         weight = randn(100, dtype=dtype, seed=3)
