@@ -25,6 +25,8 @@ class EngineConfig:
     block_size: int = 16
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     num_threads: int | None = None  # CPU intra-op threads; None leaves torch's default
+    # a request's tokens do not depend on the batch it runs in (engine/invariant.py, README)
+    batch_invariant: bool = True
 
     def __post_init__(self):
         self.model_path = Path(self.model_path).expanduser()

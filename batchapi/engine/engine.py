@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from transformers import AutoTokenizer
 
 from batchapi.engine.block_manager import BlockManager
@@ -50,8 +51,10 @@ class _RequestState:
 
 def system_fingerprint(config: EngineConfig, dtype: str, kernels: str) -> str:
     """``fp_`` and 12 hex digits naming what decides a result: the model's files (names, sizes,
-    config and tokenizer), the dtype, the kernels, the engine's limits and batchapi's version.
-    Two results with the same fingerprint came from the same configuration."""
+    config and tokenizer), the dtype, the kernels and batch invariance, the device kind (the CPU's
+    instruction sets, or the GPU's name), torch's version, the engine's limits and batchapi's
+    version. With batch invariance on, two runs of a request with the same fingerprint give the
+    same tokens (greedy, or seeded); see README, "Reproducible results"."""
     from importlib.metadata import PackageNotFoundError, version
 
     digest = hashlib.sha256()
@@ -64,9 +67,21 @@ def system_fingerprint(config: EngineConfig, dtype: str, kernels: str) -> str:
         release = version("batchapi")
     except PackageNotFoundError:
         release = "dev"
-    digest.update(f"{dtype}|{config.device}|{kernels}|{config.block_size}|{config.max_model_len}|"
-                  f"{release}".encode())
+    digest.update(f"{dtype}|{config.device}|{device_kind(config.device)}|{kernels}|"
+                  f"invariant={config.batch_invariant}|{config.block_size}|{config.max_model_len}|"
+                  f"torch {torch.__version__}|{release}".encode())
     return "fp_" + digest.hexdigest()[:12]
+
+
+def device_kind(device: str) -> str:
+    """What kind of device computes the results: the matmul libraries pick kernels by it."""
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    cpu = torch.cpu
+    flags = [name for name, probe in (("avx512_bf16", "_is_avx512_bf16_supported"), ("amx", "_is_amx_tile_supported"),
+                                      ("amx_fp16", "_is_amx_fp16_supported"))
+             if getattr(cpu, probe, lambda: False)()]
+    return "+".join([torch.backends.cpu.get_cpu_capability(), *flags])
 
 
 class LLMEngine:

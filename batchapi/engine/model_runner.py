@@ -7,6 +7,7 @@ import logging
 import torch
 
 from batchapi.engine.config import EngineConfig
+from batchapi.engine.invariant import make_invariant
 from batchapi.engine.loader import ModelConfig, load_config, load_weights
 from batchapi.engine.model import AttentionMetadata, CausalLM
 from batchapi.engine.packed_linear import pack_linears
@@ -29,7 +30,8 @@ class ModelRunner:
                 torch.set_num_threads(config.num_threads)
         self.model_config: ModelConfig = load_config(config.model_path)
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config.hidden_size)
-        self.ops = get_ops(config.kernels, self.device)
+        self.ops = get_ops(config.kernels, self.device, invariant=config.batch_invariant)
+        self.matmul_plan: dict[str, int | str] = {}  # batch invariance: min rows of each linear layer
         self.model = self._load_model()
         self.block_size = config.block_size
         self.num_blocks = self._num_blocks()
@@ -51,6 +53,10 @@ class ModelRunner:
         if self.device.type == "cpu":
             packed = pack_linears(model, batch_hint=self.config.max_num_seqs)
             log.info("packed %d linear layers for oneDNN", packed)
+        if self.config.batch_invariant:
+            self.matmul_plan = make_invariant(model, self.device, self.config.max_num_batched_tokens,
+                                              self.config.max_num_seqs)
+            log.info("batch invariant matmuls (layer: rows padded up to): %s", self.matmul_plan)
         return model
 
     def _kv_bytes_per_block(self) -> int:

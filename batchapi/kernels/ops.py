@@ -1,5 +1,7 @@
 """The kernel sets and the choice between them: Triton on CUDA; on CPU the C kernels, else the torch twins."""
 
+import dataclasses
+import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +33,7 @@ class Ops:
     argmax: Callable  # greedy pick of [B, V] logits -> [B] int64: the first of ties, NaN the largest
     apply_token_bitmask: Callable  # (logits [B, V], bitmask [R, W] int32, rows: list[int]) -> None, in place
     build_rope_cache: Callable = build_rope_cache
+    invariant: bool = False  # batch invariant: each token's attention computed alike in every step
 
 
 TORCH_OPS = Ops(
@@ -82,10 +85,11 @@ def _triton_ops() -> Ops:
     )
 
 
-def get_ops(mode: str = "auto", device: str | torch.device = "cpu") -> Ops:
+def get_ops(mode: str = "auto", device: str | torch.device = "cpu", invariant: bool = False) -> Ops:
     """mode auto: Triton on CUDA; elsewhere cpu, or torch where the C kernels cannot be built.
     mode triton on CPU tensors needs Triton's interpreter (TRITON_INTERPRET=1 set before triton is
-    imported); mode cpu is for CPU tensors only."""
+    imported); mode cpu is for CPU tensors only. invariant: the batch-invariant attention of the
+    set (every other op is computed per row or per element, the same whatever the batch)."""
     assert mode in MODES, f"kernel mode must be one of {MODES}, got {mode!r}"
     device = torch.device(device)
     if mode == "auto":
@@ -93,8 +97,18 @@ def get_ops(mode: str = "auto", device: str | torch.device = "cpu") -> Ops:
     if mode == "cpu":
         assert device.type == "cpu", f"kernel mode cpu runs on CPU tensors, not {device}"
         assert _any_c_built(), "kernel mode cpu needs a C compiler (cc, gcc or $CC); see the log"
-        return CPU_OPS
-    return _triton_ops() if mode == "triton" else TORCH_OPS
+        ops = CPU_OPS
+    else:
+        ops = _triton_ops() if mode == "triton" else TORCH_OPS
+    return _invariant(ops) if invariant else ops
+
+
+def _invariant(ops: Ops) -> Ops:
+    if ops.name == "torch":
+        attention = twin_attention.invariant_paged_attention
+    else:  # the C and the Triton kernels take the flag themselves
+        attention = functools.partial(ops.paged_attention, invariant=True)
+    return dataclasses.replace(ops, paged_attention=attention, invariant=True)
 
 
 def _any_c_built() -> bool:

@@ -8,6 +8,13 @@ prompts past their cached prefix) goes to the same kernel as one row per token, 
 own causal context length; a longer one keeps the twin's SDPA, whose matmuls win there.
 Tensors the kernel does not take (fp16, block size over 32, more than 16 query heads a KV head,
 head size over 256) go to the twin whole.
+
+Batch invariant (``invariant=True``, the engine's default): every query token goes to the C kernel,
+prefill runs of any length included, so that a token's attention is one computation whatever step
+it is in: its context in the same chunks of the same blocks, in order, with one online softmax
+(the chunks are those of the block layout, fixed per position). Long prefills then cost more
+than through SDPA's matmuls (see the engine's benchmark). Tensors the kernel does not take go to
+the twin's invariant path.
 """
 
 from __future__ import annotations
@@ -39,17 +46,18 @@ class _Plan:
 _last_plan: _Plan | None = None
 
 
-def _plan(block_tables, cu_seqlens_q, context_lens, num_blocks: int, block_size: int) -> _Plan:
+def _plan(block_tables, cu_seqlens_q, context_lens, num_blocks: int, block_size: int, invariant: bool) -> _Plan:
     # every layer of a step passes the same metadata tensors: plan once, on the first layer
     global _last_plan
-    key = (block_tables, cu_seqlens_q, context_lens)
+    key = (block_tables, cu_seqlens_q, context_lens, invariant)
     plan = _last_plan
     if (plan is None or plan.pool != (num_blocks, block_size)
             or any(a is not b for a, b in zip(plan.key, key, strict=True))):
         layout = twin.step_layout(cu_seqlens_q, context_lens)
         runs = [(b, layout.starts[b], 1, layout.context_lens[b]) for b in layout.decode]
-        runs += [run for run in layout.prefills if run[2] <= PREFILL_ROWS_IN_C]
-        prefills = [run for run in layout.prefills if run[2] > PREFILL_ROWS_IN_C]
+        longest = float("inf") if invariant else PREFILL_ROWS_IN_C
+        runs += [run for run in layout.prefills if run[2] <= longest]
+        prefills = [run for run in layout.prefills if run[2] > longest]
         seqs = [b for b, _, n, _ in runs for _ in range(n)]
         q_rows = [row for _, start, n, _ in runs for row in range(start, start + n)]
         lens = [length for _, _, n, ctx in runs for length in range(ctx - n + 1, ctx + 1)]
@@ -88,13 +96,16 @@ def paged_attention(
     cu_seqlens_q: torch.Tensor,  # [B+1] int32
     context_lens: torch.Tensor,  # [B] int32, KV length including this step's tokens
     scale: float,
+    invariant: bool = False,
     **hints,
 ) -> torch.Tensor:
-    """Same contract as the twin, kernels.torch.attention.paged_attention (docs/CONTRACTS.md)."""
+    """Same contract as the twin, kernels.torch.attention.paged_attention (docs/CONTRACTS.md);
+    invariant: every token through the C kernel (see the module's docstring)."""
     assert q.shape[1] % k_cache.shape[2] == 0, f"Hq={q.shape[1]} not a multiple of Hkv={k_cache.shape[2]}"
     if q.shape[0] == 0 or cu_seqlens_q.shape[0] < 2 or build.load() is None or not supports(q, k_cache, v_cache):
-        return twin.paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, **hints)
-    plan = _plan(block_tables, cu_seqlens_q, context_lens, k_cache.shape[0], k_cache.shape[1])
+        fallback = twin.invariant_paged_attention if invariant else twin.paged_attention
+        return fallback(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, **hints)
+    plan = _plan(block_tables, cu_seqlens_q, context_lens, k_cache.shape[0], k_cache.shape[1], invariant)
     assert plan.num_tokens == q.shape[0], f"cu_seqlens_q ends at {plan.num_tokens}, q has {q.shape[0]} tokens"
     q = q.contiguous()
     out = torch.empty_like(q)

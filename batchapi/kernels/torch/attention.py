@@ -189,3 +189,58 @@ def paged_attention(
     for b, s, n, ctx in plan.prefills:
         out[s : s + n] = prefill_attention(q[s : s + n], k_cache, v_cache, block_tables[b], ctx, scale)
     return out
+
+
+def invariant_paged_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32, pad -1
+    cu_seqlens_q: torch.Tensor,  # [B+1] int32
+    context_lens: torch.Tensor,  # [B] int32, KV length including this step's tokens
+    scale: float,
+    **hints,
+) -> torch.Tensor:
+    """paged_attention computed the same way for every query token, whatever step it is in: its
+    causal context walked block by block in order, in fp32, with one online softmax; decode,
+    prefill, chunked prefill and cached prefixes alike, so a token's output depends only on its
+    query and its keys and values (batch invariance). Each reduction is over one block's keys or
+    one head's columns, whose order torch keeps whatever the number of tokens (checked by the
+    kernel tests). Slower than paged_attention: the fallback where the C kernel does not apply."""
+    assert q.shape[1] % k_cache.shape[2] == 0, f"Hq={q.shape[1]} not a multiple of Hkv={k_cache.shape[2]}"
+    num_tokens, num_heads, head_dim = q.shape
+    if num_tokens == 0 or cu_seqlens_q.shape[0] < 2:
+        return torch.empty_like(q)
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // hkv
+    layout = step_layout(cu_seqlens_q, context_lens)
+    assert layout.starts[-1] == num_tokens, f"cu_seqlens_q ends at {layout.starts[-1]}, q has {num_tokens} tokens"
+    seqs, lens = [], []  # each token's sequence and causal context length
+    for b, (start, end) in enumerate(zip(layout.starts[:-1], layout.starts[1:], strict=True)):
+        first = layout.context_lens[b] - (end - start) + 1
+        seqs.extend([b] * (end - start))
+        lens.extend(range(first, first + end - start))
+    device = q.device
+    seq_index = torch.tensor(seqs, dtype=torch.long, device=device)
+    token_lens = torch.tensor(lens, dtype=torch.long, device=device)  # [T]
+    tables = block_tables.long()[seq_index]  # [T, max_blocks]
+    qf = q.float().view(num_tokens, hkv, group, 1, head_dim)
+    best = torch.full((num_tokens, hkv, group), float("-inf"), device=device)
+    total = torch.zeros(num_tokens, hkv, group, device=device)
+    acc = torch.zeros(num_tokens, hkv, group, head_dim, device=device)
+    offsets = torch.arange(bs, device=device)
+    for j in range((max(lens) + bs - 1) // bs):
+        rows = (token_lens > j * bs).nonzero().squeeze(1)  # tokens whose context reaches block j
+        blocks = tables[rows, j]
+        k = k_cache[blocks].float().permute(0, 2, 1, 3)[:, :, None]  # [A, Hkv, 1, bs, D]
+        v = v_cache[blocks].float().permute(0, 2, 1, 3)[:, :, None]
+        s = (qf[rows] * k).sum(-1) * scale  # [A, Hkv, G, bs]
+        visible = (j * bs + offsets)[None, :] < token_lens[rows, None]  # [A, bs]
+        s = s.masked_fill(~visible[:, None, None, :], float("-inf"))
+        new_best = torch.maximum(best[rows], s.amax(-1))  # finite: every block a token reaches has a visible key
+        p = torch.exp(s - new_best[..., None])
+        alpha = torch.exp(best[rows] - new_best)
+        total[rows] = total[rows] * alpha + p.sum(-1)
+        acc[rows] = acc[rows] * alpha[..., None] + (p[..., None] * v).sum(-2)
+        best[rows] = new_best
+    return (acc / total[..., None]).view(num_tokens, num_heads, head_dim).to(q.dtype)

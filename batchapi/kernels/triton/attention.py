@@ -236,6 +236,7 @@ def paged_attention(
     max_seqlen_q: int | None = None,
     max_context_len: int | None = None,
     num_splits: int | None = None,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """q [T, Hq, D] -> [T, Hq, D]; see docs/CONTRACTS.md.
 
@@ -243,6 +244,10 @@ def paged_attention(
     by the engine; without them they are read from the device once per step. They choose the
     tiling and the split only: any values give the same result. num_splits forces the split-KV
     path (a power of 2; 1 turns it off).
+
+    invariant: batch invariance. One tiling for every step (the decode one: the same KV tiles and
+    the same dot shapes for a token in a prefill, a chunk or a decode step) and no split, so that
+    each query row walks its context in the same tiles, in order, in every step.
     """
     _check(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens)
     num_tokens, num_heads, head_dim = q.shape
@@ -254,7 +259,9 @@ def paged_attention(
         return out
     if max_seqlen_q is None or (num_splits is None and max_seqlen_q == 1 and max_context_len is None):
         max_seqlen_q, max_context_len = _step_maxima(cu_seqlens_q, context_lens)
-    tiling = launch_tiling(group, head_dim, max_seqlen_q)
+    tiling = launch_tiling(group, head_dim, 1 if invariant else max_seqlen_q)
+    if invariant:
+        num_splits = 1
     if num_splits is None:
         num_splits = _choose_splits(num_seqs, num_kv_heads, max_seqlen_q, max_context_len or 0, tiling["TILE"])
     assert num_splits == next_pow2(num_splits), f"num_splits must be a power of 2, got {num_splits}"

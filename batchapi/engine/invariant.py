@@ -1,0 +1,160 @@
+"""Batch invariance of the model's matmuls: a token's projections do not depend on its step's row count.
+
+A matmul library picks its kernel and blocking by the shape, and a kernel for few rows may sum
+along K in another order than one for many (measured on an AVX512-BF16 CPU: fp32 through MKL
+gives other bits at 1-3, 5-7 and 9-11 rows than at 4, 8 and 12 or more; bf16 through oneDNN other
+bits at 1 row for some inputs; on an AMX CPU the lm_head changes at 33 rows). Each row of a
+matmul is otherwise independent of the rest: within one kernel every row is reduced alike.
+
+So each linear runs with at least ``min_rows`` rows, padded with zeros below that, where
+``min_rows`` is the smallest row count from which this CPU's kernel gives every row the same bits
+at every larger count up to the most rows a step can hold: found at load by ``min_invariant_rows``,
+which compares row counts from each candidate up to that most, on the layer's own weights. Padding
+costs only the smallest steps, whose matmuls read the weights anyway. Where no candidate holds
+(no CPU seen here), the layer runs in fixed blocks of ``BLOCK_ROWS`` rows, each a call of one shape.
+
+Fixed blocks for every step would be exact on any library but cost 12-50% of a step on the
+AVX512-BF16 CPU (bench in the note of issue 15); the probe keeps oneDNN's one call per step.
+
+On CUDA the layers run batchapi.kernels.triton.matmul instead of cuBLAS: fixed tiles, no split-K.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+CANDIDATE_MIN_ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 33, 48, 64)
+BLOCK_ROWS = 64  # the fallback's rows per call
+
+
+class TritonLinear(nn.Module):
+    """A linear layer through the batch-invariant Triton matmul (CUDA)."""
+
+    def __init__(self, inner: nn.Linear):
+        super().__init__()
+        self.inner = inner
+        from batchapi.kernels.triton import matmul  # imports triton: CUDA only
+
+        self._linear = matmul.linear
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.inner.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._linear(x, self.inner.weight, self.inner.bias)
+
+
+class InvariantLinear(nn.Module):
+    """A linear layer whose every row gets the same bits whatever the number of rows of the call."""
+
+    def __init__(self, inner: nn.Module, min_rows: int, block_rows: int | None = None):
+        super().__init__()
+        self.inner = inner  # nn.Linear or PackedLinear; its parameters stay where they were
+        self.min_rows = min_rows
+        self.block_rows = block_rows  # None: one call, padded to min_rows
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.inner.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if self.block_rows is not None:
+            return _blocked(self.inner, x, self.block_rows)
+        if rows >= self.min_rows:
+            return self.inner(x)
+        return self.inner(F.pad(x, (0, 0, 0, self.min_rows - rows)))[:rows]
+
+
+def _blocked(linear: nn.Module, x: torch.Tensor, block: int) -> torch.Tensor:
+    rows = x.shape[0]
+    padded = F.pad(x, (0, 0, 0, (-rows) % block))
+    return torch.cat([linear(padded[i : i + block]) for i in range(0, padded.shape[0], block)])[:rows]
+
+
+def probe_rows(min_rows: int, max_rows: int) -> list[int]:
+    """The row counts compared against ``max_rows`` for a candidate ``min_rows``: every count up to
+    twice the candidate, the counts around each power of two and a few between, then ``max_rows``."""
+    counts = set(range(min_rows, min(2 * min_rows + 2, max_rows) + 1))
+    power = 4
+    while power <= max_rows:
+        counts.update(c for c in (power - 1, power, power + 1, power + power // 2) if min_rows <= c <= max_rows)
+        power *= 2
+    counts.update({max_rows, max(min_rows, max_rows - 1)})
+    return sorted(counts)
+
+
+_cache: dict[tuple, int | None] = {}
+_lock = threading.Lock()
+
+
+@torch.inference_mode()
+def min_invariant_rows(linear: nn.Module, max_rows: int, seed: int = 0) -> int | None:
+    """The smallest row count from which ``linear`` gives each row the same bits at any count up
+    to ``max_rows`` (and in any position), or None. Cached per shape, dtype, layout and threads."""
+    weight = linear.weight
+    key = (type(linear).__name__, tuple(weight.shape), weight.dtype, weight.device.type, max_rows,
+           torch.get_num_threads())
+    with _lock:
+        if key not in _cache:
+            _cache[key] = _probe(linear, max_rows, seed)
+        return _cache[key]
+
+
+def _probe(linear: nn.Module, max_rows: int, seed: int) -> int | None:
+    weight = linear.weight
+    generator = torch.Generator(device=weight.device).manual_seed(seed)
+    x = torch.randn(max_rows, weight.shape[1], generator=generator, device=weight.device).to(weight.dtype)
+    full = linear(x)
+    moved = torch.roll(x, shifts=max_rows // 3 + 1, dims=0)  # every row in another position
+    if not torch.equal(linear(moved), torch.roll(full, shifts=max_rows // 3 + 1, dims=0)):
+        return None
+    candidates = [c for c in CANDIDATE_MIN_ROWS if c <= max_rows]
+    counts = sorted(set().union(*(probe_rows(c, max_rows) for c in candidates)))
+    same = {m: _same_rows(linear, x, full, m) for m in counts}  # each count run once
+    for candidate in candidates:
+        if all(same[m] for m in probe_rows(candidate, max_rows)):
+            return candidate
+    return None
+
+
+def _same_rows(linear: nn.Module, x: torch.Tensor, full: torch.Tensor, m: int) -> bool:
+    """Whether calls of ``m`` rows give the rows of the full call: few-row kernels may differ on
+    some inputs only, so small counts are checked on windows covering the first 64 rows."""
+    starts = range(0, min(64, x.shape[0] - m + 1), m) if m <= 16 else (0, x.shape[0] - m)
+    return all(torch.equal(linear(x[s : s + m]), full[s : s + m]) for s in starts)
+
+
+def make_invariant(model: nn.Module, device: torch.device, max_tokens: int,
+                   max_logit_rows: int) -> dict[str, int | str]:
+    """Wrap every linear layer of ``model`` in place; returns {layer shape: min rows, "blocks" or
+    "triton"} for the log. ``lm_head`` sees at most ``max_logit_rows`` rows a step, the other
+    layers ``max_tokens``."""
+    plan: dict[str, int | str] = {}
+    targets = [(parent, name, child) for parent in model.modules()
+               for name, child in parent.named_children() if isinstance(child, nn.Linear)]
+    for parent, name, child in targets:
+        if device.type == "cuda":
+            setattr(parent, name, TritonLinear(child))
+            plan[f"{name}:{child.in_features}x{child.out_features}"] = "triton"
+            continue
+        max_rows = max_logit_rows if name == "lm_head" else max_tokens
+        min_rows = min_invariant_rows(child, max_rows)
+        shape = f"{name}:{child.in_features}x{child.out_features}"
+        if min_rows is None:
+            log.warning("the matmul of %s is not row-invariant on this CPU from any row count: it runs in "
+                        "fixed blocks of %d rows (slower)", shape, BLOCK_ROWS)
+            setattr(parent, name, InvariantLinear(child, BLOCK_ROWS, block_rows=BLOCK_ROWS))
+            plan[shape] = "blocks"
+        else:
+            setattr(parent, name, InvariantLinear(child, min_rows))
+            plan[shape] = min_rows
+    return plan
