@@ -21,8 +21,11 @@ On CUDA the layers run batchapi.kernels.triton.matmul instead of cuBLAS: fixed t
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import threading
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -80,33 +83,76 @@ def _blocked(linear: nn.Module, x: torch.Tensor, block: int) -> torch.Tensor:
     return torch.cat([linear(padded[i : i + block]) for i in range(0, padded.shape[0], block)])[:rows]
 
 
+DENSE_ROWS = 512  # up to here every power of two is probed around; past it a few counts
+
+
 def probe_rows(min_rows: int, max_rows: int) -> list[int]:
     """The row counts compared against ``max_rows`` for a candidate ``min_rows``: every count up to
-    twice the candidate, the counts around each power of two and a few between, then ``max_rows``."""
+    twice the candidate, the counts around each power of two up to DENSE_ROWS and a few between,
+    then a few larger counts and ``max_rows``. Libraries switch kernels at small counts (seen: 2,
+    4, 12, 33); past a few hundred rows they only split the same kernel's work."""
     counts = set(range(min_rows, min(2 * min_rows + 2, max_rows) + 1))
     power = 4
-    while power <= max_rows:
+    while power <= min(max_rows, DENSE_ROWS):
         counts.update(c for c in (power - 1, power, power + 1, power + power // 2) if min_rows <= c <= max_rows)
         power *= 2
-    counts.update({max_rows, max(min_rows, max_rows - 1)})
+    counts.update(c for c in (1000, 2049, max_rows - 1, max_rows) if min_rows <= c <= max_rows)
     return sorted(counts)
 
 
-_cache: dict[tuple, int | None] = {}
+_cache: dict[str, int | None] = {}
 _lock = threading.Lock()
+CACHE_FILE = "matmul-invariance.json"  # in the model cache directory: the probe costs seconds a shape
 
 
 @torch.inference_mode()
 def min_invariant_rows(linear: nn.Module, max_rows: int, seed: int = 0) -> int | None:
     """The smallest row count from which ``linear`` gives each row the same bits at any count up
-    to ``max_rows`` (and in any position), or None. Cached per shape, dtype, layout and threads."""
+    to ``max_rows`` (and in any position), or None. Cached per CPU, torch version, shape, dtype,
+    layout and threads, in memory and in a file of the model cache (BATCHAPI_MODEL_CACHE)."""
     weight = linear.weight
-    key = (type(linear).__name__, tuple(weight.shape), weight.dtype, weight.device.type, max_rows,
-           torch.get_num_threads())
+    key = "|".join(map(str, (_cpu_name(), torch.__version__, torch.backends.cpu.get_cpu_capability(),
+                             type(linear).__name__, tuple(weight.shape), weight.dtype, max_rows,
+                             torch.get_num_threads())))
     with _lock:
+        if not _cache:
+            _cache.update(_read_cache_file())
         if key not in _cache:
             _cache[key] = _probe(linear, max_rows, seed)
+            _write_cache_file()
         return _cache[key]
+
+
+def _cache_path() -> Path:
+    return Path(os.environ.get("BATCHAPI_MODEL_CACHE", "~/.cache/batchapi")).expanduser() / CACHE_FILE
+
+
+def _read_cache_file() -> dict[str, int | None]:
+    try:
+        return json.loads(_cache_path().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache_file() -> None:
+    path = _cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        partial.write_text(json.dumps(_cache, indent=0, sort_keys=True))
+        partial.replace(path)  # atomic: another process reads the old file or the new one
+    except OSError as exc:  # a read-only home: probe again next time
+        log.info("could not write %s: %s", path, exc)
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown cpu"
 
 
 def _probe(linear: nn.Module, max_rows: int, seed: int) -> int | None:

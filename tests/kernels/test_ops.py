@@ -24,9 +24,20 @@ def test_get_ops_modes():
 
 
 def test_every_set_has_every_op():
-    ops = [name for name in Ops.__dataclass_fields__ if name != "name"]
+    ops = [name for name in Ops.__dataclass_fields__ if name not in ("name", "invariant")]
     for kernels in (TORCH_OPS, CPU_OPS, get_ops("triton", "cpu")):
-        assert all(callable(getattr(kernels, name)) for name in ops), kernels.name
+        for invariant in (False, True):
+            chosen = get_ops(kernels.name, "cpu", invariant=invariant) if kernels.name != "cpu" else (
+                get_ops("cpu", "cpu", invariant=invariant))
+            assert chosen.invariant is invariant
+            assert all(callable(getattr(chosen, name)) for name in ops), kernels.name
+
+
+def test_invariant_sets_differ_only_in_attention():
+    for mode in ("cpu", "torch", "triton"):
+        plain, invariant = get_ops(mode, "cpu"), get_ops(mode, "cpu", invariant=True)
+        differ = [name for name in Ops.__dataclass_fields__ if getattr(plain, name) != getattr(invariant, name)]
+        assert differ == ["paged_attention", "invariant"], mode
 
 
 def test_greedy_argmax_of_every_set_is_torchs():

@@ -1,0 +1,127 @@
+"""Batch invariance of every CPU op the engine runs: each token's or row's bits do not depend on the
+row count, its position among the rows, or the split of its sequence into steps. The attention of
+the C kernel and of the twin's invariant path; the elementwise ops of both sets; the linear
+layers at the real default model's shapes through engine.invariant. (The Triton ones: triton/.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from batchapi.engine.invariant import InvariantLinear, min_invariant_rows, probe_rows
+from batchapi.engine.packed_linear import PackedLinear, can_pack
+from batchapi.kernels import CPU_OPS, TORCH_OPS, get_ops
+from batchapi.kernels.torch.attention import invariant_paged_attention
+from batchapi.kernels.torch.rope import build_rope_cache
+from tests.kernels.invariance import check_attention, check_rows
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d,block_size", [(6, 2, 64, 16), (9, 3, 64, 16), (4, 4, 32, 8), (4, 1, 128, 32)])
+def test_the_c_attention_is_invariant(dtype, hq, hkv, d, block_size):
+    attention = get_ops("cpu", "cpu", invariant=True).paged_attention
+    check_attention(attention, dtype, hq, hkv, d, block_size)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hq,hkv,d,block_size", [(6, 2, 64, 16), (4, 4, 32, 8)])
+def test_the_twins_invariant_attention_is_invariant(dtype, hq, hkv, d, block_size):
+    check_attention(invariant_paged_attention, dtype, hq, hkv, d, block_size)
+
+
+def test_the_c_kernel_in_fp16_falls_back_to_the_invariant_twin():
+    assert get_ops("cpu", "cpu", invariant=True).paged_attention is not CPU_OPS.paged_attention
+    check_attention(get_ops("cpu", "cpu", invariant=True).paged_attention, torch.float16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_invariant_attentions_agree_with_the_plain_one(dtype):
+    from tests.kernels.paged import make_case
+
+    case = make_case([1, 40, 7, 1], [30, 40, 90, 17], 6, 2, 64, dtype=dtype, seed=3)
+    expected = TORCH_OPS.paged_attention(*case.args(), case.scale).float()
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    for attention in (invariant_paged_attention, get_ops("cpu", "cpu", invariant=True).paged_attention):
+        torch.testing.assert_close(attention(*case.args(), case.scale).float(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("ops", [CPU_OPS, TORCH_OPS], ids=["cpu", "torch"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_elementwise_ops_are_invariant(ops, dtype):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 576, generator=g).to(dtype)
+    residual = torch.randn(300, 576, generator=g).to(dtype)
+    weight = torch.rand(576, generator=g).to(dtype)
+    check_rows(lambda t: ops.rms_norm(t, weight, 1e-5), x)
+    check_rows(lambda t, r: ops.fused_add_rms_norm(t, r, weight, 1e-5), x, residual)
+    check_rows(ops.silu_and_mul, torch.randn(300, 2 * 1536, generator=g).to(dtype))
+    check_rows(ops.argmax, torch.randn(300, 49152, generator=g).to(dtype))
+    cos_sin = build_rope_cache(64, 1024, 10000.0, None, "cpu", dtype)
+    positions = torch.randint(0, 1024, (300,), generator=g)
+    q, k = torch.randn(300, 9, 64, generator=g).to(dtype), torch.randn(300, 3, 64, generator=g).to(dtype)
+    check_rows(lambda q, k, p: ops.rotary(q, k, p, cos_sin), q, k, positions)
+
+
+SMOLLM2_LINEARS = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)]  # (in, out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("in_features,out_features", SMOLLM2_LINEARS)
+def test_the_linear_layers_at_the_default_models_shapes_are_invariant(dtype, in_features, out_features):
+    """Every row count 1..80 (the lm_head 1..40), and more up to 300, in several positions: the
+    probe's choice holds beyond the counts the probe itself compares."""
+    g = torch.Generator().manual_seed(5)
+    linear = nn.Linear(in_features, out_features, bias=False).to(dtype).requires_grad_(False)
+    linear.weight.normal_(0, 0.05, generator=g)
+    if can_pack(linear):
+        linear = PackedLinear.from_linear(linear, batch_hint=256)
+    max_rows = 300
+    min_rows = min_invariant_rows(linear, max_rows)
+    assert min_rows is not None, "the probe found no invariant row count on this CPU: the blocks fallback runs"
+    layer = InvariantLinear(linear, min_rows)
+    x = torch.randn(max_rows, in_features, generator=g).to(dtype)
+    wide = out_features > 10_000  # the lm_head: fewer counts, as each costs 50x a projection's
+    with torch.inference_mode():
+        full = layer(x)
+        counts = list(range(1, 41 if wide else 81)) + list(range(41 if wide else 81, max_rows + 1, 23 if wide else 7))
+        for m in counts:
+            for start in {0, max_rows - m} if wide else {0, (37 * m) % (max_rows - m + 1), max_rows - m}:
+                assert torch.equal(layer(x[start : start + m]), full[start : start + m]), (m, start)
+
+
+def test_the_probe_covers_small_counts_densely():
+    rows = probe_rows(12, 4096)
+    assert rows[:14] == list(range(12, 26)) and 4096 in rows and 4095 in rows
+    assert {31, 32, 33, 63, 64, 65, 255, 256, 257, 511, 512, 513} <= set(rows)
+
+
+def test_a_layer_that_is_not_invariant_is_found_and_runs_in_fixed_blocks():
+    class RowCountDependent(nn.Linear):  # adds a tiny term that depends on the number of rows
+        def forward(self, x):
+            return super().forward(x) + x.shape[0] * 1e-3
+
+    linear = RowCountDependent(16, 8, bias=False).requires_grad_(False)
+    assert min_invariant_rows(linear, 100) is None
+    layer = InvariantLinear(linear, 64, block_rows=64)
+    x = torch.randn(100, 16)
+    with torch.inference_mode():
+        full = layer(x)
+        assert all(torch.equal(layer(x[:m]), full[:m]) for m in (1, 5, 64, 65, 99))
+
+
+def test_padding_makes_a_small_count_kernel_invariant():
+    class SmallCountsDiffer(nn.Linear):  # another answer below 4 rows, as MKL's fp32 kernels give
+        def forward(self, x):
+            out = super().forward(x)
+            return out + 1e-3 if x.shape[0] < 4 else out
+
+    linear = SmallCountsDiffer(16, 8, bias=False).requires_grad_(False)
+    assert min_invariant_rows(linear, 64) == 4
+    layer = InvariantLinear(linear, 4)
+    x = torch.randn(64, 16)
+    with torch.inference_mode():
+        full = layer(x)
+        assert all(torch.equal(layer(x[:m]), full[:m]) for m in (1, 2, 3, 4, 50))
