@@ -14,6 +14,7 @@ def check_attention(attention, dtype: torch.dtype, hq: int = 6, hkv: int = 2, d:
     """``attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)`` gives each
     query token of one sequence the same bits in a whole prefill, in chunks of any size, as a decode
     token, and beside other sequences before and after it."""
+    assert context >= 20, "the other sequences' runs are fixed, the probe's context must be at least 20"
     case = make_case([context, 5, 1, 20], [context, 40, 33, 20], hq, hkv, d, block_size, dtype, seed=seed)
     q, k_cache, v_cache, tables = case.q, case.k_cache, case.v_cache, case.block_tables
     i32 = dict(dtype=torch.int32)
@@ -41,8 +42,9 @@ def check_attention(attention, dtype: torch.dtype, hq: int = 6, hkv: int = 2, d:
     # beside other sequences' tokens, before and after: decode rows, a prefill, a cached-prefix run
     mixed = call([(2, 32, 1), (1, 35, 5), (0, 0, context), (3, 0, 20)])
     assert torch.equal(mixed[6 : 6 + context], whole)
-    mixed = call([(0, 50, context - 50), (2, 32, 1), (3, 0, 20)])  # a run on a cached prefix of 50
-    assert torch.equal(mixed[: context - 50], whole[50:])
+    cached = 2 * context // 3
+    mixed = call([(0, cached, context - cached), (2, 32, 1), (3, 0, 20)])  # a run on a cached prefix
+    assert torch.equal(mixed[: context - cached], whole[cached:])
     decode_rows = call([(1, 39, 1)] * 3 + [(0, context - 1, 1)] + [(2, 32, 1)] * 4)
     assert torch.equal(decode_rows[3], whole[-1])
 

@@ -79,10 +79,21 @@ def _elementwise_cases():
             "logits_ptr": logits, "bitmask_ptr": "*i32", "rows_ptr": "*i64", "*": "i32"}, dict(BLOCK=bitmask.BLOCK), {}
 
 
+def _matmul_cases():
+    matmul = importlib.import_module("batchapi.kernels.triton.matmul")
+    for dtype in ("bf16", "fp16", "fp32"):
+        for bias in (False, True):
+            ptr = f"*{dtype}"
+            yield f"matmul {dtype} bias={bias}", matmul._matmul_kernel, {
+                "y_ptr": ptr, "x_ptr": ptr, "w_ptr": ptr, "bias_ptr": ptr, "*": "i32"}, dict(
+                HAS_BIAS=bias, NUM_PROGRAMS=132, BLOCK_M=matmul.BLOCK_M, BLOCK_N=matmul.BLOCK_N,
+                BLOCK_K=matmul.BLOCK_K), {"num_warps": matmul.NUM_WARPS, "num_stages": matmul.NUM_STAGES}
+
+
 def main() -> int:
     report = "--quiet" not in sys.argv  # --quiet: compile only, no ptxas register report
     failures = 0
-    for name, kernel, types, constexprs, options in [*_attention_cases(), *_elementwise_cases()]:
+    for name, kernel, types, constexprs, options in [*_attention_cases(), *_elementwise_cases(), *_matmul_cases()]:
         try:
             print(f"{name}: ok {compile_for_sm90(kernel, types, constexprs, report, **options)}", flush=True)
         except Exception as exc:  # report every failing configuration, not just the first
