@@ -197,7 +197,8 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--mixed-prompts", type=int, default=48)
     ap.add_argument("--mixed-slots", type=int, default=16)
-    ap.add_argument("--skip", default="", help="comma list of: profile,hf,static,mixed,prefix")
+    ap.add_argument("--skip", default="", help="comma list of: profile,hf,static,mixed,prefix,invariance")
+    ap.add_argument("--invariance-rounds", type=int, default=3)
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     if args.threads:
@@ -260,18 +261,41 @@ def main() -> None:
         s = run_engine(engine, subset, mixed, static_batch=slots)
         print(f"mixed output lengths 16..512, {len(subset)} requests, {slots} at a time: continuous {c}, "
               f"static {s}: {c.rate / s.rate:.2f}x")
+    facts = " ".join(f"Fact {i}: the {TOPICS[i % len(TOPICS)]} is item {i}." for i in range(150))
+    shared = tokenizer.encode(facts)[:1000]
+    questions = [shared + tokenizer.encode(f"\nQuestion {i}: which item is {TOPICS[i % len(TOPICS)]}?")
+                 for i in range(32)]
+    short = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    if "invariance" not in skip:
+        caching = engine.block_manager.enable_prefix_caching
+        compare_invariance(engine, config, {
+            f"batch invariance, {len(prompts)} chat prompts": (prompts, greedy),
+            "batch invariance, 32 prompts of 1,000+ tokens (prefill-heavy, cache reset each run)": (questions, short),
+        }, args.invariance_rounds)
+        engine.block_manager.enable_prefix_caching = caching
     if "prefix" not in skip:
-        facts = " ".join(f"Fact {i}: the {TOPICS[i % len(TOPICS)]} is item {i}." for i in range(150))
-        shared = tokenizer.encode(facts)[:1000]
-        questions = [shared + tokenizer.encode(f"\nQuestion {i}: which item is {TOPICS[i % len(TOPICS)]}?")
-                     for i in range(32)]
-        short = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
         for caching in (False, True):
             engine.block_manager.enable_prefix_caching = caching
             engine.block_manager.reset_prefix_cache()
             timed = run_engine(engine, questions, short)
             print(f"shared 1,000-token prefix, 32 requests, prefix caching {'on ' if caching else 'off'}: "
                   f"{timed.cpu:.1f} CPU s, {timed.wall:.1f} wall s")
+
+
+def compare_invariance(engine: LLMEngine, config: EngineConfig, workloads: dict, rounds: int) -> None:
+    """Batch invariance on (the default) against off, the otherwise same engine, runs interleaved;
+    the best rate of each over the rounds."""
+    plain = LLMEngine(replace(config, batch_invariant=False))
+    for name, (prompts, params) in workloads.items():
+        best = {True: None, False: None}
+        for _ in range(rounds):
+            for invariant, eng in ((True, engine), (False, plain)):
+                timed = run_engine(eng, prompts, params)
+                if best[invariant] is None or timed.rate > best[invariant].rate:
+                    best[invariant] = timed
+        print(f"{name}: invariant {best[True]}; not invariant {best[False]}; invariant / not "
+              f"{best[True].rate / best[False].rate:.3f}x")
+    plain.close()
 
 
 if __name__ == "__main__":

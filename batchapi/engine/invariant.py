@@ -201,6 +201,7 @@ def make_invariant(model: nn.Module, device: torch.device, max_tokens: int,
             setattr(parent, name, InvariantLinear(child, BLOCK_ROWS, block_rows=BLOCK_ROWS))
             plan[shape] = "blocks"
         else:
-            setattr(parent, name, InvariantLinear(child, min_rows))
+            if min_rows > 1:  # at 1 the layer is invariant as it is: no wrapper to call
+                setattr(parent, name, InvariantLinear(child, min_rows))
             plan[shape] = min_rows
     return plan
