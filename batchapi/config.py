@@ -51,6 +51,7 @@ class Settings(BaseSettings):
     kv_cache_gb: float = Field(default=2.0, gt=0)  # CPU pool size
     gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
     enable_prefix_caching: bool = True
+    batch_invariant: bool = True  # a request's tokens do not depend on its batch (README, "Reproducible results")
 
     # service
     host: str = "127.0.0.1"
@@ -87,10 +88,25 @@ class Settings(BaseSettings):
     sweep_seconds: float = Field(default=5.0, gt=0)
     engine_watermark: int = Field(default=64, ge=0)
     max_shards_in_flight: int = Field(default=4, ge=1)  # per worker engine
+    # per-request durability: a worker writes finished requests' results in groups of this many,
+    # or after this many seconds, whichever comes first (issue 17)
+    result_flush_rows: int = Field(default=64, ge=1)
+    result_flush_seconds: float = Field(default=1.0, gt=0, le=60)
     worker_poll_seconds: float = Field(default=2.0, gt=0)  # how often an idle worker looks for shards
     celery_queue: str = "gpu"
     # longer than any shard: Redis redelivers an unacked task only after this
     visibility_timeout_seconds: int = Field(default=3 * 3600, ge=60)
+
+    # webhooks (batchapi/webhooks/): a failed delivery is retried after this many seconds, the wait
+    # doubling up to an hour, until the event is webhook_max_age_seconds old; one POST's time limit
+    webhook_retry_seconds: float = Field(default=5.0, ge=1)
+    webhook_max_age_seconds: int = Field(default=86400, ge=60)
+    webhook_timeout_seconds: float = Field(default=10.0, gt=0, le=60)
+
+    # operations (batchapi/logs.py, batchapi/metrics.py, the dashboard)
+    log_format: Literal["text", "json"] = "text"  # one JSON object per line with "json"
+    metrics_port: int = Field(default=0, ge=0, le=65535)  # `batchapi worker`'s /metrics port; 0: none
+    dashboard_session_hours: float = Field(default=12.0, gt=0)  # a dashboard sign-in lasts this long
 
     @field_validator("data_dir", "model_cache")
     @classmethod

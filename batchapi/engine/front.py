@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -34,6 +35,8 @@ class EngineFront:
         self._pending: dict[str, tuple[Future, Callback | None]] = {}
         self._stop = False
         self._thread: threading.Thread | None = None
+        # called on the engine thread after each step with (seconds, finished results): metrics
+        self.on_step: Callable[[float, list[GenerationResult]], None] | None = None
 
     # ---- any thread ----
 
@@ -130,6 +133,7 @@ class EngineFront:
             self._fail(request.request_id, exc)
 
     def _step(self) -> None:
+        started = time.perf_counter()
         try:
             results = self.engine.step()
         except Exception as exc:  # a bug, not a bad request: fail what is in flight, keep serving
@@ -138,6 +142,8 @@ class EngineFront:
                 self.engine.abort(request_id)
                 self._fail(request_id, exc)
             return
+        if self.on_step is not None:
+            self.on_step(time.perf_counter() - started, results)
         for result in results:
             self._deliver(result)
 

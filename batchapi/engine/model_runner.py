@@ -7,10 +7,9 @@ import logging
 import torch
 
 from batchapi.engine.config import EngineConfig
-from batchapi.engine.invariant import make_invariant
+from batchapi.engine.linears import make_invariant, pack_linears
 from batchapi.engine.loader import ModelConfig, load_config, load_weights
 from batchapi.engine.model import AttentionMetadata, CausalLM
-from batchapi.engine.packed_linear import pack_linears
 from batchapi.engine.platform import keep_freed_memory, resolve_dtype
 from batchapi.engine.sampler import Sampler, SampleRow
 from batchapi.engine.scheduler import ScheduledBatch

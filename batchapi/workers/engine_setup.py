@@ -76,4 +76,5 @@ def engine_config_from(settings: Settings, model: str | None = None) -> EngineCo
         kv_cache_bytes=int(settings.kv_cache_gb * 2**30),
         gpu_memory_utilization=settings.gpu_memory_utilization,
         enable_prefix_caching=settings.enable_prefix_caching,
+        batch_invariant=settings.batch_invariant,
     )
