@@ -129,12 +129,12 @@ def hf_best(report, model, label, batches, prompt_len, new_tokens, vocab) -> tup
 
 # ---- engine --------------------------------------------------------------------------------
 
-def start_engine(model_dir: Path, device: str, dtype: str, kernels: str):
+def start_engine(model_dir: Path, device: str, dtype: str, kernels: str, batch_invariant: bool = True):
     from batchapi.engine import EngineConfig, EngineFront
 
     config = EngineConfig(model_path=model_dir, device=device, dtype=dtype, kernels=kernels, max_num_seqs=256,
                           max_num_batched_tokens=8192, gpu_memory_utilization=0.85, max_model_len=4096,
-                          kv_cache_bytes=64 << 20)
+                          kv_cache_bytes=64 << 20, batch_invariant=batch_invariant)
     return EngineFront(config).start()
 
 
@@ -149,6 +149,29 @@ def engine_generate(front, prompts: list[list[int]], new_tokens: int) -> tuple[l
     errors = [r.error for r in results if r.error]
     assert not errors, f"engine errors: {errors[:3]}"
     return [r.outputs[0].token_ids for r in results], elapsed
+
+
+def invariance(report: Report, label: str, model_dir: Path, device: str, dtype: str, kernels: str, vocab: int,
+               new_tokens: int) -> None:
+    """Batch invariance: 4 probes alone, then 2 copies of each shuffled among 56 other prompts, with
+    invariance on (the default) and off; the copies that gave the tokens of their probe alone."""
+    probes = random_prompts(4, (20, 80), vocab, 7)
+    others = random_prompts(56, (4, 200), vocab, 8)
+    crowd = [(i, p) for i, p in enumerate(probes) for _ in range(2)] + [(None, p) for p in others]
+    random.Random(9).shuffle(crowd)
+    for invariant in (True, False):
+        front = start_engine(model_dir, device, dtype, kernels, batch_invariant=invariant)
+        try:
+            alone = [engine_generate(front, [p], new_tokens)[0][0] for p in probes]
+            mixed, _ = engine_generate(front, [p for _, p in crowd], new_tokens)
+        finally:
+            front.shutdown()
+            del front
+            free_memory()
+        same = sum(out == alone[i] for (i, _), out in zip(crowd, mixed, strict=True) if i is not None)
+        verdict = ("ok" if same == 8 else "FAIL") if invariant else "-"
+        report.add(f"batch invariance {label}, invariance {'on' if invariant else 'off'}",
+                   f"{same}/8 copies in a crowd of 64 as alone", verdict)
 
 
 def parity(report: Report, label: str, ours: list[list[int]], reference: list[list[int]], need: float) -> None:
@@ -228,6 +251,8 @@ def run_gpu(report: Report, work: Path) -> None:
         del front
         free_memory()  # the next engine sizes its KV pool from the free memory
     parity(report, "greedy parity llama-3.2-1b bf16 vs HF generate", ours, reference, need=0.75)
+    invariance(report, "llama-3.2-1b bf16", one_b, "cuda", "bfloat16", "triton",
+               SHAPES["llama-3.2-1b"]["vocab_size"], 32)
     throughput(report, "llama-3.2-1b", one_b, model, [64, 256], 128, 128, "cuda")
     del model
     free_memory()
@@ -255,6 +280,7 @@ def run_cpu(report: Report, work: Path) -> None:
         finally:
             front.shutdown()
         parity(report, f"greedy parity tiny fp32, engine {kernels} kernels vs HF", ours, reference, need=1.0)
+    invariance(report, "tiny fp32, torch kernels", tiny, "cpu", "float32", "torch", vocab, 12)
     throughput(report, "tiny", tiny, model, [16], 32, 16, "cpu", dtype="float32", kernels="torch",
                hf_batches=(8, 16))  # the roofline column is the H200's, meaningless here
     report.add("GPU run", "pending: no CUDA device in this run", "-")
