@@ -62,6 +62,23 @@ def test_the_elementwise_ops_are_invariant(ops, dtype):
     positions = torch.randint(0, 1024, (300,), generator=g)
     q, k = torch.randn(300, 9, 64, generator=g).to(dtype), torch.randn(300, 3, 64, generator=g).to(dtype)
     check_rows(lambda q, k, p: ops.rotary(q, k, p, cos_sin), q, k, positions)
+    bitmask = torch.randint(-2**31, 2**31, (300, 49152 // 32), generator=g, dtype=torch.int64).to(torch.int32)
+
+    def masked(logits, words):
+        logits = logits.clone()
+        ops.apply_token_bitmask(logits, words, list(range(logits.shape[0])))
+        return logits
+
+    check_rows(masked, torch.randn(300, 49152, generator=g).to(dtype), bitmask)
+
+    def stored(keys, values, slots):  # each token's slot gets its row, whatever else is stored with it
+        k_cache = torch.zeros(40, 16, 3, 64, dtype=dtype)
+        v_cache = torch.zeros_like(k_cache)
+        ops.store_kvcache(keys, values, k_cache, v_cache, slots)
+        flat = slots.long()
+        return k_cache.view(-1, 3, 64)[flat], v_cache.view(-1, 3, 64)[flat]
+
+    check_rows(stored, k, k.flip(0).contiguous(), torch.randperm(640, generator=g)[:300])
 
 
 SMOLLM2_LINEARS = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)]  # (in, out)
