@@ -6,9 +6,13 @@ STAMP := $(VENV)/.installed-stamp
 MODEL := smollm2-135m-instruct
 EMBEDDING_MODEL := all-minilm-l6-v2
 
-.PHONY: install model demo test lint bench clean
+.PHONY: install model browser demo test lint bench clean
 
-install: $(STAMP) model
+install: $(STAMP) model browser
+
+# Debian's chromium for the dashboard's browser tests (Playwright drives it; it cannot fetch its own)
+browser:
+	test -x /usr/bin/chromium || (apt-get update -qq && apt-get install -y -qq chromium)
 
 # torch is pinned through constraints.txt to the CPU build on this kind of machine's disk;
 # pyproject.toml keeps a loose range for users with GPUs.

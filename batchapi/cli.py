@@ -148,8 +148,9 @@ def cmd_db_upgrade(args: argparse.Namespace) -> int:
 def cmd_keys_create(args: argparse.Namespace) -> int:
     from batchapi.db.projects import create_key
 
-    key = create_key(_settings(), args.project)
-    console.print(f"API key for project {args.project!r} (shown once):")
+    key = create_key(_settings(), args.project, admin=args.admin)
+    kind = "admin API key" if args.admin else "API key"
+    console.print(f"{kind} for project {args.project!r} (shown once):")
     print(key)
     return 0
 
@@ -172,7 +173,8 @@ def cmd_keys_list(args: argparse.Namespace) -> int:
     for name in ("key", "created", "revoked"):
         table.add_column(name, no_wrap=True)
     for key in keys:
-        table.add_row(key.id, key.project, key.prefix + "…", _date(key.created_at), _date(key.revoked_at))
+        table.add_row(key.id, key.project, key.prefix + "…" + (" admin" if key.admin else ""), _date(key.created_at),
+                      _date(key.revoked_at))
     console.print(table)
     return 0
 
@@ -200,7 +202,45 @@ def cmd_submit(args: argparse.Namespace) -> int:
     )
 
 
+def cmd_batches(args: argparse.Namespace) -> int:
+    from batchapi.batch_client import run
+
+    settings = _settings()
+    return run(args.action, args, args.base_url or f"http://{settings.host}:{settings.port}/v1", console)
+
+
+def _add_batches_parser(sub) -> None:
+    """``batchapi batches list | show | cancel | download | retry`` (batchapi/batch_client.py)."""
+    client = argparse.ArgumentParser(add_help=False)
+    client.add_argument("--base-url", default=None, help="default: http://BATCHAPI_HOST:BATCHAPI_PORT/v1")
+    client.add_argument("--api-key", default=None, help="default: OPENAI_API_KEY")
+    batches = sub.add_parser("batches", help="list, show, cancel, download and retry batches on a running server")
+    actions = batches.add_subparsers(dest="action", required=True)
+    listing = actions.add_parser("list", parents=[client], help="the newest batches, as a table")
+    listing.add_argument("--limit", type=int, default=20, help="how many (1-100)")
+    for name, what in (("show", "one batch's details"), ("cancel", "cancel a batch (finished results are kept)"),
+                       ("download", "save a batch's output and error files"),
+                       ("retry", "a new batch over a batch's failed, expired and cancelled requests")):
+        action = actions.add_parser(name, parents=[client], help=what)
+        action.add_argument("batch_id")
+        if name == "download":
+            action.add_argument("-o", "--output-dir", default=".", help="where to save them (default: here)")
+        else:
+            action.add_argument("--wait", action="store_true", help="follow it with a progress bar until it ends")
+        if name == "retry":
+            action.add_argument("--idempotency-key", default=None, help="the same key returns the same retry batch")
+    batches.set_defaults(func=cmd_batches)
+
+
+def cmd_webhooks(args: argparse.Namespace) -> int:
+    from batchapi.webhook_commands import run
+
+    return run(args, _settings(), console)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from batchapi.webhook_commands import add_parser as add_webhooks_parser
+
     parser = argparse.ArgumentParser(prog="batchapi", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -238,6 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     keys = sub.add_parser("keys", help="API keys").add_subparsers(dest="action", required=True)
     create = keys.add_parser("create", help="create an API key for a project")
     create.add_argument("--project", required=True)
+    create.add_argument("--admin", action="store_true",
+                        help="the key also reads every project's usage and costs (/v1/organization/...)")
     create.set_defaults(func=cmd_keys_create)
     listing = keys.add_parser("list", help="API keys (never the secrets), oldest first")
     listing.add_argument("--project", default=None, help="only this project's keys")
@@ -255,6 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--endpoint", default=None, help="default: the url of the file's first line")
     submit.add_argument("--show", type=int, default=3, help="results to print at the end")
     submit.set_defaults(func=cmd_submit)
+    _add_batches_parser(sub)
+    add_webhooks_parser(sub, cmd_webhooks)
     return parser
 
 
@@ -265,10 +309,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _configure_logging(verbose: bool) -> None:
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    """batchapi/logs.py's one format (BATCHAPI_LOG_FORMAT); invalid settings are reported later."""
+    from batchapi import logs
+
+    try:
+        log_format = load_settings().log_format
+    except SettingsError:
+        log_format = "text"
+    logs.configure(log_format, logging.DEBUG if verbose else logging.INFO)
 
 
 if __name__ == "__main__":

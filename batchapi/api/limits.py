@@ -6,6 +6,7 @@ nothing more of the request is read."""
 from __future__ import annotations
 
 import json
+from fnmatch import fnmatchcase
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -87,6 +88,13 @@ class BodyLimit:
         self.default = default
         self.per_path = per_path or {}
 
+    def _cap(self, path: str) -> int:
+        """``per_path[path]``; a key with ``*`` (``/v1/uploads/*/parts``) is a pattern."""
+        if path in self.per_path:
+            return self.per_path[path]
+        return next((cap for pattern, cap in self.per_path.items() if "*" in pattern and fnmatchcase(path, pattern)),
+                    self.default)
+
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
@@ -98,7 +106,7 @@ class BodyLimit:
                 chunked = True
         if not chunked and not declared:
             return await self.app(scope, receive, send)  # no body: nothing to bound
-        cap = self.per_path.get(scope["path"], self.default)
+        cap = self._cap(scope["path"])
         too_large = TooLarge(f"The request body is larger than {cap} bytes, the limit of {scope['path']}.",
                              None, "request_too_large")
         if declared is not None and declared > cap:

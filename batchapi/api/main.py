@@ -9,9 +9,21 @@ from contextlib import AbstractContextManager, asynccontextmanager, nullcontext
 import anyio
 from fastapi import FastAPI
 
+from batchapi import metrics
 from batchapi.api import errors, openapi
 from batchapi.api.limits import BodyLimit, server_options
-from batchapi.api.routes import batches, files, health, message_batches, models
+from batchapi.api.request_id import RequestIdMiddleware
+from batchapi.api.routes import (
+    batches,
+    dashboard,
+    files,
+    health,
+    message_batches,
+    models,
+    uploads,
+    usage,
+    webhooks,
+)
 from batchapi.api.schemas import ModelObject
 from batchapi.api.uploads import FORM_OVERHEAD_BYTES, MAX_CONCURRENT_UPLOADS
 from batchapi.batches.context import Jobs, open_jobs
@@ -63,6 +75,8 @@ def create_app(
         if not settings.auth_required:
             with session_scope(jobs.sessions) as session:
                 app.state.default_project_id = get_or_create_project(session, DEFAULT_PROJECT).id
+        database_metrics = metrics.DatabaseCollector(jobs.sessions)
+        registry.register(database_metrics)
         sweeper.start()
         try:
             with hook(jobs) if hook else nullcontext():
@@ -71,19 +85,31 @@ def create_app(
                 finally:
                     sweeper.stop()  # before the embedded worker gives its shards back
         finally:
+            registry.unregister(database_metrics)
             sweeper.stop()
             runner.shutdown()
             if app.state.reads is not None:
                 await app.state.reads.close()
             jobs.close()
 
-    app = FastAPI(title="batchapi", version="0.1.0", lifespan=lifespan)
+    # /docs with local assets: openapi.install serves it (FastAPI's own pulls Swagger UI from a CDN)
+    app = FastAPI(title="batchapi", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
+    shared = settings.prometheus_multiproc_dir  # several API processes on one port
+    app.state.metrics_registry = registry = metrics.api_registry(shared_dir=shared)
     errors.install(app)
     app.add_middleware(BodyLimit, per_path={"/v1/files": settings.max_upload_bytes + FORM_OVERHEAD_BYTES,
-                                            "/v1/messages/batches": MAX_MESSAGE_BATCH_BYTES})
+                                            "/v1/messages/batches": MAX_MESSAGE_BATCH_BYTES,
+                                            uploads.PARTS_PATH: uploads.MAX_PART_BYTES + FORM_OVERHEAD_BYTES})
+    app.add_middleware(metrics.HttpMetrics, registry=registry, shared=bool(shared))
+    app.add_middleware(RequestIdMiddleware)  # outermost of ours: every response and log line has the id
     openapi.install(app)
     for router in (files.router, batches.router, message_batches.router, models.router, health.router):
         app.include_router(router)
+    app.include_router(uploads.router)
+    app.include_router(webhooks.router)
+    for router in (usage.router, dashboard.router):
+        app.include_router(router)
+    dashboard.install(app)
     return app
 
 
@@ -98,9 +124,12 @@ def serve(settings: Settings, *, dispatcher: Dispatcher | None = None, hook: Hoo
         from batchapi.db.migrate import upgrade
 
         upgrade(settings)
-    options = dict(host=settings.host, port=settings.port, log_level="info", access_log=settings.access_log)
+    # log_config None: uvicorn's loggers keep batchapi/logs.py's one format (cli.py set it up)
+    options = dict(host=settings.host, port=settings.port, log_level="info", access_log=settings.access_log,
+                   log_config=None)
     if factory is not None:
-        uvicorn.run(factory, factory=True, workers=settings.api_workers, **options, **server_options())
+        with metrics.shared_across_processes(settings):
+            uvicorn.run(factory, factory=True, workers=settings.api_workers, **options, **server_options())
         return
     app = create_app(settings, dispatcher=dispatcher, hook=hook, sweep_shards=sweep_shards)
     uvicorn.run(app, **options, **server_options())

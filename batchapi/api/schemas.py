@@ -24,7 +24,8 @@ class FileObject(BaseModel):
 
     @classmethod
     def of(cls, row: File) -> FileObject:
-        return cls(id=row.id, bytes=row.bytes, created_at=row.created_at, filename=row.filename, purpose=row.purpose)
+        return cls(id=row.id, bytes=row.bytes, created_at=row.created_at, filename=row.filename, purpose=row.purpose,
+                   expires_at=row.expires_at)
 
 
 class _Page:
@@ -50,6 +51,14 @@ class FileDeleted(BaseModel):
     deleted: bool = True
 
 
+class ExpiresAfter(BaseModel):
+    """OpenAI's expiration policy: ``seconds`` after ``anchor`` (``created_at``), 3600 to 2592000;
+    the range is checked by ``batches.files.expiry_seconds``, which names the param."""
+
+    anchor: str
+    seconds: int
+
+
 class CreateBatchRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -57,6 +66,7 @@ class CreateBatchRequest(BaseModel):
     endpoint: str = Field(description=f"the url of every line: one of {', '.join(ENDPOINTS)}")  # checked by the service
     completion_window: str
     metadata: dict[str, str] | None = None
+    output_expires_after: ExpiresAfter | None = None  # of the output and error files
 
 
 class RequestCounts(BaseModel):
@@ -99,6 +109,7 @@ class BatchObject(BaseModel):
     cost: Cost
     estimated_cost: Cost | None
     request_errors: dict | None = None  # beyond OpenAI: body problems of single requests (their 400s)
+    retry_of: str | None = None  # beyond OpenAI: the batch this one retries (POST /v1/batches/{id}/retry)
 
     @classmethod
     def of(cls, b: Batch) -> BatchObject:
@@ -113,6 +124,7 @@ class BatchObject(BaseModel):
             request_counts=RequestCounts(total=b.request_total, completed=b.request_completed, failed=b.request_failed),
             usage=usage(b), metadata=b.metadata_, cost=Cost(**cost(b).as_dict()),
             estimated_cost=Cost(**estimate.as_dict()) if estimate else None, request_errors=b.request_errors,
+            retry_of=b.retry_of,
         )
 
 

@@ -1,6 +1,7 @@
-"""``POST /v1/files``: the multipart form parsed as it streams in, its ``file`` part handed to storage
-chunk by chunk, never spooled to a temporary file, so the upload limit holds from the first byte.
-(``limits.BodyLimit`` bounds the whole body; this bounds the file, the fields and the parts.)"""
+"""``POST /v1/files`` (and an Upload's part, ``POST /v1/uploads/{id}/parts``): the multipart form
+parsed as it streams in, its ``file`` (``data``) part handed to storage chunk by chunk, never spooled
+to a temporary file, so the upload limit holds from the first byte. (``limits.BodyLimit`` bounds the
+whole body; this bounds the file, the fields and the parts.)"""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from batchapi.storage.streams import ChunkReader, TooLarge
 
 FORM_OVERHEAD_BYTES = 64 * 1024  # a form's bytes besides the file: boundaries, part headers, fields
 MAX_PARTS = 8
+EXPIRES_FIELDS = ("anchor", "seconds")  # the SDK sends ``expires_after`` as expires_after[anchor], [seconds]
 MAX_FIELD_BYTES = 1024  # one field besides the file (``purpose``)
 IDLE_SECONDS = 60.0  # an upload that sends nothing for this long is given up
 MAX_CONCURRENT_UPLOADS = 16  # storing at once, each on a thread of its own; more wait their turn
@@ -35,9 +37,11 @@ async def receive_upload(request: Request, jobs: Jobs, project_id: str) -> File:
 
 def store(jobs: Jobs, project_id: str, form: UploadForm) -> File:
     filename = form.open_file()
-    # a form may name its purpose after the file: then it is checked once the file is read
+    # a form may send its fields after the file: then they are checked once the file is read
     purpose = form.fields["purpose"] if "purpose" in form.fields else form.purpose
-    return files.upload_file(jobs, project_id, filename, purpose, ChunkReader(form.file_chunks()))
+    early = any(f"expires_after[{name}]" in form.fields for name in EXPIRES_FIELDS)
+    expires_after = form.expires_after() if early else form.expires_after
+    return files.upload_file(jobs, project_id, filename, purpose, ChunkReader(form.file_chunks()), expires_after)
 
 
 class UploadForm:
@@ -46,10 +50,12 @@ class UploadForm:
     ``file_chunks`` then yields that part's bytes and, at its end, reads the rest of the form, so
     ``fields`` is complete once the file has been read."""
 
-    def __init__(self, request: Request, limit: int):
+    def __init__(self, request: Request, limit: int, file_field: str = "file"):
         kind, options = parse_options_header(request.headers.get("content-type"))
         if kind != b"multipart/form-data" or not options.get(b"boundary"):
-            raise InvalidRequest("An upload is a multipart/form-data body with a 'file' and a 'purpose'.", "file")
+            what = "a 'file' and a 'purpose'" if file_field == "file" else f"a {file_field!r} field"
+            raise InvalidRequest(f"An upload is a multipart/form-data body with {what}.", file_field)
+        self.file_field = file_field
         callbacks = {
             "on_part_begin": self._on_part_begin, "on_header_field": self._on_header_field,
             "on_header_value": self._on_header_value, "on_header_end": self._on_header_end,
@@ -79,7 +85,7 @@ class UploadForm:
     def open_file(self) -> str:
         while self.filename is None:
             if self._drained:
-                raise InvalidRequest("The form has no 'file' field.", "file")
+                raise InvalidRequest(f"The form has no {self.file_field!r} field.", self.file_field)
             self._feed()
         return self.filename
 
@@ -97,6 +103,12 @@ class UploadForm:
             raise InvalidRequest("The form has no 'purpose' field.", "purpose")
         return self.fields["purpose"]
 
+    def expires_after(self) -> int | None:
+        """The seconds of ``expires_after[anchor]`` and ``expires_after[seconds]``, checked; None if absent."""
+        value = {name: self.fields[f"expires_after[{name}]"] for name in EXPIRES_FIELDS
+                 if f"expires_after[{name}]" in self.fields}
+        return files.expiry_seconds(value or None, "expires_after")
+
     # pulling the body
 
     def _feed(self) -> None:
@@ -104,12 +116,12 @@ class UploadForm:
         if chunk is None:
             self._drained = True
             if not self._ended:
-                raise InvalidRequest("The multipart body ends before its closing boundary.", "file")
+                raise InvalidRequest("The multipart body ends before its closing boundary.", self.file_field)
             return
         try:
             self._parser.write(chunk)
         except FormParserError as exc:
-            raise InvalidRequest(f"The multipart body is malformed: {exc}", "file") from None
+            raise InvalidRequest(f"The multipart body is malformed: {exc}", self.file_field) from None
 
     async def _next_chunk(self) -> bytes | None:
         """The body's next bytes; None at its end."""
@@ -144,10 +156,10 @@ class UploadForm:
     def _on_headers_finished(self) -> None:
         _, options = parse_options_header(self._headers.get(b"content-disposition"))
         self._name = options.get(b"name", b"").decode("utf-8", "replace")
-        if self._name != "file":
+        if self._name != self.file_field:
             return
         if self.filename is not None:
-            raise InvalidRequest("The form has more than one 'file' field.", "file")
+            raise InvalidRequest(f"The form has more than one {self.file_field!r} field.", self.file_field)
         self.filename = options.get(b"filename", b"").decode("utf-8", "replace")
         self._in_file = True
 
@@ -155,7 +167,8 @@ class UploadForm:
         if self._in_file:
             self._file_bytes += end - start
             if self._file_bytes > self.limit:
-                raise TooLarge(f"The file is larger than the upload limit of {self.limit} bytes.", "file")
+                raise TooLarge(f"The {'file' if self.file_field == 'file' else 'part'} is larger than the upload "
+                               f"limit of {self.limit} bytes.", self.file_field)
             self._pending.append(data[start:end])
         elif len(self._value) + end - start > MAX_FIELD_BYTES:
             raise InvalidRequest(f"The form field {self._name!r} is longer than {MAX_FIELD_BYTES} bytes.", self._name)

@@ -1,11 +1,14 @@
-"""The Files service: upload, list, retrieve, stream content, delete."""
+"""The Files service: upload, list, retrieve, stream content, delete; and expiry: a file's
+``expires_at`` (``expires_after``, as OpenAI's: anchor ``created_at``, 1 hour to 30 days; a batch
+input file expires after 30 days unless told otherwise), past which it is gone for the API at once
+and the sweeper deletes its object and row (``remove_expired``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
-from sqlalchemy import select
+from sqlalchemy import delete, exists, or_, select
 from sqlalchemy.orm import Session
 
 from batchapi.batches.context import Jobs
@@ -21,40 +24,85 @@ from batchapi.storage.keys import file_key
 from batchapi.storage.streams import LimitedReader
 
 UPLOAD_PURPOSES = ("batch",)
+MIN_EXPIRY_SECONDS = 3600
+MAX_EXPIRY_SECONDS = 30 * 86400
+BATCH_INPUT_EXPIRY_SECONDS = 30 * 86400  # OpenAI's default for purpose=batch
+EXPIRY_ANCHORS = ("created_at",)
+REMOVE_PER_SWEEP = 500
 
 
 def upload_file(
-    jobs: Jobs, project_id: str, filename: str, purpose: str | Callable[[], str], stream: BinaryIO
+    jobs: Jobs, project_id: str, filename: str, purpose: str | Callable[[], str], stream: BinaryIO,
+    expires_after: int | None | Callable[[], int | None] = None,
 ) -> File:
-    """Store ``stream`` as a new File. ``purpose`` may be a callable that tells it once ``stream``
-    has been read (a form may send the purpose after the file); a bad one removes the object."""
+    """Store ``stream`` as a new File. ``purpose`` and ``expires_after`` (seconds, already checked
+    by ``expiry_seconds``) may be callables that tell them once ``stream`` has been read (a form
+    may send its fields after the file); a bad one removes the object."""
     if isinstance(purpose, str):
-        _check_purpose(purpose)
-    if not filename:
-        raise InvalidRequest("the upload needs a file name", "file")
-    check_text(filename, "file")
+        check_purpose(purpose)
+    check_filename(filename)
     fid = file_id()
     key = file_key(fid)
     size = jobs.storage.put_stream(key, LimitedReader(stream, jobs.settings.max_upload_bytes))
-    if not isinstance(purpose, str):
-        try:
+    try:
+        if callable(purpose):
             purpose = purpose()
-            _check_purpose(purpose)
-        except InvalidRequest:
-            jobs.storage.delete(key)
-            raise
-    row = File(
-        id=fid, project_id=project_id, filename=filename.replace("\x00", "")[:512], purpose=purpose, bytes=size,
-        storage_key=key, created_at=now(),
-    )
+            check_purpose(purpose)
+        if callable(expires_after):
+            expires_after = expires_after()
+    except InvalidRequest:
+        jobs.storage.delete(key)
+        raise
     with session_scope(jobs.sessions) as session:
-        session.add(row)
+        return add_file(session, project_id, filename, purpose, key, size, expires_after, fid)
+
+
+def add_file(session: Session, project_id: str, filename: str, purpose: str, key: str, size: int,
+             expires_after: int | None, fid: str | None = None) -> File:
+    """The row of an upload stored under ``key`` (checked already); the caller commits."""
+    t = now()
+    row = File(
+        id=fid or file_id(), project_id=project_id, filename=filename.replace("\x00", "")[:512], purpose=purpose,
+        bytes=size, storage_key=key, created_at=t, expires_at=expires_at_for(purpose, expires_after, t),
+    )
+    session.add(row)
     return row
 
 
-def _check_purpose(purpose: str) -> None:
+def check_purpose(purpose: str) -> None:
     if purpose not in UPLOAD_PURPOSES:
         raise InvalidRequest(f"'{purpose}' is not a supported purpose; expected 'batch'", "purpose")
+
+
+def check_filename(filename: str, param: str = "file") -> None:
+    if not filename:
+        raise InvalidRequest("the upload needs a file name", param)
+    check_text(filename, param)
+
+
+def expiry_seconds(value: dict | None, param: str) -> int | None:
+    """``{"anchor": "created_at", "seconds": N}`` (``expires_after``, ``output_expires_after``),
+    checked as OpenAI checks it; the seconds, or None when not given."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"{param} must be an object with 'anchor' and 'seconds'", param)
+    anchor, seconds = value.get("anchor"), value.get("seconds")
+    if anchor not in EXPIRY_ANCHORS:
+        raise InvalidRequest(f"{param}.anchor must be 'created_at', not {anchor!r}", f"{param}.anchor")
+    if isinstance(seconds, str) and seconds.strip().isdigit():  # a form field
+        seconds = int(seconds)
+    if isinstance(seconds, bool) or not isinstance(seconds, int) or not (
+            MIN_EXPIRY_SECONDS <= seconds <= MAX_EXPIRY_SECONDS):
+        raise InvalidRequest(f"{param}.seconds must be an integer between {MIN_EXPIRY_SECONDS} (1 hour) and "
+                             f"{MAX_EXPIRY_SECONDS} (30 days), not {seconds!r}", f"{param}.seconds")
+    return seconds
+
+
+def expires_at_for(purpose: str, expires_after: int | None, created_at: int) -> int | None:
+    if expires_after is not None:
+        return created_at + expires_after
+    return created_at + BATCH_INPUT_EXPIRY_SECONDS if purpose == "batch" else None
 
 
 def register_file(session: Session, project_id: str, filename: str, purpose: str, storage_key: str, size: int) -> File:
@@ -69,9 +117,13 @@ def register_file(session: Session, project_id: str, filename: str, purpose: str
 
 def get_file_row(session: Session, project_id: str, fid: str) -> File:
     row = session.get(File, fid)
-    if row is None or row.project_id != project_id or row.deleted_at is not None:
+    if row is None or row.project_id != project_id or row.deleted_at is not None or _expired(row, now()):
         raise NotFound(f"No such File object: {fid}", "id")
     return row
+
+
+def _expired(row: File, t: int) -> bool:
+    return row.expires_at is not None and row.expires_at <= t
 
 
 def get_file(jobs: Jobs, project_id: str, fid: str) -> File:
@@ -85,7 +137,8 @@ def list_files(
     """Up to ``limit`` files after the cursor ``after`` (a file id), and whether more follow."""
     with jobs.sessions() as session:
         cursor = get_file_row(session, project_id, after) if after else None
-        query = select(File).where(File.project_id == project_id, File.deleted_at.is_(None))
+        query = select(File).where(File.project_id == project_id, File.deleted_at.is_(None),
+                                   or_(File.expires_at.is_(None), File.expires_at > now()))
         if purpose:
             query = query.where(File.purpose == purpose)
         return page(session, query, File, cursor, limit, newest_first=order == "desc")
@@ -108,3 +161,30 @@ def delete_file(jobs: Jobs, project_id: str, fid: str) -> str:
     if in_use is None:  # a running batch still reads its input; the object stays until then
         jobs.storage.delete(key)
     return fid
+
+
+def remove_expired(jobs: Jobs, each: Callable[[list, str, Callable], None]) -> list[str]:
+    """The sweeper's step: files past ``expires_at``, and deleted ones whose object a running
+    batch kept, lose their object and then their row, unless a batch still running reads them
+    (they go once it ends). ``each(rows, what, act)`` runs ``act`` on every row alone."""
+    t = now()
+    in_use = exists().where(Batch.input_file_id == File.id, Batch.status.in_(sorted(ACTIVE)))
+    gone = or_(File.expires_at <= t, File.deleted_at.is_not(None))
+    with jobs.sessions() as session:
+        rows = session.execute(
+            select(File.id, File.storage_key).where(gone, ~in_use).order_by(File.expires_at).limit(REMOVE_PER_SWEEP)
+        ).all()
+    removed: list[str] = []
+
+    def remove(row) -> None:
+        fid, key = row
+        with session_scope(jobs.sessions) as session:
+            shared = session.scalar(select(File.id).where(File.storage_key == key, File.id != fid).limit(1))
+        if shared is None:  # no other file row names the same object
+            jobs.storage.delete(key)
+        with session_scope(jobs.sessions) as session:
+            session.execute(delete(File).where(File.id == fid))
+        removed.append(fid)
+
+    each(rows, "removing the expired file", remove)
+    return removed

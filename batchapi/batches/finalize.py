@@ -1,5 +1,6 @@
 """Finalize: when no shard of a batch is open, merge the shard objects into the batch's output
-and error files, sum the counts and usage, and end the batch.
+and error files (with the request results the sweeper's closed shards keep), sum the counts
+and usage, and end the batch.
 
 Idempotent: the merged objects have fixed keys (a second run rewrites the same bytes), and
 the file rows, the sums and the final status are one transaction behind the batch's
@@ -13,7 +14,7 @@ from collections.abc import Iterator
 
 from sqlalchemy import func, select
 
-from batchapi.batches import states
+from batchapi.batches import request_results, states
 from batchapi.batches.context import Jobs
 from batchapi.batches.files import register_file
 from batchapi.batches.states import OPEN_SHARDS, BatchStatus
@@ -75,10 +76,11 @@ def _target(status: str, reasons: set[str | None]) -> str | None:
 def _merge_and_end(jobs: Jobs, batch_id: str, project_id: str, target: str) -> str | None:
     with jobs.sessions() as session:
         shards = session.execute(
-            select(Shard.output_key, Shard.error_key).where(Shard.batch_id == batch_id).order_by(Shard.index)
+            select(Shard.id, Shard.output_key, Shard.error_key).where(Shard.batch_id == batch_id).order_by(Shard.index)
         ).all()
-    out_size = jobs.storage.put_chunks(batch_output_key(batch_id), _concat(jobs, [s.output_key for s in shards]))
-    err_size = jobs.storage.put_chunks(batch_error_key(batch_id), _concat(jobs, [s.error_key for s in shards]))
+        with_rows = request_results.shards_with_rows(session, batch_id)
+    out_size = jobs.storage.put_chunks(batch_output_key(batch_id), _concat(jobs, shards, with_rows, True))
+    err_size = jobs.storage.put_chunks(batch_error_key(batch_id), _concat(jobs, shards, with_rows, False))
     with session_scope(jobs.sessions) as session:
         files = {}
         for name, key, size in (("output", batch_output_key(batch_id), out_size), ("errors", batch_error_key(batch_id), err_size)):
@@ -100,7 +102,9 @@ def _merge_and_end(jobs: Jobs, batch_id: str, project_id: str, target: str) -> s
     return target
 
 
-def _concat(jobs: Jobs, keys: list[str | None]) -> Iterator[bytes]:
-    for key in keys:
-        if key:
-            yield from jobs.storage.iter_chunks(key)
+def _concat(jobs: Jobs, shards, with_rows: set[str], succeeded: bool) -> Iterator[bytes]:
+    """The shards' output (``succeeded``) or error lines, in input order, their stored request
+    results merged where the sweeper closed them."""
+    for shard_id, output_key, error_key in shards:
+        key = output_key if succeeded else error_key
+        yield from request_results.shard_lines(jobs, shard_id, key, succeeded, shard_id in with_rows)

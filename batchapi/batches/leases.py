@@ -13,11 +13,11 @@ a validator that dies leaves it to run out, and the sweeper hands the batch to a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sqlalchemy import or_, select, update
 
-from batchapi.batches import states
+from batchapi.batches import request_results, states
 from batchapi.batches.context import Jobs
 from batchapi.batches.states import BatchStatus, ShardStatus
 from batchapi.db.clock import now
@@ -41,6 +41,9 @@ class Claimed:
     endpoint: str
     expires_at: int
     model: str | None = None  # the batch's model: which of a worker's models runs it
+    # taken to be closed without running (``claim_for_closing``): its outcome names every request
+    # as never run, and ``complete`` counts the ones with a stored result as they ended
+    closing: bool = False
 
 
 # the reasons that cut a shard short without the requests being at fault: theirs are "unrun"
@@ -128,7 +131,7 @@ def claim_for_closing(jobs: Jobs, shard_id: str, owner: str) -> Claimed | None:
         )
         if result.rowcount != 1:
             return None
-        return _load(session, shard_id)
+        return replace(_load(session, shard_id), closing=True)
 
 
 def _lease_values(jobs: Jobs, owner: str, t: int) -> dict:
@@ -199,37 +202,58 @@ def release(jobs: Jobs, shard_ids: list[str], owner: str) -> int:
 
 
 def complete(jobs: Jobs, claimed: Claimed, owner: str, outcome: Outcome, output_key: str, error_key: str) -> bool:
-    """Record a finished shard and add its counts to the batch, in one transaction, once:
-    only the lease owner's UPDATE matches, so a shard is never counted twice."""
-    status = ShardStatus.FAILED if outcome.reason else ShardStatus.SUCCEEDED
+    """Record a finished shard and add to the batch what its stored request results have not
+    added yet, in one transaction, once: only the lease owner's UPDATE matches, so a shard is
+    never counted twice. The worker's complete moves the stored results into the shard's objects
+    (they are deleted); the sweeper's keeps them, merged into its lines by ``request_results``."""
     with session_scope(jobs.sessions) as session:
+        held = session.scalar(
+            select(Shard.id)
+            .where(Shard.id == claimed.id, Shard.lease_owner == owner, Shard.status == ShardStatus.RUNNING)
+            .with_for_update()
+        )
+        if held is None:
+            return False
+        stored = request_results.counted(session, claimed.id)
+        total = _with_stored(claimed, outcome, stored)
+        status = ShardStatus.FAILED if total.reason else ShardStatus.SUCCEEDED
         result = session.execute(
             update(Shard)
             .where(Shard.id == claimed.id, Shard.lease_owner == owner, Shard.status == ShardStatus.RUNNING)
             .values(
                 status=status, lease_expires_at=None, finished_at=now(), output_key=output_key,
-                error_key=error_key, last_error=outcome.reason, completed_count=outcome.completed,
-                failed_count=outcome.failed, unrun_count=outcome.unrun, input_tokens=outcome.input_tokens,
-                cached_tokens=outcome.cached_tokens, output_tokens=outcome.output_tokens,
+                error_key=error_key, last_error=total.reason, completed_count=total.completed,
+                failed_count=total.failed, unrun_count=total.unrun, input_tokens=total.input_tokens,
+                cached_tokens=total.cached_tokens, output_tokens=total.output_tokens,
             )
             .execution_options(synchronize_session=False)
         )
         if result.rowcount != 1:
             return False
-        session.execute(
-            update(Batch)
-            .where(Batch.id == claimed.batch_id)
-            .values(
-                request_completed=Batch.request_completed + outcome.completed,
-                request_failed=Batch.request_failed + outcome.failed,
-                request_unrun=Batch.request_unrun + outcome.unrun,
-                input_tokens=Batch.input_tokens + outcome.input_tokens,
-                cached_tokens=Batch.cached_tokens + outcome.cached_tokens,
-                output_tokens=Batch.output_tokens + outcome.output_tokens,
-            )
-            .execution_options(synchronize_session=False)
+        rest = request_results.Counted(
+            total.completed - stored.completed, total.failed - stored.failed,
+            total.input_tokens - stored.input_tokens, total.cached_tokens - stored.cached_tokens,
+            total.output_tokens - stored.output_tokens,
         )
+        request_results.add_counts(session, claimed.batch_id, rest, unrun=total.unrun)
+        if not claimed.closing:
+            request_results.forget(session, claimed.id)
         return True
+
+
+def _with_stored(claimed: Claimed, outcome: Outcome, stored: request_results.Counted) -> Outcome:
+    """The shard's whole outcome: a worker's as it is (its render holds the stored results); the
+    sweeper's with its stored requests counted as they ended rather than as never run."""
+    if not claimed.closing:
+        assert outcome.completed >= stored.completed and outcome.failed >= stored.failed, (
+            f"the shard's results ({outcome}) miss some of its stored ones ({stored})"
+        )
+        return outcome
+    never_run = max(outcome.failed - stored.total, 0)
+    return Outcome(
+        stored.completed, stored.failed + never_run, stored.input_tokens, stored.cached_tokens, stored.output_tokens,
+        outcome.reason, never_run if outcome.reason in CUT_OFF else 0,
+    )
 
 
 def requeue_expired(jobs: Jobs, shard_id: str) -> bool:

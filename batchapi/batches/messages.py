@@ -25,7 +25,7 @@ from batchapi.batches.context import Jobs
 from batchapi.batches.files import upload_file
 from batchapi.batches.states import TERMINAL, BatchStatus
 from batchapi.db.clock import now
-from batchapi.db.models import Batch, File, Shard
+from batchapi.db.models import Batch, File, RequestResult, Shard
 from batchapi.db.session import session_scope
 from batchapi.errors import InvalidRequest, NotFound
 from batchapi.openai.body import MESSAGES
@@ -151,6 +151,8 @@ def delete(jobs: Jobs, project_id: str, message_batch_id: str) -> str:
         keys = [f.storage_key for f in files] + [k for pair in shards for k in pair if k]
         for file in files:
             file.deleted_at = now()
+        shard_ids = select(Shard.id).where(Shard.batch_id == batch.id)
+        session.execute(sql_delete(RequestResult).where(RequestResult.shard_id.in_(shard_ids)))
         session.execute(sql_delete(Shard).where(Shard.batch_id == batch.id))
         session.delete(batch)
     for key in keys:

@@ -12,10 +12,10 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from batchapi.batches import states
+from batchapi.batches import request_results, states
 from batchapi.batches.billing import price_for
 from batchapi.batches.context import Jobs
-from batchapi.batches.files import get_file_row
+from batchapi.batches.files import expiry_seconds, get_file_row
 from batchapi.batches.states import DONE_SHARDS, BatchStatus
 from batchapi.db.clock import now
 from batchapi.db.ids import batch_id as new_batch_id
@@ -76,20 +76,25 @@ def create_batch(
     metadata: dict | None = None,
     idempotency_key: str | None = None,
     request_total: int = 0,
+    retry_of: str | None = None,
+    output_expires_after: dict | None = None,
 ) -> Batch:
     """A new ``validating`` batch (validation starts after the commit), or, for a repeated
     ``idempotency_key`` with the same parameters, the batch the first request created.
     ``request_total``: the requests already known to be in the file (a Message Batch's), which
-    validation confirms."""
+    validation confirms. ``retry_of``: the batch whose unfinished requests the file holds
+    (``retry.retry_batch``); a retry's key stands for that batch, whatever the new file."""
     for value, param in ((input_file_id, "input_file_id"), (idempotency_key, "Idempotency-Key")):
         check_text(value, param)
     if endpoint not in ENDPOINTS:
         raise InvalidRequest(f"endpoint {endpoint!r} is not supported; expected one of {list(ENDPOINTS)}", "endpoint")
     seconds = window_seconds(completion_window)
     check_metadata(metadata)
-    fingerprint = _fingerprint(input_file_id, endpoint, completion_window, metadata)
+    output_expiry = expiry_seconds(output_expires_after, "output_expires_after")  # of the output and error files
+    fingerprint = retry_fingerprint(retry_of) if retry_of else _fingerprint(input_file_id, endpoint, completion_window,
+                                                                            metadata)
     if idempotency_key is not None:
-        existing = _by_idempotency_key(jobs, project_id, idempotency_key, fingerprint)
+        existing = by_idempotency_key(jobs, project_id, idempotency_key, fingerprint)
         if existing is not None:
             return existing
     model = batch_model(jobs, project_id, input_file_id)
@@ -107,11 +112,11 @@ def create_batch(
                 expires_at=t + seconds, validation_lease_expires_at=t + jobs.settings.validation_lease_seconds,
                 currency=price.currency, price_input=price.input, price_cached_input=price.cached_input,
                 price_output=price.output, discount_percent=jobs.settings.batch_discount_percent,
-                request_total=request_total, model=model,
+                request_total=request_total, model=model, retry_of=retry_of, output_expires_after=output_expiry,
             )
             session.add(batch)
     except IntegrityError:  # the same key raced us and won
-        existing = _by_idempotency_key(jobs, project_id, idempotency_key, fingerprint)
+        existing = by_idempotency_key(jobs, project_id, idempotency_key, fingerprint)
         if existing is None:
             raise
         return existing
@@ -152,7 +157,11 @@ def _first_model(jobs: Jobs, storage_key: str) -> str | None:
     return None
 
 
-def _by_idempotency_key(jobs: Jobs, project_id: str, key: str | None, fingerprint: str) -> Batch | None:
+def retry_fingerprint(original_id: str) -> str:
+    return hashlib.sha256(json.dumps(["retry", original_id]).encode()).hexdigest()
+
+
+def by_idempotency_key(jobs: Jobs, project_id: str, key: str | None, fingerprint: str) -> Batch | None:
     with jobs.sessions() as session:
         batch = session.scalar(select(Batch).where(Batch.project_id == project_id, Batch.idempotency_key == key))
     if batch is not None and batch.request_fingerprint != fingerprint:
@@ -210,26 +219,41 @@ def cancel_batch(jobs: Jobs, project_id: str, bid: str) -> Batch:
 
 
 def iter_partial_results(jobs: Jobs, project_id: str, bid: str, kind: str = "output") -> Iterator[bytes]:
-    """The result lines of every finished shard so far (the output or the error lines), in
+    """The result lines of every request finished so far (the output or the error lines), in
     input order; the rest of the batch may still be running."""
     if kind not in PARTIAL_KINDS:
         raise InvalidRequest(f"kind must be one of {list(PARTIAL_KINDS)}", "kind")
-    column = Shard.output_key if kind == "output" else Shard.error_key
     with jobs.sessions() as session:
         get_batch_row(session, project_id, bid)
-        keys = list(
-            session.scalars(
-                select(column)
-                .where(Shard.batch_id == bid, Shard.status.in_(DONE_SHARDS), column.is_not(None))
-                .order_by(Shard.index)
-            )
-        )
-    return _concat(jobs, keys)
+        shards = session.execute(
+            select(Shard.id, Shard.status, Shard.output_key, Shard.error_key)
+            .where(Shard.batch_id == bid).order_by(Shard.index)
+        ).all()
+        with_rows = request_results.shards_with_rows(session, bid)
+    return _partial(jobs, shards, with_rows, kind == "output")
 
 
-def _concat(jobs: Jobs, keys: list[str]) -> Iterator[bytes]:
-    for key in keys:
+def _partial(jobs: Jobs, shards, with_rows: set[str], succeeded: bool) -> Iterator[bytes]:
+    for shard_id, status, output_key, error_key in shards:
+        key = output_key if succeeded else error_key
         try:
-            yield from jobs.storage.iter_chunks(key)
+            if status in DONE_SHARDS:
+                yield from request_results.shard_lines(jobs, shard_id, key, succeeded, shard_id in with_rows)
+            elif shard_id in with_rows:
+                yield from _running(jobs, shard_id, succeeded)
         except NotFound:  # raised before any byte of it: a shard object not written yet
             log.warning("partial results: %s is missing", key)
+
+
+def _running(jobs: Jobs, shard_id: str, succeeded: bool) -> Iterator[bytes]:
+    """A running shard's finished lines; if it completed since (its rows moved into its
+    objects), its objects."""
+    rows = request_results.stored(jobs, shard_id)
+    if rows:
+        yield from request_results.running_lines(rows, succeeded)
+        return
+    with jobs.sessions() as session:
+        shard = session.get(Shard, shard_id)
+        if shard is not None and shard.status in DONE_SHARDS:
+            key = shard.output_key if succeeded else shard.error_key
+            yield from request_results.shard_lines(jobs, shard_id, key, succeeded, False)

@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 
 from batchapi.db.clock import now
 from batchapi.db.models import Batch
+from batchapi.webhooks.ended import batch_ended
 
 
 class BatchStatus(StrEnum):
@@ -89,4 +90,6 @@ def transition(
         .values(**values)
         .execution_options(synchronize_session=False)
     )
+    if result.rowcount == 1 and target in TERMINAL:
+        batch_ended(session, batch_id, target)  # its output files' expiry and webhook event commit with it
     return result.rowcount == 1

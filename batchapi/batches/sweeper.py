@@ -9,7 +9,10 @@
   (``batch_cancelled`` / ``batch_expired``); shards a live worker holds are cut short by that
   worker within seconds; once nothing is open the batch is finalized, finished results kept;
 - batches left with nothing open (a worker died between its last shard and the finalize),
-  or stuck in ``finalizing``, are finalized.
+  or stuck in ``finalizing``, are finalized;
+- files past ``expires_at`` lose their object and row (``files.remove_expired``), Uploads past
+  their hour expire (``uploads.service.expire_uploads``), and due webhook deliveries are sent
+  (``webhooks.delivery``), each POST bounded by ``webhook_timeout_seconds``.
 Every step is a conditional UPDATE, so two sweepers (or a sweeper and a worker) never both act,
 and every row is handled alone: one that raises is logged and skipped, never blocking the rest
 (a shard whose input cannot be read back is still closed, its requests unnamed).
@@ -29,7 +32,7 @@ from typing import Protocol, TypeVar
 from sqlalchemy import exists, select
 from sqlalchemy.exc import OperationalError
 
-from batchapi.batches import leases
+from batchapi.batches import files, leases
 from batchapi.batches.context import Jobs
 from batchapi.batches.finalize import finalize_batch
 from batchapi.batches.leases import CUT_OFF, Outcome
@@ -42,6 +45,8 @@ from batchapi.openai import render
 from batchapi.openai.errors import ErrorCode
 from batchapi.storage import remove_partial_writes
 from batchapi.storage.keys import shard_error_key, shard_output_key
+from batchapi.uploads.service import expire_uploads
+from batchapi.webhooks.delivery import deliver_due
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +73,9 @@ class SweepReport:
     requeued: list[str] = field(default_factory=list)
     closed: list[str] = field(default_factory=list)
     finalized: list[str] = field(default_factory=list)
+    removed_files: list[str] = field(default_factory=list)  # expired (or deleted) files gone from storage
+    expired_uploads: list[str] = field(default_factory=list)
+    webhooks_delivered: int = 0
 
 
 def sweep(jobs: Jobs, validator: Validator | None = None, *, shards: bool = True) -> SweepReport:
@@ -75,11 +83,15 @@ def sweep(jobs: Jobs, validator: Validator | None = None, *, shards: bool = True
     process (``batchapi beat`` in production). Each row is acted on alone (``_each``): one that
     raises is logged and skipped, and the rest of the sweep goes on."""
     report = SweepReport()
-    steps = [_validations, _backfill] + ([_end_batches, _expired_leases, _finalize_leftovers] if shards else [])
+    steps = [_validations, _backfill] + ([_end_batches, _expired_leases, _finalize_leftovers, _expire_files,
+                                          _deliver_webhooks] if shards else [])
     _each(steps, "the sweep step", lambda step: step(jobs, report, validator))
     if report.resumed or report.requeued or report.closed or report.finalized:
         log.info("sweep: %d validations resumed, %d requeued, %d closed, %d finalized", len(report.resumed),
                  len(report.requeued), len(report.closed), len(report.finalized))
+    if report.removed_files or report.expired_uploads or report.webhooks_delivered:
+        log.info("sweep: %d files removed, %d uploads expired, %d webhooks delivered", len(report.removed_files),
+                 len(report.expired_uploads), report.webhooks_delivered)
     return report
 
 
@@ -183,6 +195,15 @@ def _finalize_leftovers(jobs: Jobs, report: SweepReport, validator: Validator | 
 
     _each(done, "finalizing batch", lambda batch_id: finalize(batch_id, False))
     _each(stuck, "finalizing the stuck batch", lambda batch_id: finalize(batch_id, True))
+
+
+def _expire_files(jobs: Jobs, report: SweepReport, validator: Validator | None) -> None:
+    report.removed_files.extend(files.remove_expired(jobs, _each))
+    report.expired_uploads.extend(expire_uploads(jobs, _each))
+
+
+def _deliver_webhooks(jobs: Jobs, report: SweepReport, validator: Validator | None) -> None:
+    report.webhooks_delivered += deliver_due(jobs.sessions, jobs.settings)
 
 
 def _close(jobs: Jobs, report: SweepReport, shard_id: str, reason: ErrorCode) -> None:

@@ -16,6 +16,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     Numeric,
     String,
     Text,
@@ -47,6 +48,20 @@ class ApiKey(Base):
     prefix: Mapped[str] = mapped_column(String(16))  # shown to people to tell keys apart
     created_at: Mapped[int]
     revoked_at: Mapped[int | None]
+    # an admin key reads every project's usage and costs (`batchapi keys create --admin`)
+    admin: Mapped[bool] = mapped_column(default=False, server_default="0")
+
+
+class DashboardSession(Base):
+    """A dashboard sign-in: the cookie holds the token, this row only its SHA-256. Signing out
+    deletes the row; a revoked key ends its sessions, since each request checks the key too."""
+
+    __tablename__ = "dashboard_sessions"
+
+    token_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    api_key_id: Mapped[str] = mapped_column(ForeignKey("api_keys.id", ondelete="CASCADE"), index=True)
+    created_at: Mapped[int]
+    expires_at: Mapped[int]
 
 
 class File(Base):
@@ -60,7 +75,9 @@ class File(Base):
     bytes: Mapped[int]
     storage_key: Mapped[str] = mapped_column(String(512))
     created_at: Mapped[int]
-    deleted_at: Mapped[int | None]
+    deleted_at: Mapped[int | None] = mapped_column(index=True)  # indexed for the sweeper's clean-up
+    # past it the sweeper deletes the object and the row (``expires_after``; batch input: 30 days)
+    expires_at: Mapped[int | None] = mapped_column(index=True)
 
 
 class Batch(Base):
@@ -86,6 +103,9 @@ class Batch(Base):
     metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON)
     idempotency_key: Mapped[str | None] = mapped_column(String(256))
     request_fingerprint: Mapped[str | None] = mapped_column(String(64))
+    retry_of: Mapped[str | None] = mapped_column(String(64))  # the batch whose unfinished requests this re-runs
+    # ``output_expires_after.seconds``: the output and error files expire this long after they are made
+    output_expires_after: Mapped[int | None]
 
     created_at: Mapped[int]
     in_progress_at: Mapped[int | None]
@@ -168,3 +188,96 @@ class Shard(Base):
     created_at: Mapped[int]
     started_at: Mapped[int | None]
     finished_at: Mapped[int | None]
+
+
+class RequestResult(Base):
+    """One finished request of a shard that is not done yet: its rendered output or error line,
+    written within seconds of the engine finishing it, so that neither a crash nor a cancel or
+    expiry loses it. ``seq`` is the request's position in its shard (0-based, blank lines not
+    counted). A worker that completes the shard moves its rows into the shard's result objects and
+    deletes them; rows left on a done shard (the sweeper closed it) are merged into its lines."""
+
+    __tablename__ = "request_results"
+
+    shard_id: Mapped[str] = mapped_column(ForeignKey("shards.id", ondelete="CASCADE"), primary_key=True)
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True)
+    succeeded: Mapped[bool]  # in the output file (else the error file)
+    line: Mapped[bytes] = mapped_column(LargeBinary)  # the result line, newline included
+    input_tokens: Mapped[int] = mapped_column(default=0)  # usage: succeeded requests only
+    cached_tokens: Mapped[int] = mapped_column(default=0)
+    output_tokens: Mapped[int] = mapped_column(default=0)
+    attempt: Mapped[int] = mapped_column(Integer)  # the shard attempt that ran it
+
+
+class WebhookEndpoint(Base):
+    """A project's URL that receives signed events (``batchapi webhooks create``). The signing
+    secret is kept as given out: signing needs it. After a rotation the previous one also signs
+    until ``previous_secret_expires_at``."""
+
+    __tablename__ = "webhook_endpoints"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(200))
+    url: Mapped[str] = mapped_column(String(2048))
+    event_types: Mapped[list[str]] = mapped_column(JSON)
+    secret: Mapped[str] = mapped_column(String(128))
+    previous_secret: Mapped[str | None] = mapped_column(String(128))
+    previous_secret_expires_at: Mapped[int | None]
+    created_at: Mapped[int]
+    updated_at: Mapped[int]
+
+
+class WebhookDelivery(Base):
+    """The outbox: one event for one endpoint, written in the transaction that ends its batch,
+    then sent (and re-sent with backoff) until the endpoint answers 2xx or a day has passed.
+    ``payload`` is the exact body, so every attempt signs and sends the same bytes."""
+
+    __tablename__ = "webhook_deliveries"
+    __table_args__ = (Index("ix_webhook_deliveries_due", "status", "next_attempt_at"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    event_id: Mapped[str] = mapped_column(String(64))  # the body's ``id`` and the ``webhook-id`` header
+    endpoint_id: Mapped[str] = mapped_column(ForeignKey("webhook_endpoints.id", ondelete="CASCADE"), index=True)
+    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"))
+    batch_id: Mapped[str] = mapped_column(String(64), index=True)
+    event_type: Mapped[str] = mapped_column(String(64))
+    payload: Mapped[str] = mapped_column(Text)
+    status: Mapped[str] = mapped_column(String(16))  # a webhooks.outbox.DeliveryStatus
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_attempt_at: Mapped[int]
+    lease_expires_at: Mapped[int | None]  # a sender holds it until then
+    last_attempt_at: Mapped[int | None]
+    last_status_code: Mapped[int | None] = mapped_column(Integer)
+    last_error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[int]
+    delivered_at: Mapped[int | None]
+
+
+class Upload(Base):
+    """An Upload (``POST /v1/uploads``): parts arrive as objects of their own, and completing it
+    assembles them, in the order ``part_ids`` gives, into the File ``file_id``."""
+
+    __tablename__ = "uploads"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"), index=True)
+    filename: Mapped[str] = mapped_column(String(512))
+    purpose: Mapped[str] = mapped_column(String(32))
+    mime_type: Mapped[str] = mapped_column(String(255))
+    bytes: Mapped[int]
+    status: Mapped[str] = mapped_column(String(16))  # a batches.uploads.UploadStatus
+    file_expires_after: Mapped[int | None]  # ``expires_after.seconds`` of the File it makes
+    file_id: Mapped[str | None] = mapped_column(String(64))  # once completed
+    created_at: Mapped[int]
+    expires_at: Mapped[int] = mapped_column(index=True)
+
+
+class UploadPart(Base):
+    __tablename__ = "upload_parts"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    upload_id: Mapped[str] = mapped_column(ForeignKey("uploads.id", ondelete="CASCADE"), index=True)
+    bytes: Mapped[int]
+    storage_key: Mapped[str] = mapped_column(String(512))
+    created_at: Mapped[int]

@@ -9,14 +9,14 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from sqlalchemy import select
+from sqlalchemy import delete, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from batchapi.config import Settings
 from batchapi.db.clock import now
 from batchapi.db.ids import new_id
-from batchapi.db.models import ApiKey, Project
+from batchapi.db.models import ApiKey, DashboardSession, Project
 from batchapi.db.session import make_engine, make_sessionmaker, session_scope
 from batchapi.errors import NotFound, Unauthenticated
 
@@ -33,6 +33,16 @@ class KeyInfo:
     prefix: str
     created_at: int
     revoked_at: int | None
+    admin: bool = False
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who a request's key is: its project, and whether it may read every project's reports."""
+
+    key_id: str
+    project_id: str
+    admin: bool
 
 
 def hash_key(key: str) -> str:
@@ -52,18 +62,23 @@ def get_or_create_project(session: Session, name: str) -> Project:
     return project
 
 
-def create_api_key(session: Session, project_name: str) -> str:
-    """Add a key to ``project_name`` (created if new) and return the key itself."""
+def create_api_key(session: Session, project_name: str, admin: bool = False) -> str:
+    """Add a key to ``project_name`` (created if new) and return the key itself; an ``admin`` key
+    also reads every project's usage and costs."""
     project = get_or_create_project(session, project_name)
     key = KEY_PREFIX + secrets.token_urlsafe(32)
-    session.add(
-        ApiKey(id=new_id("key_"), project_id=project.id, key_hash=hash_key(key), prefix=key[:12], created_at=now())
-    )
+    session.add(ApiKey(id=new_id("key_"), project_id=project.id, key_hash=hash_key(key), prefix=key[:12],
+                       created_at=now(), admin=admin))
     return key
 
 
 def authenticate(session: Session, key: str | None) -> str:
     """The project id ``key`` belongs to; ``Unauthenticated`` for a missing, unknown or revoked key."""
+    return identify(session, key).project_id
+
+
+def identify(session: Session, key: str | None) -> Identity:
+    """As ``authenticate``, with the key's id and admin flag."""
     if not key:
         raise Unauthenticated(
             "You didn't provide an API key. Provide it in the Authorization header as 'Bearer YOUR_KEY'.",
@@ -73,7 +88,7 @@ def authenticate(session: Session, key: str | None) -> str:
     if found is None:
         shown = key[:8] + "…" if len(key) > 8 else "…"
         raise Unauthenticated(f"Incorrect API key provided: {shown}.")
-    return found.project_id
+    return Identity(found.id, found.project_id, found.admin)
 
 
 class KeyCache:
@@ -108,7 +123,7 @@ def list_api_keys(session: Session, project_name: str | None = None) -> list[Key
     if project_name is not None:
         query = query.where(Project.name == project_name)
     rows = session.execute(query.order_by(ApiKey.created_at, ApiKey.id))
-    return [KeyInfo(key.id, name, key.prefix, key.created_at, key.revoked_at) for key, name in rows]
+    return [KeyInfo(key.id, name, key.prefix, key.created_at, key.revoked_at, key.admin) for key, name in rows]
 
 
 def revoke_api_key(session: Session, key_id: str) -> bool:
@@ -133,10 +148,10 @@ def _session(settings: Settings) -> Iterator[Session]:
         engine.dispose()
 
 
-def create_key(settings: Settings, project_name: str) -> str:
-    """For ``batchapi keys create --project NAME``: a new key, committed (run migrations first)."""
+def create_key(settings: Settings, project_name: str, admin: bool = False) -> str:
+    """For ``batchapi keys create --project NAME [--admin]``: a new key, committed (run migrations first)."""
     with _session(settings) as session:
-        return create_api_key(session, project_name)
+        return create_api_key(session, project_name, admin)
 
 
 def list_keys(settings: Settings, project_name: str | None = None) -> list[KeyInfo]:
@@ -149,3 +164,44 @@ def revoke_key(settings: Settings, key_id: str) -> bool:
     """For ``batchapi keys revoke KEY_ID``: committed; see ``revoke_api_key``."""
     with _session(settings) as session:
         return revoke_api_key(session, key_id)
+
+
+# dashboard sign-ins: the browser keeps a random token in an HttpOnly cookie, never the key
+
+
+def open_dashboard_session(session: Session, key: str | None, seconds: float) -> tuple[str, Identity]:
+    """Sign in with ``key`` (``Unauthenticated`` if it is not a live key): a new session token."""
+    identity = identify(session, key)
+    token = secrets.token_urlsafe(32)
+    t = now()
+    session.add(DashboardSession(token_hash=hash_key(token), api_key_id=identity.key_id, created_at=t,
+                                 expires_at=t + int(seconds)))
+    return token, identity
+
+
+def dashboard_identity(session: Session, token: str | None) -> Identity | None:
+    """The key behind a live session token; None when it is unknown, expired or its key revoked."""
+    if not token:
+        return None
+    row = session.execute(
+        select(ApiKey).join(DashboardSession, DashboardSession.api_key_id == ApiKey.id)
+        .where(DashboardSession.token_hash == hash_key(token), DashboardSession.expires_at > now(),
+               ApiKey.revoked_at.is_(None))
+    ).scalar_one_or_none()
+    return None if row is None else Identity(row.id, row.project_id, row.admin)
+
+
+def close_dashboard_session(session: Session, token: str | None) -> None:
+    """Sign out; expired sessions of any key are cleared at the same time."""
+    condition = DashboardSession.expires_at <= now()
+    if token:
+        condition = condition | (DashboardSession.token_hash == hash_key(token))
+    session.execute(delete(DashboardSession).where(condition))
+
+
+def project_names(session: Session, ids: list[str] | None = None) -> dict[str, str]:
+    """Project id -> name, of ``ids`` or of all projects."""
+    query = select(Project.id, Project.name)
+    if ids is not None:
+        query = query.where(Project.id.in_(ids))
+    return dict(session.execute(query).all())

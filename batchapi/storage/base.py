@@ -27,6 +27,10 @@ class Storage(Protocol):
     def iter_chunks(self, key: str, start: int = 0, end: int | None = None) -> Iterator[bytes]:
         """Yield the bytes ``[start, end)`` of ``key`` (``end`` None: to the end) in chunks."""
 
+    def compose(self, key: str, sources: list[str]) -> int:
+        """Write the concatenation of the objects ``sources``, in that order, under ``key``; return
+        the size. The sources stay (an Upload's parts, deleted by the caller once it is recorded)."""
+
     def size(self, key: str) -> int: ...
 
     def exists(self, key: str) -> bool: ...

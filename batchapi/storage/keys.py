@@ -27,3 +27,8 @@ def batch_output_key(batch_id: str) -> str:
 def batch_error_key(batch_id: str) -> str:
     """The merged error file of a finished batch."""
     return f"batches/{batch_id}/errors.jsonl"
+
+
+def upload_part_key(upload_id: str, part_id: str) -> str:
+    """One part of an Upload, until the Upload is completed (into ``file_key``) or given up."""
+    return f"uploads/{upload_id}/{part_id}"

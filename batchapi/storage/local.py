@@ -49,6 +49,9 @@ class LocalStorage:
     def put_chunks(self, key: str, chunks: Iterable[bytes]) -> int:
         return self.put_stream(key, ChunkReader(chunks))
 
+    def compose(self, key: str, sources: list[str]) -> int:
+        return self.put_chunks(key, (chunk for source in sources for chunk in self.iter_chunks(source)))
+
     def iter_chunks(self, key: str, start: int = 0, end: int | None = None) -> Iterator[bytes]:
         try:
             handle = open(self._path(key), "rb")

@@ -1,7 +1,8 @@
 """Storage in an S3-compatible bucket (AWS S3, MinIO, SeaweedFS) through boto3.
 
 Uploads go through boto3's managed transfer, which switches to a multipart upload above
-``MULTIPART_THRESHOLD`` and reads the source stream part by part; downloads stream the body.
+``MULTIPART_THRESHOLD`` and reads the source stream part by part; downloads stream the body; an
+Upload's parts are composed server-side into one object by a multipart upload of part copies.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ TRANSFER = TransferConfig(
     multipart_threshold=MULTIPART_THRESHOLD, multipart_chunksize=MULTIPART_THRESHOLD, max_concurrency=4
 )
 MISSING = {"NoSuchKey", "404", "NotFound"}
+# S3's least part of a multipart upload, but for the last: smaller sources are composed by streaming
+MIN_COPY_PART = 5 * 1024 * 1024
+MAX_PARTS = 10_000
 # a multipart upload still open after a day lost its writer (a 200 MB upload takes minutes)
 PARTIAL_GRACE_SECONDS = 86400
 
@@ -65,6 +69,35 @@ class S3Storage:
 
     def put_chunks(self, key: str, chunks: Iterable[bytes]) -> int:
         return self.put_stream(key, ChunkReader(chunks))
+
+    def compose(self, key: str, sources: list[str]) -> int:
+        """Server-side, a multipart upload of part copies, when S3 takes the sources as parts (all
+        but the last of at least 5 MiB); otherwise streamed through this process."""
+        sizes = [self.size(source) for source in sources]
+        if not sources or len(sources) > MAX_PARTS or any(size < MIN_COPY_PART for size in sizes[:-1]):
+            return self.put_chunks(key, (chunk for source in sources for chunk in self.iter_chunks(source)))
+        target = self._key(key)
+        try:
+            upload_id = self.client.create_multipart_upload(Bucket=self.bucket, Key=target)["UploadId"]
+        except (BotoCoreError, ClientError) as exc:
+            raise StorageError(f"composing {key!r} failed: {exc}") from exc
+        try:
+            parts = []
+            for number, source in enumerate(sources, 1):
+                copied = self.client.upload_part_copy(
+                    Bucket=self.bucket, Key=target, UploadId=upload_id, PartNumber=number,
+                    CopySource={"Bucket": self.bucket, "Key": self._key(source)},
+                )
+                parts.append({"PartNumber": number, "ETag": copied["CopyPartResult"]["ETag"]})
+            self.client.complete_multipart_upload(Bucket=self.bucket, Key=target, UploadId=upload_id,
+                                                  MultipartUpload={"Parts": parts})
+        except (BotoCoreError, ClientError) as exc:
+            try:
+                self.client.abort_multipart_upload(Bucket=self.bucket, Key=target, UploadId=upload_id)
+            except (BotoCoreError, ClientError):
+                log.warning("could not abort the multipart upload of %r; the sweep's cleanup will", key)
+            raise StorageError(f"composing {key!r} failed: {exc}") from exc
+        return sum(sizes)
 
     def iter_chunks(self, key: str, start: int = 0, end: int | None = None) -> Iterator[bytes]:
         if end is not None and end <= start:

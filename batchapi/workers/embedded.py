@@ -14,6 +14,7 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from batchapi import metrics
 from batchapi.batches.context import Jobs
 from batchapi.openai.errors import ErrorCode
 from batchapi.workers.engine_setup import start_runner
@@ -43,8 +44,10 @@ class EmbeddedWorker:
     @contextmanager
     def run(self, jobs: Jobs) -> Iterator[EmbeddedWorker]:
         self.runner = start_runner(jobs)
+        metrics.attach_runner(self.runner)  # the engine's gauges on the API's /metrics
         try:
             yield self
         finally:
+            metrics.detach_runner(self.runner)
             self.runner.shutdown()
             self.runner = None

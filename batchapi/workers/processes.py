@@ -5,12 +5,18 @@ from __future__ import annotations
 import logging
 import os
 
+from batchapi import metrics
 from batchapi.batches.context import open_jobs
 from batchapi.config import Settings
 from batchapi.workers import beat
 from batchapi.workers.celery_app import make_celery, worker_queues
 
 log = logging.getLogger(__name__)
+
+
+def _quiet(settings: Settings) -> list[str]:
+    """JSON logs are JSON lines only: no Celery start-up banner printed around them."""
+    return ["--quiet"] if settings.log_format == "json" else []
 
 
 def run_worker(settings: Settings, name: str | None = None) -> None:
@@ -24,12 +30,15 @@ def run_worker(settings: Settings, name: str | None = None) -> None:
 
     jobs = open_jobs(settings)
     runner = start_runner(jobs)
+    metrics.attach_runner(runner)
+    if settings.metrics_port:  # the engine's gauges; the job tables' numbers are on the API's /metrics
+        metrics.serve_engine_metrics(settings.metrics_port)
     tasks.install(runner)
     app = make_celery(settings)
     tasks.register(app)
     try:
         app.worker_main([
-            "worker", "--pool=solo", "--concurrency=1", "-Q", ",".join(worker_queues(settings)),
+            *_quiet(settings), "worker", "--pool=solo", "--concurrency=1", "-Q", ",".join(worker_queues(settings)),
             "-n", name or f"batchapi-{os.getpid()}@%h", "--without-gossip", "--without-mingle",
             "--loglevel=INFO",
         ])
@@ -55,7 +64,7 @@ def run_beat(settings: Settings) -> None:
     scheduler = beat.start_scheduler(app)
     try:
         app.worker_main([
-            "worker", "--pool=solo", "--concurrency=1", "-Q", settings.sweep_queue,
+            *_quiet(settings), "worker", "--pool=solo", "--concurrency=1", "-Q", settings.sweep_queue,
             "-n", f"batchapi-beat-{os.getpid()}@%h", "--without-gossip", "--without-mingle",
             "--loglevel=INFO",
         ])

@@ -7,16 +7,18 @@ Three threads besides the engine's own:
 - the monitor, once a second, aborts the requests of shards whose batch was cancelled or
   expired, and every ``heartbeat_seconds`` extends the leases (a shard whose lease was taken
   away is dropped without writing anything);
+- the result writer (``result_writer``) makes each finished request durable within about a
+  second, counted in its batch at once; a shard taken over after a crash runs only the requests
+  without a durable result;
 - the finisher writes a finished shard's objects to their fixed keys, completes it and
   finalizes the batch when it was the last shard.
 Celery tasks and the embedded worker share this class; the broker only wakes the feeder.
 
 A dead engine thread (a BaseException escaped it) is final: within a second the monitor stops
-claiming, gives the unfinished shards back to the queue (their results so far are dropped, so
-each request still ends up in the results once, from whoever runs the shard next), lets the
-finished ones be stored, and calls ``on_engine_death``, whose host stops the process so its
-supervisor restarts it with a fresh engine. An engine thread that lives but hangs is noticed
-later, by ``_stalled``.
+claiming, writes the results it has, gives the unfinished shards back to the queue (whoever runs
+them next runs only their requests without a result), lets the finished ones be stored, and
+calls ``on_engine_death``, whose host stops the process so its supervisor restarts it with a
+fresh engine. An engine thread that lives but hangs is noticed later, by ``_stalled``.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from sqlalchemy import select
 from sqlalchemy.exc import OperationalError
 
-from batchapi.batches import leases
+from batchapi.batches import leases, request_results
 from batchapi.batches.context import Jobs
 from batchapi.batches.finalize import finalize_batch
 from batchapi.batches.leases import Claimed
@@ -44,6 +46,7 @@ from batchapi.errors import NotFound, StorageError
 from batchapi.openai.errors import ErrorCode, RequestError
 from batchapi.storage.keys import shard_error_key, shard_output_key
 from batchapi.workers.codec import Codec
+from batchapi.workers.result_writer import ResultWriter
 from batchapi.workers.shard_work import ShardWork
 
 log = logging.getLogger(__name__)
@@ -82,6 +85,7 @@ class ShardRunner:
         self._last_progress = time.monotonic()  # when the engine's state last moved (or work arrived)
         self._engine_state: tuple = ()
         self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchapi-finish")
+        self._writer = ResultWriter(jobs, owner, self._held, lambda work: self._backend(work)[1])
         self._threads = [
             threading.Thread(target=self._feed_loop, name="batchapi-feeder", daemon=True),
             threading.Thread(target=self._monitor_loop, name="batchapi-monitor", daemon=True),
@@ -92,6 +96,7 @@ class ShardRunner:
     def start(self) -> ShardRunner:
         for thread in self._threads:
             thread.start()
+        self._writer.start()
         return self
 
     def wake(self) -> None:
@@ -131,6 +136,9 @@ class ShardRunner:
         works = self._held()
         for work in works:
             work.close(None, lost=True)
+        self._writer.stop()
+        self._save_results()  # before the leases go: what finished is not run again
+        for work in works:
             work.stored.set()
         released = leases.release(self.jobs, [w.shard.id for w in works], self.owner)
         if released:
@@ -138,6 +146,13 @@ class ShardRunner:
         self._finisher.shutdown(wait=True)
         for front in self.fronts:
             front.shutdown()
+
+    def _save_results(self) -> None:
+        try:
+            self._writer.write()
+        except OperationalError:
+            log.warning("database unavailable while writing the last results; their requests run again",
+                        exc_info=True)
 
     def _held(self) -> list[ShardWork]:
         with self._lock:
@@ -196,6 +211,7 @@ class ShardRunner:
     def _start(self, claimed: Claimed) -> ShardWork | None:
         try:
             lines = read_shard(self.jobs.storage, claimed, self.settings.max_line_bytes)
+            earlier = request_results.stored(self.jobs, claimed.id)
         except TRANSIENT:
             log.warning("could not read shard %s; giving it back", claimed.id, exc_info=True)
             leases.release(self.jobs, [claimed.id], self.owner)
@@ -204,12 +220,12 @@ class ShardRunner:
             # never renewed, so the lease runs out and the attempts run up to shard_failed
             log.error("the input of shard %s is gone from storage", claimed.id)
             return None
-        work = ShardWork(claimed, lines)
+        work = ShardWork(claimed, lines, earlier)
         front, codec = self._backend(work)
         requests = []
-        for line in work.runnable():
+        for seq, line in work.to_run():
             try:
-                requests.append(codec.request(line, work.request_id(line)))
+                requests.append(codec.request(line, work.request_id(seq)))
             except RequestError as exc:  # options the model does not have: that request's error
                 exc.custom_id = line.custom_id
                 line.body, line.error = None, exc
@@ -231,7 +247,8 @@ class ShardRunner:
         if dead:  # claimed while the engine died: straight back
             leases.release(self.jobs, [claimed.id], self.owner)
             return None
-        log.info("shard %s (attempt %d): %d requests", claimed.id, claimed.attempts, len(requests))
+        log.info("shard %s (attempt %d): %d requests to run, %d finished by an earlier attempt", claimed.id,
+                 claimed.attempts, len(requests), len(earlier))
         if work.done.is_set():  # nothing to run: every line was rejected
             self._finish(work)
         for request in requests:
@@ -244,7 +261,9 @@ class ShardRunner:
         failed by an engine crash is reported too instead of leaving its shard waiting."""
         exc = future.exception()
         result = future.result() if exc is None else engine_failure(request_id, exc)
-        if work.add(result):
+        last = work.add(result)
+        self._writer.notify()
+        if last:
             self._finish(work)
         elif self._waiting() <= self.settings.engine_watermark:
             self._wake.set()  # the queue drained: let the feeder claim now, not at its next tick
@@ -276,15 +295,21 @@ class ShardRunner:
                 return
             self.jobs.storage.put_chunks(out_key, [rendered.output])
             self.jobs.storage.put_chunks(err_key, [rendered.errors])
-            if not leases.complete(self.jobs, shard, self.owner, rendered.outcome, out_key, err_key):
+            with self._writer.lock:  # no rows of this shard are being written meanwhile
+                completed = leases.complete(self.jobs, shard, self.owner, rendered.outcome, out_key, err_key)
+                if completed:
+                    work.take_unsaved()  # in the objects now: nothing left for the writer
+            if not completed:
                 log.warning("lost the lease of shard %s while writing; its retry counts", shard.id)
                 return
         except TRANSIENT:
-            # the lease runs out and the sweeper re-queues the shard: it is run again
+            # the lease runs out and the sweeper re-queues the shard: its requests without a
+            # durable result are run again
             log.exception("could not store shard %s; leaving it to the sweeper", shard.id)
             return
-        log.info("shard %s done: %d ok, %d failed%s", shard.id, rendered.outcome.completed,
-                 rendered.outcome.failed, f" ({work.reason})" if work.reason else "")
+        log.info("shard %s done: %d ok, %d failed%s; request results written so far: %d rows in %d writes",
+                 shard.id, rendered.outcome.completed, rendered.outcome.failed,
+                 f" ({work.reason})" if work.reason else "", self._writer.rows_written, self._writer.writes)
         try:
             finalize_batch(self.jobs, shard.batch_id)
         except TRANSIENT:
@@ -345,7 +370,8 @@ class ShardRunner:
         with self._lock:
             self.engine_dead.set()
             works = list(self._inflight.values())
-        unfinished = [w for w in works if w.close(None, lost=True)]  # lost: this worker writes nothing
+        unfinished = [w for w in works if w.close(None, lost=True)]  # lost: this worker writes no objects
+        self._save_results()  # while the leases are still ours
         try:
             released = leases.release(self.jobs, [w.shard.id for w in unfinished], self.owner)
         except OperationalError:

@@ -1,8 +1,10 @@
-"""One claimed shard while its requests are in the engine: results in, result objects out.
+"""One claimed shard while its requests are in the engine: results in, result rows and objects out.
 
 Results arrive on the engine thread; ``close`` may come from the monitor (cancel, expiry, a
 lost lease) at any moment. A lock orders the two, so a request either finished before the
-close (its result is kept) or is reported with the close's reason, never both.
+close (its result is kept) or is reported with the close's reason, never both. Each kept
+result waits in ``unsaved`` until the result writer makes it durable (``take_unsaved``); the
+requests an earlier attempt already made durable (``earlier``) are not run again.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import threading
 from dataclasses import dataclass, field
 
 from batchapi.batches.leases import CUT_OFF, Claimed, Outcome
+from batchapi.batches.request_results import Finished
 from batchapi.engine import GenerationResult
 from batchapi.openai.errors import ErrorCode
 from batchapi.openai.lines import InputLine
@@ -27,26 +30,38 @@ class Rendered:
 @dataclass
 class ShardWork:
     shard: Claimed
-    lines: list[InputLine]
-    results: dict[str, GenerationResult] = field(default_factory=dict)  # request id -> result
-    pending: set[str] = field(default_factory=set)
+    lines: list[InputLine]  # the shard's requests in input order: a request's seq is its index here
+    earlier: dict[int, Finished] = field(default_factory=dict)  # seq -> made durable by an earlier attempt
+    results: dict[int, GenerationResult] = field(default_factory=dict)  # seq -> this attempt's result
+    pending: set[str] = field(default_factory=set)  # request ids awaited from the engine
+    unsaved: list[int] = field(default_factory=list)  # seqs finished here and not yet durable
+    finished: dict[int, Finished] = field(default_factory=dict)  # seq -> rendered by the result writer
     reason: ErrorCode | None = None  # why it was closed early
     lost: bool = False  # the lease went to someone else: write nothing
     done: threading.Event = field(default_factory=threading.Event)  # no result awaited any more
     stored: threading.Event = field(default_factory=threading.Event)  # written and completed (or dropped)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def request_id(self, line: InputLine) -> str:
+    def request_id(self, seq: int) -> str:
         # the attempt keeps ids unique when this worker runs the shard again before old aborts land
-        return f"{self.shard.id}:{self.shard.attempts}:{line.line}"
+        return f"{self.shard.id}:{self.shard.attempts}:{seq}"
 
-    def runnable(self) -> list[InputLine]:
-        return [line for line in self.lines if line.body is not None]
+    def seq_of(self, request_id: str) -> int:
+        return int(request_id.rsplit(":", 1)[1])
+
+    def to_run(self) -> list[tuple[int, InputLine]]:
+        """The requests this attempt runs: those no earlier attempt finished. The lines that
+        cannot run (refused by validation or by ``refuse``) are finished without the engine."""
+        return [(seq, line) for seq, line in enumerate(self.lines) if seq not in self.earlier and line.body is not None]
 
     def expect(self, request_ids: list[str]) -> None:
-        self.pending.update(request_ids)
-        if not self.pending:
-            self.done.set()
+        """Await ``request_ids``; every other line not finished earlier is finished now (refused)."""
+        running = {self.seq_of(rid) for rid in request_ids}
+        with self.lock:
+            self.pending.update(request_ids)
+            self.unsaved.extend(seq for seq in range(len(self.lines)) if seq not in self.earlier and seq not in running)
+            if not self.pending:
+                self.done.set()
 
     def add(self, result: GenerationResult) -> bool:
         """Keep a result; True when it was the last one the shard waited for."""
@@ -54,11 +69,23 @@ class ShardWork:
             if self.done.is_set() or result.request_id not in self.pending:
                 return False
             self.pending.discard(result.request_id)
-            self.results[result.request_id] = result
+            seq = self.seq_of(result.request_id)
+            self.results[seq] = result
+            self.unsaved.append(seq)
             if self.pending:
                 return False
             self.done.set()
             return True
+
+    def take_unsaved(self) -> list[int]:
+        with self.lock:
+            seqs, self.unsaved = self.unsaved, []
+            return seqs
+
+    def put_back(self, seqs: list[int]) -> None:
+        """Writing them failed (the database was away): the next write tries again."""
+        with self.lock:
+            self.unsaved[:0] = seqs
 
     def close(self, reason: ErrorCode | None, lost: bool = False) -> list[str]:
         """Stop waiting: unfinished requests end with ``reason``. Returns their ids (to abort in
@@ -71,23 +98,42 @@ class ShardWork:
             self.done.set()
             return aborted
 
+    def finish(self, codec: Codec, seqs: list[int]) -> list[Finished]:
+        """The result rows of finished requests (rendered once: ``render`` reuses them)."""
+        rows = []
+        for seq in seqs:
+            row = self._render(codec, seq, ErrorCode.SHARD_FAILED)
+            self.finished[seq] = row
+            rows.append(row)
+        return rows
+
+    def _render(self, codec: Codec, seq: int, not_run: ErrorCode) -> Finished:
+        result = self.results.get(seq)
+        rendered, ok = codec.line(self.lines[seq], result, not_run)
+        if not ok:
+            return Finished(seq, False, rendered)
+        return Finished(seq, True, rendered, result.prompt_tokens, result.cached_tokens, result.completion_tokens)
+
     def render(self, codec: Codec) -> Rendered:
-        """The output and error lines in input order."""
+        """The output and error lines in input order: earlier attempts' rows, this attempt's
+        results, and the reason for the rest."""
         output, errors = [], []
         completed = failed = unrun = input_tokens = cached = output_tokens = 0
         not_run = self.reason or ErrorCode.SHARD_FAILED
-        for line in self.lines:
-            result = self.results.get(self.request_id(line))
-            rendered, ok = codec.line(line, result, not_run)
-            if not ok:
-                errors.append(rendered)
+        for seq, line in enumerate(self.lines):
+            row = self.earlier.get(seq) or self.finished.get(seq)
+            if row is None:
+                row = self._render(codec, seq, not_run)
+                never_ran = seq not in self.results and line.error is None and line.body is not None
+                unrun += never_ran and self.reason in CUT_OFF
+            if not row.succeeded:
+                errors.append(row.line)
                 failed += 1
-                unrun += result is None and line.error is None and self.reason in CUT_OFF
                 continue
-            output.append(rendered)
+            output.append(row.line)
             completed += 1
-            input_tokens += result.prompt_tokens
-            cached += result.cached_tokens
-            output_tokens += result.completion_tokens
+            input_tokens += row.input_tokens
+            cached += row.cached_tokens
+            output_tokens += row.output_tokens
         outcome = Outcome(completed, failed, input_tokens, cached, output_tokens, self.reason, unrun)
         return Rendered(b"".join(output), b"".join(errors), outcome)

@@ -20,6 +20,7 @@ def upgrade() -> None:
     with op.batch_alter_table('files', schema=None) as batch_op:
         batch_op.add_column(sa.Column('expires_at', sa.BigInteger(), nullable=True))
         batch_op.create_index(batch_op.f('ix_files_expires_at'), ['expires_at'], unique=False)
+        batch_op.create_index(batch_op.f('ix_files_deleted_at'), ['deleted_at'], unique=False)
     with op.batch_alter_table('batches', schema=None) as batch_op:
         batch_op.add_column(sa.Column('output_expires_after', sa.BigInteger(), nullable=True))
 
@@ -110,5 +111,6 @@ def downgrade() -> None:
     with op.batch_alter_table('batches', schema=None) as batch_op:
         batch_op.drop_column('output_expires_after')
     with op.batch_alter_table('files', schema=None) as batch_op:
+        batch_op.drop_index(batch_op.f('ix_files_deleted_at'))
         batch_op.drop_index(batch_op.f('ix_files_expires_at'))
         batch_op.drop_column('expires_at')

@@ -44,7 +44,8 @@ def test_a_revoked_key_gets_401(pg_server):
     assert response.status_code == 401
     assert response.headers["www-authenticate"] == "Bearer"
     assert response.json() == {"error": {"message": f"Incorrect API key provided: {key[:8]}….",
-                                         "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}
+                                         "type": "invalid_request_error", "param": None, "code": "invalid_api_key",
+                                         "request_id": response.headers["x-request-id"]}}
 
 
 def test_health_needs_no_key(pg_server):

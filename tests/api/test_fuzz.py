@@ -50,7 +50,8 @@ def test_no_request_gets_a_5xx(api_schema, pg_server, fuzz_headers, method, path
         statuses[response.status_code] += 1
         assert response.status_code < 500, (response.status_code, response.text[:500], case.as_curl_command())
         if response.status_code >= 400 and path not in RAW_BODIES:
-            shape = ANTHROPIC_ERROR if path.startswith("/v1/messages/") else {"message", "type", "param", "code"}
+            shape = ANTHROPIC_ERROR if path.startswith("/v1/messages/") else {"message", "type", "param", "code",
+                                                                             "request_id"}
             assert set(response.json()["error"]) == shape, response.text[:500]
 
     check()

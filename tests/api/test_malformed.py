@@ -94,7 +94,8 @@ def test_malformed_requests_get_4xx(pg_server, objects, method, path, kwargs, st
         response = http.request(method, path.replace("BATCH", bid), **kwargs)
     assert response.status_code == status, response.text
     error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
+    assert set(error) == {"message", "type", "param", "code", "request_id"}
+    assert error["request_id"] == response.headers["x-request-id"]
     assert isinstance(error["message"], str) and error["message"]
 
 

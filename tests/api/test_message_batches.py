@@ -184,7 +184,8 @@ def test_a_wrong_api_key_is_an_anthropic_authentication_error(server, model):
         client.messages.batches.list()
     assert caught.value.status_code == 401
     assert caught.value.body == {"type": "error", "error": {"type": "authentication_error",
-                                                            "message": caught.value.body["error"]["message"]}}
+                                                            "message": caught.value.body["error"]["message"]},
+                                 "request_id": caught.value.response.headers["x-request-id"]}
     # the OpenAI routes keep their own shape
     response = httpx.get(f"{server.base_url}/v1/batches", headers={"Authorization": "Bearer sk-wrong"})
     assert response.status_code == 401 and response.json()["error"]["type"] == "invalid_request_error"

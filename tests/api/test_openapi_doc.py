@@ -19,6 +19,7 @@ EXPECTED = {
     ("get", "/v1/batches"): AUTHED | {"404"},
     ("get", "/v1/batches/{batch_id}"): AUTHED | {"404"},
     ("post", "/v1/batches/{batch_id}/cancel"): AUTHED | {"404", "409"},
+    ("post", "/v1/batches/{batch_id}/retry"): AUTHED | {"404", "409", "503"},
     ("get", "/v1/batches/{batch_id}/partial_results"): AUTHED | {"404", "503"},
     ("get", "/v1/models"): AUTHED,
     ("get", "/v1/models/{model}"): AUTHED | {"404"},
@@ -29,6 +30,21 @@ EXPECTED = {
     ("post", "/v1/messages/batches/{message_batch_id}/cancel"): AUTHED | {"404", "409"},
     ("delete", "/v1/messages/batches/{message_batch_id}"): AUTHED | {"404", "503"},
     ("get", "/v1/messages/batches/{message_batch_id}/results"): AUTHED | {"404", "503"},
+    ("get", "/v1/organization/usage/completions"): AUTHED,
+    ("get", "/v1/organization/usage/embeddings"): AUTHED,
+    ("get", "/v1/organization/costs"): AUTHED,
+    ("post", "/v1/uploads"): AUTHED,
+    ("post", "/v1/uploads/{upload_id}/parts"): AUTHED | {"404", "413", "503"},
+    ("post", "/v1/uploads/{upload_id}/complete"): AUTHED | {"404", "503"},
+    ("post", "/v1/uploads/{upload_id}/cancel"): AUTHED | {"404", "503"},
+    ("post", "/v1/webhook_endpoints"): AUTHED,
+    ("get", "/v1/webhook_endpoints"): AUTHED,
+    ("get", "/v1/webhook_endpoints/{webhook_endpoint_id}"): AUTHED | {"404"},
+    ("post", "/v1/webhook_endpoints/{webhook_endpoint_id}"): AUTHED | {"404"},
+    ("delete", "/v1/webhook_endpoints/{webhook_endpoint_id}"): AUTHED | {"404"},
+    ("post", "/v1/webhook_endpoints/{webhook_endpoint_id}/rotate_secret"): AUTHED | {"404"},
+    ("post", "/v1/webhook_endpoints/{webhook_endpoint_id}/test"): AUTHED | {"404"},
+    ("get", "/v1/webhook_endpoints/{webhook_endpoint_id}/deliveries"): AUTHED | {"404"},
 }
 
 
@@ -75,5 +91,5 @@ def test_the_upload_form_is_described(document):
 def test_a_method_a_path_does_not_list_gets_405_naming_those_it_does(pg_server, api_key):
     response = httpx.put(pg_server.base_url + "/v1/files", headers={"Authorization": f"Bearer {api_key}"})
     assert response.status_code == 405
-    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    assert set(response.json()["error"]) == {"message", "type", "param", "code", "request_id"}
     assert {m.strip() for m in response.headers["allow"].split(",")} == {"GET", "POST"}

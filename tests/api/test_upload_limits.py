@@ -90,7 +90,7 @@ def small_server(request, small_servers):
 
 def assert_refused(answer, status: int, code: str) -> None:
     assert answer.status == status, answer.body
-    assert set(answer.json()["error"]) == {"message", "type", "param", "code"}
+    assert set(answer.json()["error"]) == {"message", "type", "param", "code", "request_id"}
     assert answer.json()["error"]["code"] == code
     assert answer.headers["connection"] == "close"
 

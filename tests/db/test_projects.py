@@ -84,7 +84,7 @@ def test_cli_lists_and_revokes(cli_env, settings, capsys):
     assert main(["keys", "list", "--project", "cli-project", "--json"]) == 0
     out = capsys.readouterr().out
     [listed] = json.loads(out)
-    assert listed.keys() == {"id", "project", "prefix", "created_at", "revoked_at"}
+    assert listed.keys() == {"id", "project", "prefix", "created_at", "revoked_at", "admin"}
     assert (listed["project"], listed["prefix"], listed["revoked_at"]) == ("cli-project", key[:12], None)
     assert key not in out
 

@@ -8,6 +8,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from batchapi.api.deps import IdempotencyKey, JobsDep, ProjectDep
 from batchapi.api.schemas import BatchList, BatchObject, CreateBatchRequest, error_responses
+from batchapi.batches import retry
 from batchapi.batches import service as batches
 from batchapi.db.reads import AsyncReads
 
@@ -19,7 +20,8 @@ def create_batch(
     jobs: JobsDep, project_id: ProjectDep, body: CreateBatchRequest, idempotency_key: IdempotencyKey = None
 ) -> BatchObject:
     batch = batches.create_batch(
-        jobs, project_id, body.input_file_id, body.endpoint, body.completion_window, body.metadata, idempotency_key
+        jobs, project_id, body.input_file_id, body.endpoint, body.completion_window, body.metadata, idempotency_key,
+        output_expires_after=body.output_expires_after.model_dump() if body.output_expires_after else None,
     )
     return BatchObject.of(batch)
 
@@ -54,6 +56,15 @@ async def retrieve_batch(request: Request, jobs: JobsDep, project_id: ProjectDep
 @router.post("/{batch_id}/cancel", responses=error_responses(409))
 def cancel_batch(jobs: JobsDep, project_id: ProjectDep, batch_id: str) -> BatchObject:
     return BatchObject.of(batches.cancel_batch(jobs, project_id, batch_id))
+
+
+@router.post("/{batch_id}/retry", responses=error_responses(409, 503))
+def retry_batch(
+    jobs: JobsDep, project_id: ProjectDep, batch_id: str, idempotency_key: IdempotencyKey = None
+) -> BatchObject:
+    """Extension (docs/API_EXTENSIONS.md): a new batch over the ended batch's failed, expired and
+    cancelled requests."""
+    return BatchObject.of(retry.retry_batch(jobs, project_id, batch_id, idempotency_key))
 
 
 @router.get("/{batch_id}/partial_results", response_class=StreamingResponse, responses=error_responses(503))

@@ -18,6 +18,10 @@ UPLOAD_FORM = {"requestBody": {"required": True, "content": {"multipart/form-dat
     "properties": {
         "file": {"type": "string", "format": "binary", "description": "The JSONL file."},
         "purpose": {"type": "string", "enum": ["batch"]},
+        "expires_after[anchor]": {"type": "string", "enum": ["created_at"]},
+        "expires_after[seconds]": {"type": "integer", "minimum": 3600, "maximum": 2592000,
+                                   "description": "The file expires this long after it is made (default for "
+                                                  "purpose=batch: 30 days)."},
     },
 }}}}}
 

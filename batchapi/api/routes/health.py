@@ -1,8 +1,10 @@
 from __future__ import annotations
 
-from fastapi import APIRouter
-from fastapi.responses import JSONResponse
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 
+from batchapi import metrics
 from batchapi.api.deps import JobsDep
 from batchapi.api.schemas import Health, error_responses
 from batchapi.batches.health import check_health
@@ -15,3 +17,14 @@ def health(jobs: JobsDep) -> JSONResponse:
     report = check_health(jobs)
     body = Health(status="ok" if report.ok else "unavailable", database=report.database, storage=report.storage)
     return JSONResponse(body.model_dump(), status_code=200 if report.ok else 503)
+
+
+@router.get("/metrics", include_in_schema=False)
+def prometheus_metrics(request: Request) -> Response:
+    """Prometheus text format: the job tables' numbers and HTTP latency, plus the engine's gauges
+    when this process runs one (the embedded default). Sync: the database is read in a thread."""
+    registries = [request.app.state.metrics_registry]
+    engine = metrics.engine_stats()
+    if engine.attached:
+        registries.append(engine.registry)
+    return Response(metrics.exposition(*registries), media_type=CONTENT_TYPE_LATEST)

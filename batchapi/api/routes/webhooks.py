@@ -1,0 +1,104 @@
+"""OpenAI's webhook endpoints API (``/v1/webhook_endpoints``, as the openai SDK's ``client.webhooks``
+calls it), and batchapi's ``GET /v1/webhook_endpoints/{id}/deliveries``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Annotated, TypeVar
+
+from fastapi import APIRouter, Query
+from sqlalchemy.orm import Session
+
+from batchapi.api.deps import JobsDep, ProjectDep
+from batchapi.api.schemas import error_responses
+from batchapi.api.webhook_schemas import (
+    CreateWebhookEndpointRequest,
+    RotateSecretRequest,
+    TestWebhookRequest,
+    UpdateWebhookEndpointRequest,
+    WebhookDeliveryList,
+    WebhookDeliveryObject,
+    WebhookEndpointDeleted,
+    WebhookEndpointList,
+    WebhookEndpointObject,
+    WebhookEndpointWithSecret,
+    WebhookTestResult,
+)
+from batchapi.batches.context import Jobs
+from batchapi.db.session import session_scope
+from batchapi.errors import InvalidRequest
+from batchapi.webhooks import delivery, endpoints, outbox
+
+router = APIRouter(prefix="/v1/webhook_endpoints", tags=["webhooks"], responses=error_responses(400, 401, 431))
+T = TypeVar("T")
+
+
+def _committed(jobs: Jobs, act: Callable[[Session], T]) -> T:
+    with session_scope(jobs.sessions) as session:
+        result = act(session)
+        session.flush()
+        return result
+
+
+@router.post("")
+def create_endpoint(jobs: JobsDep, project_id: ProjectDep, body: CreateWebhookEndpointRequest) -> WebhookEndpointWithSecret:
+    return WebhookEndpointWithSecret.of(_committed(jobs, lambda s: endpoints.create_endpoint(
+        s, project_id, body.url, body.event_types, body.name)))
+
+
+@router.get("")
+def list_endpoints(jobs: JobsDep, project_id: ProjectDep, after: str | None = None,
+                   limit: Annotated[int, Query(ge=1, le=100)] = 20) -> WebhookEndpointList:
+    with jobs.sessions() as session:
+        rows, has_more = endpoints.page_endpoints(session, project_id, limit, after)
+        return WebhookEndpointList.of([WebhookEndpointObject.of(r) for r in rows], has_more)
+
+
+@router.get("/{webhook_endpoint_id}", responses=error_responses(404))
+def retrieve_endpoint(jobs: JobsDep, project_id: ProjectDep, webhook_endpoint_id: str) -> WebhookEndpointObject:
+    with jobs.sessions() as session:
+        return WebhookEndpointObject.of(endpoints.get_endpoint(session, webhook_endpoint_id, project_id))
+
+
+@router.post("/{webhook_endpoint_id}", responses=error_responses(404))
+def update_endpoint(jobs: JobsDep, project_id: ProjectDep, webhook_endpoint_id: str,
+                    body: UpdateWebhookEndpointRequest) -> WebhookEndpointObject:
+    return WebhookEndpointObject.of(_committed(jobs, lambda s: endpoints.update_endpoint(
+        s, webhook_endpoint_id, project_id, body.url, body.event_types, body.name)))
+
+
+@router.delete("/{webhook_endpoint_id}", responses=error_responses(404))
+def delete_endpoint(jobs: JobsDep, project_id: ProjectDep, webhook_endpoint_id: str) -> WebhookEndpointDeleted:
+    _committed(jobs, lambda s: endpoints.delete_endpoint(s, webhook_endpoint_id, project_id))
+    return WebhookEndpointDeleted(id=webhook_endpoint_id)
+
+
+@router.post("/{webhook_endpoint_id}/rotate_secret", responses=error_responses(404))
+def rotate_secret(jobs: JobsDep, project_id: ProjectDep, webhook_endpoint_id: str,
+                  body: RotateSecretRequest | None = None) -> WebhookEndpointWithSecret:
+    keep = body.keep_old_secret_active_for_24_hours if body else False
+    return WebhookEndpointWithSecret.of(_committed(jobs, lambda s: endpoints.rotate_secret(
+        s, webhook_endpoint_id, keep, project_id)))
+
+
+@router.post("/{webhook_endpoint_id}/test", responses=error_responses(404))
+def test_endpoint(jobs: JobsDep, project_id: ProjectDep, webhook_endpoint_id: str,
+                  body: TestWebhookRequest) -> WebhookTestResult:
+    """Sends a sample event now, signed as a real one; its answer's status comes back."""
+    event_type = endpoints.check_event_types([body.event_type])[0]
+    with jobs.sessions() as session:
+        endpoint = endpoints.get_endpoint(session, webhook_endpoint_id, project_id)
+    outcome = delivery.send_test(jobs.settings, endpoint, event_type)
+    if outcome.status_code is None:
+        raise InvalidRequest(f"the endpoint did not answer: {outcome.error}", "url", "webhook_endpoint_unreachable")
+    return WebhookTestResult(webhook_endpoint_id=endpoint.id, event_type=event_type, status_code=outcome.status_code)
+
+
+@router.get("/{webhook_endpoint_id}/deliveries", responses=error_responses(404))
+def list_deliveries(jobs: JobsDep, project_id: ProjectDep, webhook_endpoint_id: str, batch_id: str | None = None,
+                    limit: Annotated[int, Query(ge=1, le=100)] = 20) -> WebhookDeliveryList:
+    """Extension: the endpoint's events, newest first: status, attempts, last status code and error."""
+    with jobs.sessions() as session:
+        endpoints.get_endpoint(session, webhook_endpoint_id, project_id)
+        rows = outbox.list_deliveries(session, project_id, batch_id, limit, webhook_endpoint_id)
+        return WebhookDeliveryList(data=[WebhookDeliveryObject.of(r) for r in rows])

@@ -1,0 +1,147 @@
+"""Sending the outbox, at least once. Each due row is claimed with a conditional UPDATE (a lease,
+so two senders never post it at once and a sender that dies leaves it to the next), posted with
+fresh Standard Webhooks headers, and its outcome recorded: a 2xx ends it; anything else (a status,
+a refused connection, a timeout) counts an attempt and sets the next one after a wait that starts
+at ``webhook_retry_seconds`` and doubles up to an hour, until the event is
+``webhook_max_age_seconds`` old (a day), when it is given up as ``failed``. The event id stays
+the same across attempts, so a receiver can drop repeats."""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import httpx
+from sqlalchemy import or_, select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from batchapi.config import Settings
+from batchapi.db.clock import now
+from batchapi.db.ids import new_id
+from batchapi.db.models import WebhookDelivery, WebhookEndpoint
+from batchapi.db.session import session_scope
+from batchapi.webhooks.endpoints import signing_secrets
+from batchapi.webhooks.events import event_body
+from batchapi.webhooks.outbox import DeliveryStatus
+from batchapi.webhooks.signing import signed_headers
+
+log = logging.getLogger(__name__)
+
+MAX_WAIT_SECONDS = 3600
+SENDERS = 8  # posts at once
+ROUND_SECONDS = 2.0  # a sweep starts no new round of posts after this long
+MAX_ERROR = 500  # characters of an error kept on the row
+USER_AGENT = "batchapi-webhooks/1"
+
+
+@dataclass
+class Outcome:
+    status_code: int | None
+    error: str | None
+
+    @property
+    def ok(self) -> bool:
+        return self.status_code is not None and 200 <= self.status_code < 300
+
+
+def retry_wait(settings: Settings, attempts: int) -> int:
+    """Seconds before the next attempt, after ``attempts`` failed ones."""
+    return int(min(settings.webhook_retry_seconds * 2 ** (attempts - 1), MAX_WAIT_SECONDS))
+
+
+def deliver_due(sessions: sessionmaker[Session], settings: Settings) -> int:
+    """Send what is due, a round of ``SENDERS`` posts at a time, for about ``ROUND_SECONDS``;
+    returns how many were delivered."""
+    due = _due(sessions, SENDERS)
+    if not due:  # the common case: no client, no threads
+        return 0
+    delivered = 0
+    started = time.monotonic()
+    with httpx.Client(timeout=settings.webhook_timeout_seconds, follow_redirects=False,
+                      headers={"user-agent": USER_AGENT}) as client, ThreadPoolExecutor(SENDERS) as pool:
+        while due:
+            delivered += sum(pool.map(lambda d: deliver_one(sessions, settings, client, d), due))
+            due = _due(sessions, SENDERS) if time.monotonic() - started < ROUND_SECONDS else []
+    return delivered
+
+
+def _due(sessions: sessionmaker[Session], limit: int) -> list[str]:
+    t = now()
+    with sessions() as session:
+        return list(session.scalars(
+            select(WebhookDelivery.id).where(
+                WebhookDelivery.status == DeliveryStatus.PENDING, WebhookDelivery.next_attempt_at <= t,
+                or_(WebhookDelivery.lease_expires_at.is_(None), WebhookDelivery.lease_expires_at < t),
+            ).order_by(WebhookDelivery.next_attempt_at).limit(limit)
+        ))
+
+
+def deliver_one(sessions: sessionmaker[Session], settings: Settings, client: httpx.Client, delivery_id: str) -> bool:
+    """Claim, post and record one delivery; whether it was delivered now."""
+    t = now()
+    with session_scope(sessions) as session:
+        claimed = session.execute(
+            update(WebhookDelivery)
+            .where(WebhookDelivery.id == delivery_id, WebhookDelivery.status == DeliveryStatus.PENDING,
+                   or_(WebhookDelivery.lease_expires_at.is_(None), WebhookDelivery.lease_expires_at < t))
+            .values(lease_expires_at=t + int(settings.webhook_timeout_seconds) + 30)
+            .execution_options(synchronize_session=False)
+        ).rowcount == 1
+        if not claimed:
+            return False
+        delivery = session.get(WebhookDelivery, delivery_id)
+        endpoint = session.get(WebhookEndpoint, delivery.endpoint_id) if delivery is not None else None
+        if endpoint is None:  # deleted since the claim, with its deliveries
+            return False
+        url, event_id, payload = endpoint.url, delivery.event_id, delivery.payload
+        secrets = signing_secrets(endpoint, t)
+    outcome = post(client, url, event_id, payload, secrets)
+    _record(sessions, settings, delivery_id, outcome)
+    return outcome.ok
+
+
+def send_test(settings: Settings, endpoint: WebhookEndpoint, event_type: str) -> Outcome:
+    """A sample event (``data.id`` a made-up batch id) posted to ``endpoint`` now, unrecorded."""
+    event_id = new_id("evt_")
+    payload = event_body(event_id, event_type, now(), new_id("batch_test_"))
+    with httpx.Client(timeout=settings.webhook_timeout_seconds, follow_redirects=False,
+                      headers={"user-agent": USER_AGENT}) as client:
+        return post(client, endpoint.url, event_id, payload, signing_secrets(endpoint, now()))
+
+
+def post(client: httpx.Client, url: str, event_id: str, payload: str, secrets: list[str]) -> Outcome:
+    headers = {"content-type": "application/json", **signed_headers(event_id, payload, secrets, now())}
+    try:
+        response = client.post(url, content=payload.encode(), headers=headers)
+    except httpx.HTTPError as exc:  # refused, reset, timed out, a bad URL: the endpoint is not there
+        return Outcome(None, f"{type(exc).__name__}: {exc}"[:MAX_ERROR])
+    if 200 <= response.status_code < 300:
+        return Outcome(response.status_code, None)
+    return Outcome(response.status_code, f"HTTP {response.status_code}: {response.text[:200]}"[:MAX_ERROR])
+
+
+def _record(sessions: sessionmaker[Session], settings: Settings, delivery_id: str, outcome: Outcome) -> None:
+    t = now()
+    with session_scope(sessions) as session:
+        delivery = session.get(WebhookDelivery, delivery_id)
+        if delivery is None:  # its endpoint was deleted meanwhile
+            return
+        delivery.attempts += 1
+        delivery.last_attempt_at = t
+        delivery.last_status_code = outcome.status_code
+        delivery.last_error = outcome.error
+        delivery.lease_expires_at = None
+        if outcome.ok:
+            delivery.status, delivery.delivered_at = DeliveryStatus.DELIVERED, t
+            return
+        next_at = t + retry_wait(settings, delivery.attempts)
+        if next_at > delivery.created_at + settings.webhook_max_age_seconds:
+            delivery.status = DeliveryStatus.FAILED
+            log.warning("webhook %s to endpoint %s given up after %d attempts: %s", delivery.event_id,
+                        delivery.endpoint_id, delivery.attempts, outcome.error)
+        else:
+            delivery.next_attempt_at = next_at
+            log.info("webhook %s to endpoint %s failed (attempt %d, next in %d s): %s", delivery.event_id,
+                     delivery.endpoint_id, delivery.attempts, next_at - t, outcome.error)

@@ -1,0 +1,78 @@
+"""``/metrics`` of the embedded default: counters equal to the batches' own usage after they run,
+the engine's gauges and step histogram, HTTP latency by route template."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.api.conftest import new_key
+from tests.utils.batch_service import CHAT, embedded_stack, request_line, run_to_end
+
+
+def scrape(base_url: str) -> dict[tuple[str, tuple], float]:
+    """``/metrics`` as {(sample name, sorted labels): value}."""
+    response = httpx.get(f"{base_url}/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(response.text) for s in family.samples}
+
+
+def usage_counters(samples: dict, model: str) -> dict[str, float]:
+    labels = (("model", model),)
+    return {name: samples[(f"batchapi_{name}_total", labels)]
+            for name in ("input_tokens", "cached_input_tokens", "output_tokens", "model_requests")}
+
+
+@pytest.fixture(scope="module")
+def embedded(tmp_path_factory, tiny_llama_dir):
+    with embedded_stack(tmp_path_factory.mktemp("metrics"), tiny_llama_dir, None) as server:  # SQLite: the default
+        yield server
+
+
+def test_counters_equal_the_batches_usage_in_the_embedded_default(embedded):
+    client = OpenAI(base_url=embedded.base_url + "/v1", api_key=new_key(embedded, "metrics"), max_retries=0)
+    model = embedded.app.state.model.id
+    batches = []
+    for n in (5, 3):
+        lines = [request_line(f"r{i}", model, f"Count to {i}.", max_tokens=6, temperature=0) for i in range(n)]
+        batch, _, _ = run_to_end(client, lines, CHAT, timeout=300)
+        batches.append(batch)
+    samples = scrape(embedded.base_url)
+
+    assert usage_counters(samples, model) == {
+        "input_tokens": sum(b.usage.input_tokens for b in batches),
+        "cached_input_tokens": sum(b.usage.input_tokens_details.cached_tokens for b in batches),
+        "output_tokens": sum(b.usage.output_tokens for b in batches),
+        "model_requests": sum(b.request_counts.completed for b in batches),
+    }
+    assert samples[("batchapi_batches", (("status", "completed"),))] == 2
+    assert samples[("batchapi_requests_finished_total", (("outcome", "succeeded"),))] == 8
+    assert samples[("batchapi_requests_finished_total", (("outcome", "errored"),))] == 0
+    assert samples[("batchapi_shard_lease_recoveries_total", ())] == 0
+    assert ("batchapi_shards", (("model", model), ("status", "queued"))) not in samples  # nothing left queued
+
+    # the engine of this process: its own count of what it generated agrees with the bill
+    labels = (("model", model),)
+    assert samples[("batchapi_engine_generation_tokens_total", labels)] == sum(b.usage.output_tokens for b in batches)
+    assert samples[("batchapi_engine_step_seconds_count", labels)] > 0
+    assert samples[("batchapi_engine_running_sequences", labels)] == 0
+    assert samples[("batchapi_engine_waiting_sequences", labels)] == 0
+    assert 0 <= samples[("batchapi_engine_kv_cache_usage_ratio", labels)] <= 1
+    assert samples[("batchapi_engine_generation_tokens_per_second", labels)] >= 0
+
+
+def test_http_latency_by_route_template(embedded):
+    key = new_key(embedded, "metrics-http")
+    for batch_id in ("batch_a", "batch_b"):
+        httpx.get(f"{embedded.base_url}/v1/batches/{batch_id}", headers={"Authorization": f"Bearer {key}"})
+    httpx.get(f"{embedded.base_url}/no/such/path")
+    samples = scrape(embedded.base_url)
+    route = (("method", "GET"), ("route", "/v1/batches/{batch_id}"), ("status", "404"))
+    assert samples[("batchapi_http_request_duration_seconds_count", route)] >= 2
+    assert samples[("batchapi_http_request_duration_seconds_count",
+                    (("method", "GET"), ("route", "unmatched"), ("status", "404")))] >= 1
+    assert not any("batch_a" in str(labels) for _, labels in samples)  # ids never become labels

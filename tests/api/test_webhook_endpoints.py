@@ -1,0 +1,88 @@
+"""The webhook endpoints API with the openai SDK's ``client.webhooks`` (create, retrieve, list,
+update, rotate_secret, test, delete) against the live server on PostgreSQL, a real receiver, and
+the deliveries listing (batchapi's extension)."""
+
+from __future__ import annotations
+
+import io
+
+import httpx
+import openai
+import pytest
+
+from batchapi.batches.sweeper import sweep
+from batchapi.webhooks.delivery import deliver_due
+from tests.api.conftest import new_key
+from tests.utils.batch_service import jsonl, request_line, wait_until
+from tests.webhooks.receiver import Receiver
+
+
+def test_create_retrieve_list_update_rotate_test_delete(client, pg_server):
+    with Receiver() as receiver:
+        created = client.webhooks.create(url=receiver.url, event_types=["batch.completed"], name="nightly")
+        assert created.object == "webhook_endpoint" and created.signing_secret.startswith("whsec_")
+        assert (created.url, created.event_types, created.name) == (receiver.url, ["batch.completed"], "nightly")
+        assert created.signing_secret_hint and created.signing_secret not in created.signing_secret_hint
+        got = client.webhooks.retrieve(created.id)
+        assert got.id == created.id and "signing_secret" not in got.model_dump()
+        second = client.webhooks.create(url=receiver.url + "/2", event_types=["batch.failed", "batch.expired"],
+                                        name="second")
+        assert [e.id for e in client.webhooks.list()] == [second.id, created.id]
+        page = client.webhooks.list(limit=1)
+        assert [e.id for e in page.data] == [second.id] and page.has_more
+
+        updated = client.webhooks.update(created.id, event_types=["batch.completed", "batch.cancelled"])
+        assert updated.event_types == ["batch.completed", "batch.cancelled"] and updated.url == receiver.url
+        rotated = client.webhooks.rotate_secret(created.id, keep_old_secret_active_for_24_hours=True)
+        assert rotated.signing_secret != created.signing_secret
+
+        result = client.webhooks.test(created.id, event_type="batch.cancelled")
+        assert (result.object, result.status_code, result.success) == ("webhook_endpoint.test", 200, True)
+        [sample] = receiver.received
+        for secret in (created.signing_secret, rotated.signing_secret):  # the old one still signs for a day
+            assert client.webhooks.unwrap(sample.body, sample.headers, secret=secret).type == "batch.cancelled"
+
+        deleted = client.webhooks.delete(second.id)
+        assert (deleted.id, deleted.deleted, deleted.object) == (second.id, True, "webhook_endpoint.deleted")
+        with pytest.raises(openai.NotFoundError):
+            client.webhooks.retrieve(second.id)
+
+    other = openai.OpenAI(base_url=pg_server.base_url + "/v1", api_key=new_key(pg_server, "webhooks-other"),
+                          max_retries=0)
+    with pytest.raises(openai.NotFoundError):  # another project's endpoint looks like none
+        other.webhooks.retrieve(created.id)
+    with pytest.raises(openai.NotFoundError):
+        other.webhooks.delete(created.id)
+
+
+@pytest.mark.parametrize("change,param", [({"url": "ftp://x.test/"}, "url"),
+                                          ({"event_types": ["response.completed"]}, "event_types")])
+def test_bad_endpoints_are_refused(client, change, param):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.webhooks.create(**{"url": "http://127.0.0.1:9/", "event_types": ["batch.completed"], "name": "x",
+                                  **change})
+    assert refused.value.response.json()["error"]["param"] == param
+
+
+def test_deliveries_show_what_was_sent(client, pg_server, api_key, model_id):
+    with Receiver(statuses=[500]) as receiver:
+        endpoint = client.webhooks.create(url=receiver.url, event_types=["batch.cancelled"], name="c")
+        f = client.files.create(file=("b.jsonl", io.BytesIO(jsonl([request_line("a", model_id)]))), purpose="batch")
+        batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+        wait_until(lambda: client.batches.retrieve(batch.id).status == "in_progress")
+        client.batches.cancel(batch.id)
+        wait_until(lambda: sweep(pg_server.jobs) and client.batches.retrieve(batch.id).status == "cancelled")
+        url = f"{pg_server.base_url}/v1/webhook_endpoints/{endpoint.id}/deliveries"
+        headers = {"Authorization": f"Bearer {api_key}"}
+
+        def listed():
+            return httpx.get(url, headers=headers, params={"batch_id": batch.id}).json()["data"]
+
+        [first] = listed()
+        assert first["event_type"] == "batch.cancelled" and first["batch_id"] == batch.id
+        if first["status"] == "pending" and first["attempts"] == 0:  # the sweep above may have sent it already
+            deliver_due(pg_server.jobs.sessions, pg_server.jobs.settings)
+        [failed_once] = listed()
+        assert (failed_once["status"], failed_once["attempts"], failed_once["last_status_code"]) == ("pending", 1, 500)
+        assert failed_once["next_attempt_at"] >= failed_once["last_attempt_at"]
+    assert httpx.get(f"{pg_server.base_url}/v1/webhook_endpoints/we_nope/deliveries", headers=headers).status_code == 404

@@ -1,0 +1,132 @@
+"""Per-request durability without an engine: result rows, their counts, and what becomes of them
+when a worker completes the shard or the sweeper closes it (on PostgreSQL and SQLite)."""
+
+from __future__ import annotations
+
+import json
+
+from sqlalchemy import func, select
+
+from batchapi.batches import leases, request_results
+from batchapi.batches.finalize import finalize_batch
+from batchapi.batches.leases import Outcome
+from batchapi.batches.request_results import Finished, Group
+from batchapi.batches.service import iter_partial_results
+from batchapi.batches.states import BatchStatus, ShardStatus
+from batchapi.batches.sweeper import sweep
+from batchapi.db.models import Batch, File, RequestResult, Shard
+from batchapi.db.session import session_scope
+from tests.utils.batch_service import jsonl, request_line
+from tests.utils.job_rows import make_batch
+
+IDS = ["r0", "r1", "r2", "r3"]
+
+
+def running_batch(jobs) -> tuple[str, str, str]:
+    """A started batch of one 4-request shard over a real input object; (batch, shard, project)."""
+    batch_id, [shard_id] = make_batch(jobs, 1)
+    data = jsonl([request_line(cid, "m") for cid in IDS])
+    key = f"files/{batch_id}.jsonl"
+    jobs.storage.put_chunks(key, [data])
+    with session_scope(jobs.sessions) as session:
+        batch = session.get(Batch, batch_id)
+        batch.in_progress_at, batch.request_total = 1, len(IDS)
+        session.get(File, batch.input_file_id).storage_key = key
+        row = session.get(Shard, shard_id)
+        row.end_byte, row.request_count, row.last_line = len(data), len(IDS), len(IDS)
+        project_id = batch.project_id
+    return batch_id, shard_id, project_id
+
+
+def ok(seq: int, tokens: int = 3) -> Finished:
+    return Finished(seq, True, json.dumps({"custom_id": IDS[seq], "response": {"status_code": 200}}).encode() + b"\n",
+                    input_tokens=tokens, cached_tokens=1, output_tokens=tokens)
+
+
+def refused(seq: int) -> Finished:
+    return Finished(seq, False, json.dumps({"custom_id": IDS[seq], "response": {"status_code": 400}}).encode() + b"\n")
+
+
+def batch_row(jobs, batch_id: str) -> Batch:
+    with jobs.sessions() as session:
+        return session.get(Batch, batch_id)
+
+
+def rows_of(jobs, shard_id: str) -> int:
+    with jobs.sessions() as session:
+        return session.scalar(select(func.count()).select_from(RequestResult).where(RequestResult.shard_id == shard_id))
+
+
+def lines_of(jobs, file_id: str | None) -> list[dict]:
+    if file_id is None:
+        return []
+    with jobs.sessions() as session:
+        key = session.get(File, file_id).storage_key
+    return [json.loads(line) for line in b"".join(jobs.storage.iter_chunks(key)).splitlines()]
+
+
+def test_rows_are_counted_at_once_and_only_by_the_lease_owner(any_jobs):
+    jobs = any_jobs
+    batch_id, shard_id, project_id = running_batch(jobs)
+    claimed = leases.claim(jobs, shard_id, "w1")
+    assert request_results.record(jobs, [Group(shard_id, batch_id, 1, [ok(0, 5), refused(2)])], "w1") == {shard_id}
+    batch = batch_row(jobs, batch_id)
+    assert (batch.request_completed, batch.request_failed, batch.input_tokens, batch.output_tokens) == (1, 1, 5, 5)
+    # someone whose lease is gone writes nothing and counts nothing
+    assert request_results.record(jobs, [Group(shard_id, batch_id, 1, [ok(1)])], "w2") == set()
+    assert rows_of(jobs, shard_id) == 2 and batch_row(jobs, batch_id).request_completed == 1
+    assert set(request_results.stored(jobs, shard_id)) == {0, 2}
+    partial = b"".join(iter_partial_results(jobs, project_id, batch_id, "output")).splitlines()
+    assert [json.loads(line)["custom_id"] for line in partial] == ["r0"]
+    errors = b"".join(iter_partial_results(jobs, project_id, batch_id, "error")).splitlines()
+    assert [json.loads(line)["custom_id"] for line in errors] == ["r2"]
+
+    # the worker completes the shard: its render holds all four; only the rest is added
+    outcome = Outcome(completed=3, failed=1, input_tokens=11, cached_tokens=3, output_tokens=11)
+    assert leases.complete(jobs, claimed, "w1", outcome, "out", "err")
+    batch = batch_row(jobs, batch_id)
+    assert (batch.request_completed, batch.request_failed, batch.input_tokens, batch.output_tokens) == (3, 1, 11, 11)
+    assert rows_of(jobs, shard_id) == 0  # in the shard's objects now
+
+
+def test_the_sweeper_keeps_finished_requests_of_a_shard_it_closes(any_jobs):
+    """A worker died holding the shard after two of its requests were durable; the batch is then
+    cancelled: the sweeper's close keeps both, and only the other two end batch_cancelled."""
+    jobs = any_jobs
+    batch_id, shard_id, project_id = running_batch(jobs)
+    leases.claim(jobs, shard_id, "dead-worker")
+    request_results.record(jobs, [Group(shard_id, batch_id, 1, [ok(1, 4), refused(3)])], "dead-worker")
+    with session_scope(jobs.sessions) as session:  # its lease runs out; the user cancels
+        session.get(Shard, shard_id).lease_expires_at = 1
+        session.get(Batch, batch_id).status = BatchStatus.CANCELLING
+
+    report = sweep(jobs)
+    assert report.closed == [shard_id] and report.finalized == [batch_id]
+    batch = batch_row(jobs, batch_id)
+    assert batch.status == BatchStatus.CANCELLED
+    assert (batch.request_completed, batch.request_failed, batch.request_unrun) == (1, 3, 2)
+    assert (batch.input_tokens, batch.cached_tokens, batch.output_tokens) == (4, 1, 4)
+    output, errors = lines_of(jobs, batch.output_file_id), lines_of(jobs, batch.error_file_id)
+    assert [line["custom_id"] for line in output] == ["r1"]
+    assert [(e["custom_id"], (e.get("error") or {}).get("code")) for e in errors] == [
+        ("r0", "batch_cancelled"), ("r2", "batch_cancelled"), ("r3", None)]
+    with jobs.sessions() as session:
+        closed = session.get(Shard, shard_id)
+        assert (closed.status, closed.completed_count, closed.failed_count, closed.unrun_count) == (
+            ShardStatus.FAILED, 1, 3, 2)
+    partial = b"".join(iter_partial_results(jobs, project_id, batch_id, "error")).splitlines()
+    assert [json.loads(line)["custom_id"] for line in partial] == ["r0", "r2", "r3"]
+    assert finalize_batch(jobs, batch_id) is None  # ended once
+
+
+def test_a_shard_taken_over_sees_the_rows_of_the_attempt_before(any_jobs):
+    jobs = any_jobs
+    batch_id, shard_id, _ = running_batch(jobs)
+    leases.claim(jobs, shard_id, "w1")
+    request_results.record(jobs, [Group(shard_id, batch_id, 1, [ok(0), ok(2)])], "w1")
+    with session_scope(jobs.sessions) as session:
+        session.get(Shard, shard_id).lease_expires_at = 1
+    assert leases.requeue_expired(jobs, shard_id)
+    again = leases.claim(jobs, shard_id, "w2")
+    assert again.attempts == 2
+    assert sorted(request_results.stored(jobs, shard_id)) == [0, 2]

@@ -1,0 +1,62 @@
+"""In production the sweep is a Celery task that ``batchapi beat`` runs: the webhook of a batch
+that ends is delivered by it (a private redis-server as the broker, PostgreSQL, a real receiver,
+no API process and no GPU worker), retried after the receiver fails."""
+
+from __future__ import annotations
+
+import uuid
+
+import openai
+import pytest
+
+from batchapi.batches import states
+from batchapi.batches.context import open_jobs
+from batchapi.batches.states import BatchStatus
+from batchapi.config import load_settings
+from batchapi.db.migrate import upgrade
+from batchapi.db.models import Batch, WebhookDelivery
+from batchapi.db.session import session_scope
+from batchapi.webhooks import endpoints
+from tests.utils import services
+from tests.utils.batch_service import wait_until
+from tests.utils.job_rows import make_batch
+from tests.webhooks.receiver import Receiver
+from tests.workers import processes
+from tests.workers.processes import RedisServer
+
+pytestmark = pytest.mark.slow
+
+
+def test_batchapi_beat_delivers_and_retries(tmp_path):
+    broker = RedisServer(tmp_path)
+    broker.start()
+    try:
+        with services.fresh_database("batchapi_beat_hooks") as pg_url, Receiver(statuses=[500]) as receiver:
+            settings = load_settings(data_dir=tmp_path, database_url=pg_url, broker_url=broker.url, sweep_seconds=0.5,
+                                     webhook_retry_seconds=1, celery_queue=f"gpu-test-{uuid.uuid4().hex[:8]}")
+            upgrade(settings)
+            jobs = open_jobs(settings)
+            log = tmp_path / "beat.log"
+            beat = processes.spawn(["beat"], processes.env_of(settings), log)
+            try:
+                processes.wait_ready(beat, log, "batchapi beat")
+                batch_id, _ = make_batch(jobs, 0)
+                with session_scope(jobs.sessions) as session:
+                    project_id = session.get(Batch, batch_id).project_id
+                    secret = endpoints.create_endpoint(session, project_id, receiver.url).secret
+                with session_scope(jobs.sessions) as session:
+                    assert states.transition(session, batch_id, BatchStatus.EXPIRED)
+                wait_until(lambda: len(receiver.received) == 2, timeout=60, interval=0.2)
+                with jobs.sessions() as session:
+                    delivery = session.query(WebhookDelivery).filter_by(batch_id=batch_id).one()
+                    assert (delivery.status, delivery.attempts, delivery.last_status_code) == ("delivered", 2, 200)
+            finally:
+                processes.stop(beat)
+                jobs.close()
+            assert beat.returncode == 0, log.read_text(errors="replace")
+    finally:
+        broker.stop()
+    sdk = openai.OpenAI(api_key="unused", base_url="http://127.0.0.1:9/v1")
+    assert [r.status for r in receiver.received] == [500, 200]
+    for got in receiver.received:
+        assert sdk.webhooks.unwrap(got.body, got.headers, secret=secret).data.id == batch_id
