@@ -88,18 +88,36 @@ class TextFormatter(logging.Formatter):
         return f"{head} [{ids}]{sep}{rest}"
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is when a record comes (a handler holding the stream of the
+    moment it was made writes to a closed file once a test runner swaps stderr back)."""
+
+    def __init__(self):
+        logging.Handler.__init__(self)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):  # StreamHandler.setStream assigns it: stderr is always the stream
+        pass
+
+
 def configure(log_format: str = "text", level: int = logging.INFO) -> None:
     """The root logger's one handler on stderr, in ``log_format`` (``text`` or ``json``); uvicorn's
     and Celery's loggers propagate to it. Safe to call again: it replaces the handler. (Celery
     prints its start-up banner, which ``batchapi worker`` leaves out in JSON mode, and a line on
     shutdown to stdout, not through logging.)"""
     assert log_format in ("text", "json"), f"unknown log format {log_format!r}"
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
     handler.addFilter(ContextFilter())
     root = logging.getLogger()
     for old in list(root.handlers):
-        root.removeHandler(old)
+        # ours from an earlier call, and basicConfig's plain one; others (a test runner's capture) stay
+        if isinstance(old, _StderrHandler) or type(old) is logging.StreamHandler:
+            root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level)
     logging.captureWarnings(True)  # Python's warnings too (logger ``py.warnings``), in the same format
