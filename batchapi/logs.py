@@ -89,19 +89,11 @@ class TextFormatter(logging.Formatter):
 
 
 class _StderrHandler(logging.StreamHandler):
-    """Writes to whatever sys.stderr is when a record comes (a handler holding the stream of the
-    moment it was made writes to a closed file once a test runner swaps stderr back)."""
+    """The process's own stderr (fd 2, ``sys.__stderr__``): not ``sys.stderr``, which Celery replaces
+    with a proxy that logs what is written to it, and a test runner with a buffer it closes later."""
 
     def __init__(self):
-        logging.Handler.__init__(self)
-
-    @property
-    def stream(self):
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, value):  # StreamHandler.setStream assigns it: stderr is always the stream
-        pass
+        super().__init__(sys.__stderr__ or sys.stderr)
 
 
 def configure(log_format: str = "text", level: int = logging.INFO) -> None:

@@ -35,7 +35,7 @@ from procs import answers, cpu_seconds, free_port, stop_group, wait_until
 
 BIN = Path(sys.executable).parent / "batchapi"
 # the worker's running totals, logged with every finished shard (batchapi/workers/shard_runner.py)
-WRITES = re.compile(rb"request results written so far: (\d+) rows in (\d+) writes")
+WRITES = re.compile(rb"request results written so far: (\d+) rows in (\d+) writes \(([0-9.]+) s\)")
 TOPICS = ["the ocean", "a violin", "tax forms", "volcanoes", "a chess opening", "bread", "satellites", "moss"]
 
 
@@ -95,14 +95,14 @@ class Service:
         return elapsed, cpu, batch
 
 
-def writer_totals(log: Path) -> tuple[int, int]:
-    """(rows, writes) of the worker's result writer so far."""
+def writer_totals(log: Path) -> tuple[int, int, float]:
+    """(rows, writes, seconds spent writing) of the worker's result writer so far."""
     found = WRITES.findall(log.read_bytes())
-    return (int(found[-1][0]), int(found[-1][1])) if found else (0, 0)
+    return (int(found[-1][0]), int(found[-1][1]), float(found[-1][2])) if found else (0, 0, 0.0)
 
 
 def through_service(args, model_id: str, lines: list[dict], warmup: list[dict]
-                    ) -> tuple[float, dict[str, float], int, tuple[int, int]]:
+                    ) -> tuple[float, dict[str, float], int, tuple[int, int, float]]:
     workdir = Path(tempfile.mkdtemp(prefix="batchapi-bench-"))
     redis_port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHAPI_")}
@@ -124,10 +124,10 @@ def through_service(args, model_id: str, lines: list[dict], warmup: list[dict]
         with httpx.Client(base_url=service.base, timeout=60) as http:
             wait_until(lambda: answers(service.base + "/health"), 120, "the API")
             service.run_batch(http, warmup)
-            rows, writes = writer_totals(workdir / "worker.log")
+            before = writer_totals(workdir / "worker.log")
             elapsed, cpu, batch = service.run_batch(http, lines)
             after = writer_totals(workdir / "worker.log")
-        return elapsed, cpu, batch["usage"]["output_tokens"], (after[0] - rows, after[1] - writes)
+        return elapsed, cpu, batch["usage"]["output_tokens"], tuple(a - b for a, b in zip(after, before, strict=True))
     finally:
         service.stop()
         shutil.rmtree(workdir, ignore_errors=True)
@@ -182,7 +182,7 @@ def main() -> int:
     for line in warmup:
         line["custom_id"] = "warm-" + line["custom_id"]
 
-    service_s, service_cpus, service_tokens, (rows, writes) = through_service(args, served, lines, warmup)
+    service_s, service_cpus, service_tokens, (rows, writes, write_s) = through_service(args, served, lines, warmup)
     service_cpu = sum(service_cpus.values())
     engine_s, engine_cpu, engine_tokens = through_engine(args, lines, warmup)
     service_rate, engine_rate = service_tokens / service_s, engine_tokens / engine_s
@@ -195,8 +195,9 @@ def main() -> int:
     print(f"ratio service/engine: {service_rate / engine_rate:.3f} (tokens per wall second), "
           f"{(service_tokens / service_cpu) / (engine_tokens / engine_cpu):.3f} (tokens per CPU second)")
     print(f"durability: {rows} request-result rows in {writes} transactions = {rows / service_s:.1f} rows/s, "
-          f"{writes / service_s:.2f} transactions/s at {service_rate:.1f} tok/s ({args.requests - rows} results "
-          "finished within a write interval of their shard's end went straight into its objects)")
+          f"{writes / service_s:.2f} transactions/s at {service_rate:.1f} tok/s, {write_s:.2f} s inside them "
+          f"({args.requests - rows} results finished within a write interval of their shard's end went straight "
+          "into its objects)")
     return 0
 
 

@@ -21,7 +21,7 @@ BATCHAPI = str(Path(sys.executable).parent / "batchapi")
 
 
 @pytest.fixture
-def configured(capsys):
+def configured(capfd):
     root = logging.getLogger()
     saved = (list(root.handlers), root.level)
     yield lambda fmt: logs.configure(fmt)
@@ -30,7 +30,7 @@ def configured(capsys):
     logging.captureWarnings(False)
 
 
-def test_json_lines_carry_the_bound_and_the_found_ids(configured, capsys):
+def test_json_lines_carry_the_bound_and_the_found_ids(configured, capfd):
     configured("json")
     log = logging.getLogger("batchapi.test")
     with logs.bind(request_id="req_abc"):
@@ -40,7 +40,7 @@ def test_json_lines_carry_the_bound_and_the_found_ids(configured, capsys):
         raise ValueError("boom")
     except ValueError:
         log.exception("failed", extra={"batch_id": "batch_given"})
-    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    lines = [json.loads(line) for line in capfd.readouterr().err.splitlines()]
     assert [line["level"] for line in lines] == ["INFO", "WARNING", "ERROR"]
     assert lines[0]["request_id"] == "req_abc" and lines[0]["batch_id"] == "batch_0123456789abcdef0123"
     assert lines[0]["logger"] == "batchapi.test" and lines[0]["message"] == "validated batch_0123456789abcdef0123"
@@ -50,20 +50,20 @@ def test_json_lines_carry_the_bound_and_the_found_ids(configured, capsys):
     assert lines[2]["batch_id"] == "batch_given" and "ValueError: boom" in lines[2]["exception"]
 
 
-def test_warnings_are_log_lines_too(configured, capsys):
+def test_warnings_are_log_lines_too(configured, capfd):
     import warnings
 
     configured("json")
     warnings.warn("careful", UserWarning, stacklevel=1)
-    [line] = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    [line] = [json.loads(line) for line in capfd.readouterr().err.splitlines()]
     assert line["logger"] == "py.warnings" and "UserWarning: careful" in line["message"]
 
 
-def test_text_is_the_default_with_the_ids_after_the_message(configured, capsys):
+def test_text_is_the_default_with_the_ids_after_the_message(configured, capfd):
     configured("text")
     with logs.bind(request_id="req_1"):
         logging.getLogger("batchapi.test").info("hello")
-    line = capsys.readouterr().err.strip()
+    line = capfd.readouterr().err.strip()
     assert line.endswith("INFO batchapi.test: hello [request_id=req_1]")
 
 

@@ -17,9 +17,9 @@ from collections.abc import Iterator
 
 from batchapi.batches import service
 from batchapi.batches.context import Jobs
-from batchapi.batches.files import delete_file, upload_file
+from batchapi.batches.files import delete_file, get_file_row, upload_file
 from batchapi.batches.states import TERMINAL, BatchStatus
-from batchapi.db.models import Batch, File
+from batchapi.db.models import Batch
 from batchapi.errors import Conflict, InvalidRequest, NotFound
 from batchapi.openai.lines import BOM, LongLine, is_blank, iter_lines
 from batchapi.openai.text import check_text
@@ -102,10 +102,10 @@ def _custom_id(content: bytes) -> str | None:
 
 
 def _content(jobs: Jobs, original: Batch, file_id: str, what: str) -> Iterator[bytes]:
-    with jobs.sessions() as session:
-        row = session.get(File, file_id)
-        key = row.storage_key if row is not None and row.deleted_at is None else None
-    if key is None:
-        raise NotFound(f"The {what} file {file_id} of batch {original.id} was deleted; its requests cannot be "
-                       "retried.", "batch_id")
+    try:
+        with jobs.sessions() as session:
+            key = get_file_row(session, original.project_id, file_id).storage_key
+    except NotFound:
+        raise NotFound(f"The {what} file {file_id} of batch {original.id} was deleted or has expired; its "
+                       "requests cannot be retried.", "batch_id") from None
     return jobs.storage.iter_chunks(key)

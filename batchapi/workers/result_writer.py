@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from sqlalchemy.exc import OperationalError
@@ -33,6 +34,7 @@ class ResultWriter:
         self.lock = threading.Lock()
         self.rows_written = 0  # since start: the write load, for logs and the benchmark
         self.writes = 0
+        self.write_seconds = 0.0  # wall time inside those transactions
         self._waiting = 0  # results notified since the last write (approximate: no lock)
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -74,6 +76,7 @@ class ResultWriter:
                 request_results.Group(w.shard.id, w.shard.batch_id, w.shard.attempts, w.finish(self.codec_of(w), seqs))
                 for w, seqs in taken
             ]
+            started = time.perf_counter()
             try:
                 written = request_results.record(self.jobs, groups, self.owner)
             except (OperationalError, OSError):
@@ -88,6 +91,7 @@ class ResultWriter:
             rows = sum(len(g.rows) for g in groups if g.shard_id in written)
             self.rows_written += rows
             self.writes += 1
+            self.write_seconds += time.perf_counter() - started
             for work, _ in taken:
                 if work.shard.id not in written:
                     log.warning("shard %s is no longer ours; dropped its unsaved results", work.shard.id)

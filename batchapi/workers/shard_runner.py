@@ -307,9 +307,10 @@ class ShardRunner:
             # durable result are run again
             log.exception("could not store shard %s; leaving it to the sweeper", shard.id)
             return
-        log.info("shard %s done: %d ok, %d failed%s; request results written so far: %d rows in %d writes",
+        writer = self._writer
+        log.info("shard %s done: %d ok, %d failed%s; request results written so far: %d rows in %d writes (%.3f s)",
                  shard.id, rendered.outcome.completed, rendered.outcome.failed,
-                 f" ({work.reason})" if work.reason else "", self._writer.rows_written, self._writer.writes)
+                 f" ({work.reason})" if work.reason else "", writer.rows_written, writer.writes, writer.write_seconds)
         try:
             finalize_batch(self.jobs, shard.batch_id)
         except TRANSIENT:

@@ -93,3 +93,15 @@ def test_nothing_to_retry(any_jobs, project):
         retry_batch(jobs, project, "batch_missing")
     with pytest.raises(NotFound):  # another project's batch
         retry_batch(jobs, "proj_someone_else", done)
+
+
+def test_an_original_whose_input_is_gone_cannot_be_retried(any_jobs, project):
+    jobs = any_jobs
+    original, _ = validating_batch(jobs, project, ["a"])
+    with session_scope(jobs.sessions) as session:
+        batch = session.get(Batch, original)
+        batch.status = BatchStatus.CANCELLED
+        session.get(File, batch.input_file_id).expires_at = 1  # expired, not swept yet
+    with pytest.raises(NotFound) as gone:
+        retry_batch(jobs, project, original)
+    assert "expired" in str(gone.value) and gone.value.param == "batch_id"
