@@ -85,7 +85,7 @@ def sweep(jobs: Jobs, validator: Validator | None = None, *, shards: bool = True
     report = SweepReport()
     steps = [_validations, _backfill] + ([_end_batches, _expired_leases, _finalize_leftovers, _expire_files,
                                           _deliver_webhooks] if shards else [])
-    _each(steps, "the sweep step", lambda step: step(jobs, report, validator))
+    _each(steps, "the sweep step", lambda step: _timed(step, jobs, report, validator))
     if report.resumed or report.requeued or report.closed or report.finalized:
         log.info("sweep: %d validations resumed, %d requeued, %d closed, %d finalized", len(report.resumed),
                  len(report.requeued), len(report.closed), len(report.finalized))
@@ -93,6 +93,16 @@ def sweep(jobs: Jobs, validator: Validator | None = None, *, shards: bool = True
         log.info("sweep: %d files removed, %d uploads expired, %d webhooks delivered", len(report.removed_files),
                  len(report.expired_uploads), report.webhooks_delivered)
     return report
+
+
+SLOW_STEP_SECONDS = 5.0
+
+
+def _timed(step, jobs: Jobs, report: SweepReport, validator: Validator | None) -> None:
+    start = time.monotonic()
+    step(jobs, report, validator)
+    if (took := time.monotonic() - start) > SLOW_STEP_SECONDS:
+        log.warning("sweep step %s took %.1f s", step.__name__.lstrip("_"), took)
 
 
 def _each(rows: Iterable[T], what: str, act: Callable[[T], object]) -> None:
