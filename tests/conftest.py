@@ -95,3 +95,16 @@ def sqlite_jobs(tmp_path, tiny_llama_dir):
 @pytest.fixture(params=["postgresql", "sqlite"])
 def any_jobs(request):
     return request.getfixturevalue("pg_jobs" if request.param == "postgresql" else "sqlite_jobs")
+
+
+@pytest.fixture(autouse=True)
+def _restore_root_logging():
+    """A test that runs ``batchapi.cli.main`` in-process configures the root logger for a process
+    (batchapi.logs); put it back afterwards, so later tests log as pytest set them up."""
+    import logging
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)

@@ -12,7 +12,8 @@ import os
 import signal
 import subprocess
 import uuid
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
@@ -82,19 +83,20 @@ class Cluster:
         return (self.logdir / f"{name}.log").read_text(errors="replace")
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory, s3, tiny_llama_dir):
+@contextmanager
+def running_cluster(workdir: Path, s3, model_dir: Path, database: str, settings: dict) -> Iterator[Cluster]:
+    """A private redis-server, a fresh database, the API with a Celery dispatcher, and the beat;
+    workers are the test's to start (``cluster.start_worker``)."""
     from batchapi.workers.celery_app import CeleryDispatcher, make_celery
 
-    workdir = tmp_path_factory.mktemp("cluster")
     redis = RedisServer(workdir)
     redis.start()
     with ExitStack() as stack:
         stack.callback(redis.stop)
-        pg_url = stack.enter_context(services.fresh_database("batchapi_workers"))
+        pg_url = stack.enter_context(services.fresh_database(database))
         settings = service_settings(
-            workdir, tiny_llama_dir, pg_url=pg_url, s3=s3, broker_url=redis.url,
-            celery_queue=f"gpu-test-{uuid.uuid4().hex[:8]}", **WORKER_SETTINGS,
+            workdir, model_dir, pg_url=pg_url, s3=s3, broker_url=redis.url,
+            celery_queue=f"gpu-test-{uuid.uuid4().hex[:8]}", **settings,
         )
         upgrade(settings)
         cluster = Cluster(settings, workdir, redis)
@@ -104,4 +106,11 @@ def cluster(tmp_path_factory, s3, tiny_llama_dir):
         cluster.server, cluster.base_url = server, server.base_url
         stack.callback(cluster.stop_beat)
         cluster.start_beat()
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, s3, tiny_llama_dir):
+    with running_cluster(tmp_path_factory.mktemp("cluster"), s3, tiny_llama_dir, "batchapi_workers",
+                         WORKER_SETTINGS) as cluster:
         yield cluster

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
@@ -18,12 +17,9 @@ import pytest
 from sqlalchemy import select, update
 
 from batchapi.db.clock import now
-from batchapi.db.migrate import upgrade
 from batchapi.db.models import Batch, RequestResult, Shard
 from batchapi.db.session import session_scope
-from tests.utils import services
-from tests.utils.batch_service import live_server, service_settings
-from tests.workers.conftest import WORKER_SETTINGS, Cluster
+from tests.workers.conftest import WORKER_SETTINGS, running_cluster
 from tests.workers.helpers import (
     assert_each_once,
     assert_usage_matches,
@@ -34,7 +30,6 @@ from tests.workers.helpers import (
     wait_done,
     wait_for,
 )
-from tests.workers.processes import RedisServer
 
 pytestmark = pytest.mark.slow
 
@@ -62,24 +57,8 @@ EngineFront.submit = submit
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, s3, tiny_llama_dir):
-    from batchapi.workers.celery_app import CeleryDispatcher, make_celery
-
-    workdir = tmp_path_factory.mktemp("durability")
-    redis = RedisServer(workdir)
-    redis.start()
-    with ExitStack() as stack:
-        stack.callback(redis.stop)
-        pg_url = stack.enter_context(services.fresh_database("batchapi_durability"))
-        settings = service_settings(workdir, tiny_llama_dir, pg_url=pg_url, s3=s3, broker_url=redis.url,
-                                    celery_queue=f"gpu-test-{uuid.uuid4().hex[:8]}", **SETTINGS)
-        upgrade(settings)
-        cluster = Cluster(settings, workdir, redis)
-        stack.callback(cluster.stop_workers)
-        dispatcher = CeleryDispatcher(make_celery(settings), settings.celery_queue, settings)
-        server = stack.enter_context(live_server(settings, dispatcher=dispatcher))
-        cluster.server, cluster.base_url = server, server.base_url
-        stack.callback(cluster.stop_beat)
-        cluster.start_beat()
+    with running_cluster(tmp_path_factory.mktemp("durability"), s3, tiny_llama_dir, "batchapi_durability",
+                         SETTINGS) as cluster:
         yield cluster
 
 
