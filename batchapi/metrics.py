@@ -39,6 +39,7 @@ from batchapi.webhooks.outbox import DeliveryStatus
 RATE_WINDOW_SECONDS = 10.0
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 HTTP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})  # others: label "other"
 
 
 def exposition(*registries: CollectorRegistry) -> bytes:
@@ -206,7 +207,8 @@ class HttpMetrics:
             await self.app(scope, receive, observed_send)
         finally:
             route = getattr(scope.get("route"), "path", None) or "unmatched"
-            self.latency.labels(scope["method"], route, str(status)).observe(time.perf_counter() - started)
+            method = scope["method"] if scope["method"] in HTTP_METHODS else "other"  # a client's word: no new series
+            self.latency.labels(method, route, str(status)).observe(time.perf_counter() - started)
 
 
 # the engine of this process

@@ -85,6 +85,8 @@ def deliver_one(sessions: sessionmaker[Session], settings: Settings, client: htt
         claimed = session.execute(
             update(WebhookDelivery)
             .where(WebhookDelivery.id == delivery_id, WebhookDelivery.status == DeliveryStatus.PENDING,
+                   # still due: another sweeper listed it too, and may have tried and failed it since
+                   WebhookDelivery.next_attempt_at <= t,
                    or_(WebhookDelivery.lease_expires_at.is_(None), WebhookDelivery.lease_expires_at < t))
             .values(lease_expires_at=t + int(settings.webhook_timeout_seconds) + 30)
             .execution_options(synchronize_session=False)
@@ -114,12 +116,20 @@ def send_test(settings: Settings, endpoint: WebhookEndpoint, event_type: str) ->
 def post(client: httpx.Client, url: str, event_id: str, payload: str, secrets: list[str]) -> Outcome:
     headers = {"content-type": "application/json", **signed_headers(event_id, payload, secrets, now())}
     try:
-        response = client.post(url, content=payload.encode(), headers=headers)
+        # streamed, and only the start of the body read: a receiver answering with gigabytes must
+        # not fill the sweeper's memory
+        with client.stream("POST", url, content=payload.encode(), headers=headers) as response:
+            if 200 <= response.status_code < 300:
+                return Outcome(response.status_code, None)
+            head = b""
+            for chunk in response.iter_bytes():
+                head += chunk
+                if len(head) >= 200:
+                    break
     except httpx.HTTPError as exc:  # refused, reset, timed out, a bad URL: the endpoint is not there
         return Outcome(None, f"{type(exc).__name__}: {exc}"[:MAX_ERROR])
-    if 200 <= response.status_code < 300:
-        return Outcome(response.status_code, None)
-    return Outcome(response.status_code, f"HTTP {response.status_code}: {response.text[:200]}"[:MAX_ERROR])
+    text = head[:200].decode("utf-8", errors="replace")
+    return Outcome(response.status_code, f"HTTP {response.status_code}: {text}"[:MAX_ERROR])
 
 
 def _record(sessions: sessionmaker[Session], settings: Settings, delivery_id: str, outcome: Outcome) -> None:

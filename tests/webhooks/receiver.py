@@ -20,6 +20,7 @@ class Receiver:
     port: int = 0
     statuses: list[int] = field(default_factory=list)  # answers to give, in order
     received: list[Received] = field(default_factory=list)
+    body: bytes = b"ok"  # the body of every answer
     _server: ThreadingHTTPServer | None = None
 
     @property
@@ -35,9 +36,12 @@ class Receiver:
                 status = receiver.statuses.pop(0) if receiver.statuses else 200
                 receiver.received.append(Received(body, {k.lower(): v for k, v in self.headers.items()}, status))
                 self.send_response(status)
-                self.send_header("content-length", "2")
+                self.send_header("content-length", str(len(receiver.body)))
                 self.end_headers()
-                self.wfile.write(b"ok")
+                try:
+                    self.wfile.write(receiver.body)
+                except (BrokenPipeError, ConnectionResetError):  # the sender read what it wanted
+                    pass
 
             def log_message(self, *args):
                 pass

@@ -4,6 +4,7 @@ retried with backoff when the receiver fails or is down, given up after a day.""
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 from sqlalchemy import select, update
@@ -16,7 +17,7 @@ from batchapi.db.models import Batch, WebhookDelivery
 from batchapi.db.session import session_scope
 from batchapi.errors import InvalidRequest
 from batchapi.webhooks import endpoints
-from batchapi.webhooks.delivery import deliver_due
+from batchapi.webhooks.delivery import deliver_due, deliver_one
 from batchapi.webhooks.signing import new_secret
 from tests.utils.batch_service import wait_until
 from tests.utils.job_rows import make_batch
@@ -240,3 +241,28 @@ def test_the_embedded_default_delivers_too(sqlite_jobs):
 
         wait_until(all_delivered, timeout=30, interval=0.3)
     assert len(receiver.received) == 13 and sorted(r.status for r in receiver.received) == [200] * 10 + [500] * 3
+
+
+def test_a_sweeper_that_listed_a_delivery_before_another_failed_it_does_not_send_it_again(pg_jobs, settings):
+    # two sweepers list the same due delivery; the first posts, gets a 500 and records the backoff;
+    # the second's claim comes after that and must find the delivery no longer due
+    batch_id, _ = make_batch(pg_jobs, 0)
+    with Receiver(statuses=[500]) as receiver:
+        register(pg_jobs, project_of(pg_jobs, batch_id), receiver.url)
+        end(pg_jobs, batch_id)
+        [row] = deliveries(pg_jobs, batch_id)
+        with httpx.Client(timeout=2.0) as client:
+            assert deliver_one(pg_jobs.sessions, settings, client, row.id) is False  # the first: a 500
+            assert deliver_one(pg_jobs.sessions, settings, client, row.id) is False  # the second: not claimed
+        [row] = deliveries(pg_jobs, batch_id)
+    assert row.attempts == 1 and len(receiver.received) == 1
+
+
+def test_only_the_start_of_a_failing_answer_is_kept(pg_jobs, settings):
+    batch_id, _ = make_batch(pg_jobs, 0)
+    with Receiver(statuses=[500], body=b"x" * 5_000_000) as receiver:
+        register(pg_jobs, project_of(pg_jobs, batch_id), receiver.url)
+        end(pg_jobs, batch_id)
+        assert deliver_due(pg_jobs.sessions, settings) == 0
+        [row] = deliveries(pg_jobs, batch_id)
+    assert row.last_error == "HTTP 500: " + "x" * 200
