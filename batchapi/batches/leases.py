@@ -209,7 +209,8 @@ def complete(jobs: Jobs, claimed: Claimed, owner: str, outcome: Outcome, output_
     with session_scope(jobs.sessions) as session:
         held = session.scalar(
             select(Shard.id)
-            .where(Shard.id == claimed.id, Shard.lease_owner == owner, Shard.status == ShardStatus.RUNNING)
+            .where(Shard.id == claimed.id, Shard.lease_owner == owner, Shard.status == ShardStatus.RUNNING,
+                   Shard.attempts == claimed.attempts)  # not a later attempt of the same worker's
             .with_for_update()
         )
         if held is None:

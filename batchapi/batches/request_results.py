@@ -20,7 +20,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from sqlalchemy import delete, func, insert, select, update
+from sqlalchemy import delete, func, select, update
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from batchapi.batches.context import Jobs
@@ -87,23 +88,38 @@ def record(jobs: Jobs, groups: list[Group], owner: str) -> set[str]:
                 continue
             held = session.execute(
                 update(Shard)
-                .where(Shard.id == group.shard_id, Shard.lease_owner == owner, Shard.status == ShardStatus.RUNNING)
+                # the attempt too: the same worker may hold a later attempt of the shard (its lease
+                # ran out while the engine stalled, and it claimed the shard again)
+                .where(Shard.id == group.shard_id, Shard.lease_owner == owner, Shard.status == ShardStatus.RUNNING,
+                       Shard.attempts == group.attempt)
                 .values(lease_expires_at=t + jobs.settings.lease_seconds)
                 .execution_options(synchronize_session=False)
             ).rowcount
             if held != 1:
                 continue
-            session.execute(insert(RequestResult), [
-                dict(shard_id=group.shard_id, seq=r.seq, succeeded=r.succeeded, line=r.line,
-                     input_tokens=r.input_tokens, cached_tokens=r.cached_tokens, output_tokens=r.output_tokens,
-                     attempt=group.attempt)
-                for r in group.rows
-            ])
+            inserted = set(session.scalars(
+                _insert_new(session).values([
+                    dict(shard_id=group.shard_id, seq=r.seq, succeeded=r.succeeded, line=r.line,
+                         input_tokens=r.input_tokens, cached_tokens=r.cached_tokens, output_tokens=r.output_tokens,
+                         attempt=group.attempt)
+                    for r in group.rows
+                ]).on_conflict_do_nothing(index_elements=[RequestResult.shard_id, RequestResult.seq])
+                .returning(RequestResult.seq)
+            ))
             written.add(group.shard_id)
-            per_batch.setdefault(group.batch_id, []).extend(group.rows)
+            # only rows new to the table count: a group written again (its commit's answer was lost
+            # and the writer put it back) must not count its rows twice
+            per_batch.setdefault(group.batch_id, []).extend(r for r in group.rows if r.seq in inserted)
         for batch_id in sorted(per_batch):
             add_counts(session, batch_id, _counted(per_batch[batch_id]))
     return written
+
+
+def _insert_new(session: Session):
+    """INSERT ... ON CONFLICT DO NOTHING of the session's dialect (PostgreSQL or SQLite)."""
+    if session.get_bind().dialect.name == "postgresql":
+        return postgresql.insert(RequestResult)
+    return sqlite.insert(RequestResult)
 
 
 def add_counts(session: Session, batch_id: str, c: Counted, unrun: int = 0) -> None:

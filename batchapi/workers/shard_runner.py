@@ -150,9 +150,8 @@ class ShardRunner:
     def _save_results(self) -> None:
         try:
             self._writer.write()
-        except OperationalError:
-            log.warning("database unavailable while writing the last results; their requests run again",
-                        exc_info=True)
+        except Exception:  # noqa: BLE001 - on the way out (shutdown, a dead engine): give the shards back anyway
+            log.warning("could not write the last results; their requests run again", exc_info=True)
 
     def _held(self) -> list[ShardWork]:
         with self._lock:
@@ -243,6 +242,9 @@ class ShardRunner:
             if not dead:
                 if not self._inflight:
                     self._last_progress = time.monotonic()
+                earlier_work = self._inflight.get(claimed.id)
+                if earlier_work is not None:  # an earlier attempt of ours, whose lease ran out: fenced off
+                    earlier_work.lost = True
                 self._inflight[claimed.id] = work
         if dead:  # claimed while the engine died: straight back
             leases.release(self.jobs, [claimed.id], self.owner)
@@ -281,7 +283,8 @@ class ShardRunner:
                 self._store(work)
         finally:
             with self._lock:
-                self._inflight.pop(shard.id, None)
+                if self._inflight.get(shard.id) is work:  # not a later attempt that took its place
+                    del self._inflight[shard.id]
             work.stored.set()
             self._wake.set()
 

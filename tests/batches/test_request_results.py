@@ -130,3 +130,27 @@ def test_a_shard_taken_over_sees_the_rows_of_the_attempt_before(any_jobs):
     again = leases.claim(jobs, shard_id, "w2")
     assert again.attempts == 2
     assert sorted(request_results.stored(jobs, shard_id)) == [0, 2]
+
+
+def test_a_group_written_twice_counts_once_and_an_earlier_attempt_writes_nothing(any_jobs):
+    jobs = any_jobs
+    batch_id, shard_id, _ = running_batch(jobs)
+    leases.claim(jobs, shard_id, "w1")
+    group = Group(shard_id, batch_id, 1, [ok(0, 5), refused(2)])
+    assert request_results.record(jobs, [group], "w1") == {shard_id}
+    # the writer put the group back (its commit's answer was lost) and writes it again, with one more row
+    again = Group(shard_id, batch_id, 1, [*group.rows, ok(1, 2)])
+    assert request_results.record(jobs, [again], "w1") == {shard_id}
+    batch = batch_row(jobs, batch_id)
+    assert (batch.request_completed, batch.request_failed, batch.input_tokens) == (2, 1, 7)
+    assert rows_of(jobs, shard_id) == 3
+    # the same worker's lease ran out and it claimed the shard again: attempt 1's rows are fenced off
+    with session_scope(jobs.sessions) as session:
+        session.get(Shard, shard_id).lease_expires_at = 0
+    assert leases.requeue_expired(jobs, shard_id)
+    second = leases.claim(jobs, shard_id, "w1")
+    assert second is not None and second.attempts == 2
+    assert request_results.record(jobs, [Group(shard_id, batch_id, 1, [ok(3)])], "w1") == set()
+    assert rows_of(jobs, shard_id) == 3
+    assert request_results.record(jobs, [Group(shard_id, batch_id, 2, [ok(3)])], "w1") == {shard_id}
+    assert rows_of(jobs, shard_id) == 4
