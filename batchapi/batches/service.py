@@ -225,11 +225,13 @@ def iter_partial_results(jobs: Jobs, project_id: str, bid: str, kind: str = "out
         raise InvalidRequest(f"kind must be one of {list(PARTIAL_KINDS)}", "kind")
     with jobs.sessions() as session:
         get_batch_row(session, project_id, bid)
+        # rows first: a shard that completes between the two reads (its rows deleted as its
+        # objects are recorded) is then seen done and read from its objects, not missed
+        with_rows = request_results.shards_with_rows(session, bid)
         shards = session.execute(
             select(Shard.id, Shard.status, Shard.output_key, Shard.error_key)
             .where(Shard.batch_id == bid).order_by(Shard.index)
         ).all()
-        with_rows = request_results.shards_with_rows(session, bid)
     return _partial(jobs, shards, with_rows, kind == "output")
 
 
