@@ -178,3 +178,15 @@ def test_docs_use_local_assets(page, stack):
     page.goto("/docs")
     expect(page.locator(".swagger-ui .title").first).to_contain_text("batchapi", timeout=15_000)
     expect(page.get_by_text("/v1/organization/usage/completions", exact=True).first).to_be_visible()
+
+
+def test_a_sign_in_posted_from_another_site_is_refused(stack, project):
+    key, _, _ = project
+    url = f"{stack.base_url}/dashboard/sign-in"
+    for headers in ({"Origin": "http://evil.example"}, {"Sec-Fetch-Site": "cross-site"}, {"Origin": "null"}):
+        refused = httpx.post(url, data={"api_key": key}, headers=headers, follow_redirects=False)
+        assert refused.status_code == 403 and "set-cookie" not in refused.headers, headers
+    host = stack.base_url.split("://", 1)[1]
+    same = httpx.post(url, data={"api_key": key}, headers={"Origin": f"http://{host}", "Sec-Fetch-Site": "same-origin"},
+                      follow_redirects=False)
+    assert same.status_code == 303 and "set-cookie" in same.headers

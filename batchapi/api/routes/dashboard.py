@@ -84,8 +84,23 @@ def _sign_in_page(request: Request, jobs: Jobs, error: str | None = None, status
 # sign-in and sign-out
 
 
+def _cross_site(request: Request) -> bool:
+    """A form posted from another site (login CSRF: signing a victim into someone else's project).
+    Browsers send Sec-Fetch-Site, and Origin on POSTs; a client that sends neither is not a browser."""
+    site = request.headers.get("sec-fetch-site")
+    if site is not None and site not in ("same-origin", "none"):
+        return True
+    origin = request.headers.get("origin")
+    if origin is None or origin == "null":
+        return origin == "null"
+    host = request.headers.get("host", "")
+    return origin.split("://", 1)[-1] != host
+
+
 @router.post("/sign-in")
 def sign_in(request: Request, jobs: JobsDep, api_key: Annotated[str, Form(max_length=512)] = "") -> Response:
+    if _cross_site(request):
+        return _sign_in_page(request, jobs, "Sign in from this dashboard's own page.", 403)
     try:
         with session_scope(jobs.sessions) as session:
             token, _ = open_dashboard_session(session, api_key.strip(), jobs.settings.dashboard_session_hours * 3600)
