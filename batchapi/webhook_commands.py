@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import UTC, datetime
 
 from rich.console import Console
@@ -15,21 +13,11 @@ from sqlalchemy.orm import Session
 
 from batchapi.config import Settings
 from batchapi.db.models import WebhookDelivery, WebhookEndpoint
-from batchapi.db.session import make_engine, make_sessionmaker, session_scope
+from batchapi.db.projects import cli_session
 from batchapi.errors import InvalidRequest, NotFound
 from batchapi.webhooks import endpoints, outbox
 from batchapi.webhooks.events import EVENT_TYPES
 from batchapi.webhooks.signing import hint
-
-
-@contextmanager
-def _session(settings: Settings) -> Iterator[Session]:
-    engine = make_engine(settings)
-    try:
-        with session_scope(make_sessionmaker(engine)) as session:
-            yield session
-    finally:
-        engine.dispose()
 
 
 def _time(timestamp: int | None) -> str:
@@ -50,7 +38,7 @@ def _delivery_dict(d: WebhookDelivery) -> dict:
 
 def run(args: argparse.Namespace, settings: Settings, console: Console) -> int:
     try:
-        with _session(settings) as session:
+        with cli_session(settings) as session:
             return ACTIONS[args.action](args, session, console)
     except (NotFound, InvalidRequest) as exc:
         console.print(f"[red]error:[/red] {exc.message}")

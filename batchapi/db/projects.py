@@ -138,7 +138,7 @@ def revoke_api_key(session: Session, key_id: str) -> bool:
 
 
 @contextmanager
-def _session(settings: Settings) -> Iterator[Session]:
+def cli_session(settings: Settings) -> Iterator[Session]:
     """A committed session on an engine of its own, for the one-shot CLI commands."""
     engine = make_engine(settings)
     try:
@@ -150,19 +150,19 @@ def _session(settings: Settings) -> Iterator[Session]:
 
 def create_key(settings: Settings, project_name: str, admin: bool = False) -> str:
     """For ``batchapi keys create --project NAME [--admin]``: a new key, committed (run migrations first)."""
-    with _session(settings) as session:
+    with cli_session(settings) as session:
         return create_api_key(session, project_name, admin)
 
 
 def list_keys(settings: Settings, project_name: str | None = None) -> list[KeyInfo]:
     """For ``batchapi keys list [--project NAME]``."""
-    with _session(settings) as session:
+    with cli_session(settings) as session:
         return list_api_keys(session, project_name)
 
 
 def revoke_key(settings: Settings, key_id: str) -> bool:
     """For ``batchapi keys revoke KEY_ID``: committed; see ``revoke_api_key``."""
-    with _session(settings) as session:
+    with cli_session(settings) as session:
         return revoke_api_key(session, key_id)
 
 

@@ -4,22 +4,11 @@
 from __future__ import annotations
 
 import os
-import uuid
 
 import pytest
 
 from batchapi.errors import NotFound
-from batchapi.storage.local import LocalStorage
 from batchapi.storage.s3 import MIN_COPY_PART, S3Storage
-
-
-@pytest.fixture(params=["local", "s3"])
-def storage(request, tmp_path):
-    if request.param == "local":
-        return LocalStorage(tmp_path / "store")
-    s3 = request.getfixturevalue("s3")
-    return S3Storage(s3.bucket, f"t-{uuid.uuid4().hex[:8]}", s3.endpoint_url, s3.region,
-                     s3.aws_access_key_id, s3.aws_secret_access_key)
 
 
 def read(storage, key: str) -> bytes:

@@ -3,22 +3,11 @@
 from __future__ import annotations
 
 import io
-import uuid
 
 import pytest
 
 from batchapi.errors import NotFound, StorageError
-from batchapi.storage.local import LocalStorage
 from batchapi.storage.s3 import MULTIPART_THRESHOLD, S3Storage
-
-
-@pytest.fixture(params=["local", "s3"])
-def storage(request, tmp_path):
-    if request.param == "local":
-        return LocalStorage(tmp_path / "store")
-    s3 = request.getfixturevalue("s3")
-    return S3Storage(s3.bucket, f"t-{uuid.uuid4().hex[:8]}", s3.endpoint_url, s3.region,
-                     s3.aws_access_key_id, s3.aws_secret_access_key)
 
 
 def test_round_trip_with_ranges(storage):

@@ -91,10 +91,9 @@ def _cross_site(request: Request) -> bool:
     if site is not None and site not in ("same-origin", "none"):
         return True
     origin = request.headers.get("origin")
-    if origin is None or origin == "null":
-        return origin == "null"
-    host = request.headers.get("host", "")
-    return origin.split("://", 1)[-1] != host
+    if origin is None:
+        return False
+    return origin == "null" or origin.split("://", 1)[-1] != request.headers.get("host", "")
 
 
 @router.post("/sign-in")
