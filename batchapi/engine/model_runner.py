@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+from itertools import chain
 
+import numpy as np
 import torch
 
 from batchapi.engine.config import EngineConfig
@@ -11,7 +13,7 @@ from batchapi.engine.linears import make_invariant, pack_linears
 from batchapi.engine.loader import ModelConfig, load_config, load_weights
 from batchapi.engine.model import AttentionMetadata, CausalLM
 from batchapi.engine.platform import keep_freed_memory, resolve_dtype
-from batchapi.engine.sampler import Sampler, SampleRow
+from batchapi.engine.sampler import OutputTokens, Sampler, SampleRow
 from batchapi.engine.scheduler import ScheduledBatch
 from batchapi.engine.sequence import Sequence
 from batchapi.kernels import get_ops
@@ -36,6 +38,7 @@ class ModelRunner:
         self.num_blocks = self._num_blocks()
         self._allocate_kv_cache()
         self.sampler = Sampler(self.ops)
+        self.inputs = StepInputs(config.max_num_batched_tokens, config.max_num_seqs, self.block_size, self.device)
 
     # ---- set-up ----
 
@@ -89,40 +92,8 @@ class ModelRunner:
     # ---- one step ----
 
     def _prepare(self, batch: ScheduledBatch):
-        bs = self.block_size
-        input_ids, positions, slots, cu_seqlens, context_lens, logit_rows = [], [], [], [0], [], []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            start = seq.num_computed_tokens
-            end = start + n
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            cu_seqlens.append(cu_seqlens[-1] + n)
-            context_lens.append(end)
-            if end == seq.num_tokens:  # caught up: the last token's logits pick the next token
-                logit_rows.append(cu_seqlens[-1] - 1)
-        width = max(len(s.block_table) for s in batch.seqs)
-        tables = [s.block_table + [-1] * (width - len(s.block_table)) for s in batch.seqs]
-
-        def tensor(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
-
-        waves: dict[int, tuple[list[int], list[int]]] = {}
-        for copy in batch.kv_copies:
-            src, dst = waves.setdefault(copy.wave, ([], []))
-            src.extend(range(copy.src * bs, copy.src * bs + copy.num_tokens))
-            dst.extend(range(copy.dst * bs, copy.dst * bs + copy.num_tokens))
-        meta = AttentionMetadata(
-            slot_mapping=tensor(slots, torch.int64),
-            block_tables=tensor(tables, torch.int32),
-            cu_seqlens_q=tensor(cu_seqlens, torch.int32),
-            context_lens=tensor(context_lens, torch.int32),
-            max_seqlen_q=max(batch.num_new_tokens),
-            max_context_len=max(context_lens),
-            kv_copies=[(tensor(src, torch.int64), tensor(dst, torch.int64)) for _, (src, dst) in sorted(waves.items())],
-        )
-        return tensor(input_ids, torch.int64), tensor(positions, torch.int64), meta, tensor(logit_rows, torch.int64)
+        """The step's inputs: (input_ids, positions, metadata, logit_rows) on the device."""
+        return self.inputs.build(batch)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[list[tuple[Sequence, int]], list]:
@@ -133,8 +104,8 @@ class ModelRunner:
         if len(rows) != logits.shape[0]:  # n > 1: a finished prompt is sampled once per child
             repeat = torch.tensor([1 + seq.num_forks for seq, _ in _sampled(batch)], device=logits.device)
             logits = logits.repeat_interleave(repeat, dim=0)
-        return rows, self.sampler(logits, [SampleRow(seq.params, seq.output_token_ids, index, _matcher(seq, index))
-                                           for seq, index in rows])
+        return rows, self.sampler(logits, [SampleRow(seq.params, OutputTokens(seq.token_ids, seq.num_prompt_tokens),
+                                                     index, _matcher(seq, index)) for seq, index in rows])
 
 
 def _matcher(seq: Sequence, index: int):
@@ -157,3 +128,116 @@ def sample_rows(batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
         rows.append((seq, seq.sample_index))
         rows.extend((seq, seq.sample_index + 1 + i) for i in range(seq.num_forks))
     return rows
+
+
+class StepInputs:
+    """The step's input tensors, built with a few numpy ops into buffers kept across steps.
+
+    Each sequence keeps a row of a persistent block-table array, written only where its table
+    grew (a table the block manager replaced, after a preemption or a fork, is written afresh), so
+    a step copies no Python list of block ids. Token ids are the one per-sequence read (a slice of
+    its token list); positions, slots, the cumulative lengths and the sampled rows are whole-array
+    ops. On CUDA the host buffers are pinned and copied to the device without blocking.
+
+    The tensors returned are new objects every step (views of the buffers): the attention kernels
+    plan once a step by the identity of the metadata tensors."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, block_size: int, device: torch.device):
+        self.block_size, self.device = block_size, device
+        pin = device.type == "cuda"
+
+        def host(n: int, dtype) -> np.ndarray:
+            return torch.zeros(n, dtype=dtype, pin_memory=pin).numpy()
+
+        self.input_ids, self.positions, self.slots = (host(max_tokens, torch.int64) for _ in range(3))
+        self.cu_seqlens, self.context_lens = host(max_seqs + 1, torch.int32), host(max_seqs, torch.int32)
+        self.arange = np.arange(max_tokens, dtype=np.int64)
+        self.tables = np.full((2 * max_seqs + 8, 16), -1, dtype=np.int32)  # rows grow on demand
+        self.rows: dict[int, list] = {}  # seq_id -> [row, the block_table list written, entries written]
+        self.free_rows = list(range(self.tables.shape[0] - 1, -1, -1))
+
+    def build(self, batch: ScheduledBatch):
+        seqs, bs = batch.seqs, self.block_size
+        num_seqs = len(seqs)
+        n = np.array(batch.num_new_tokens, dtype=np.int64)
+        start = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=num_seqs)
+        end = start + n
+        total = int(n.sum())
+        cu = self.cu_seqlens[: num_seqs + 1]
+        cu[0] = 0
+        np.cumsum(n, out=cu[1:])
+        self.context_lens[:num_seqs] = end
+        rows = self._table_rows(seqs)
+        ids, positions, slots = self.input_ids[:total], self.positions[:total], self.slots[:total]
+        if total == num_seqs:  # decode only: one token a sequence, at its computed count
+            ids[:] = [s.token_ids[p] for s, p in zip(seqs, start.tolist(), strict=True)]
+            positions[:] = start
+            token_rows = rows
+        else:
+            ids[:] = np.fromiter(chain.from_iterable(s.token_ids[a:b] for s, a, b in
+                                                     zip(seqs, start.tolist(), end.tolist(), strict=True)),
+                                 dtype=np.int64, count=total)
+            owner = np.repeat(self.arange[:num_seqs], n)  # the sequence of each token
+            np.add(self.arange[:total] - cu[:-1][owner], start[owner], out=positions)
+            token_rows = rows[owner]
+        np.add(self.tables[token_rows, positions // bs] * bs, positions % bs, out=slots)
+        width = int((end.max() + bs - 1) // bs)
+        tables = self.tables[rows, :width]  # a fresh contiguous [B, width] array
+        num_tokens = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=num_seqs)
+        logit_rows = cu[1:][end == num_tokens].astype(np.int64) - 1  # caught up: these tokens pick the next one
+        waves: dict[int, tuple[list[int], list[int]]] = {}
+        for copy in batch.kv_copies:
+            src, dst = waves.setdefault(copy.wave, ([], []))
+            src.extend(range(copy.src * bs, copy.src * bs + copy.num_tokens))
+            dst.extend(range(copy.dst * bs, copy.dst * bs + copy.num_tokens))
+        meta = AttentionMetadata(
+            slot_mapping=self._to_device(slots),
+            block_tables=self._to_device(tables),
+            cu_seqlens_q=self._to_device(cu),
+            context_lens=self._to_device(self.context_lens[:num_seqs]),
+            max_seqlen_q=int(n.max()),
+            max_context_len=int(end.max()),
+            kv_copies=[(self._to_device(np.array(src, dtype=np.int64)), self._to_device(np.array(dst, dtype=np.int64)))
+                       for _, (src, dst) in sorted(waves.items())],
+        )
+        return self._to_device(ids), self._to_device(positions), meta, self._to_device(logit_rows)
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(array)
+        return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
+
+    def _table_rows(self, seqs: list[Sequence]) -> np.ndarray:
+        """The persistent block-table row of each sequence, brought up to date -> [B] int64."""
+        out = np.empty(len(seqs), dtype=np.int64)
+        for i, seq in enumerate(seqs):
+            table, entry = seq.block_table, self.rows.get(seq.seq_id)
+            if entry is None or entry[1] is not table:  # new, or a table the block manager replaced
+                row = entry[0] if entry is not None else self._free_row(seqs)
+                if entry is not None:
+                    self.tables[row, : entry[2]] = -1
+                entry = self.rows[seq.seq_id] = [row, table, 0]
+            if len(table) > entry[2]:
+                if len(table) > self.tables.shape[1]:
+                    self._widen(len(table))
+                self.tables[entry[0], entry[2] : len(table)] = table[entry[2] :]
+                entry[2] = len(table)
+            out[i] = entry[0]
+        return out
+
+    def _free_row(self, seqs: list[Sequence]) -> int:
+        if not self.free_rows:  # forget the rows of sequences not in this step (finished, preempted)
+            live = {s.seq_id for s in seqs}
+            for seq_id in [k for k in self.rows if k not in live]:
+                row, _, used = self.rows.pop(seq_id)
+                self.tables[row, :used] = -1
+                self.free_rows.append(row)
+        if not self.free_rows:
+            grown = np.full((self.tables.shape[0], self.tables.shape[1]), -1, dtype=np.int32)
+            self.free_rows = list(range(2 * self.tables.shape[0] - 1, self.tables.shape[0] - 1, -1))
+            self.tables = np.concatenate([self.tables, grown])
+        return self.free_rows.pop()
+
+    def _widen(self, width: int) -> None:
+        wider = np.full((self.tables.shape[0], max(width, 2 * self.tables.shape[1])), -1, dtype=np.int32)
+        wider[:, : self.tables.shape[1]] = self.tables
+        self.tables = wider

@@ -24,7 +24,9 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 
 import torch
 
@@ -36,10 +38,28 @@ from batchapi.kernels import TORCH_OPS, Ops
 TOP_P_CANDIDATES = (64, 512, 4096)
 
 
+class OutputTokens(Sequence[int]):
+    """The generated tokens of a sequence, read in place from its token list (no copy a step)."""
+
+    __slots__ = ("_tokens", "_start")
+
+    def __init__(self, tokens: list[int], start: int):
+        self._tokens, self._start = tokens, start
+
+    def __len__(self) -> int:
+        return len(self._tokens) - self._start
+
+    def __getitem__(self, i):
+        return self._tokens[self._start :][i]
+
+    def __iter__(self) -> Iterator[int]:
+        return islice(self._tokens, self._start, None)
+
+
 @dataclass
 class SampleRow:
     params: SamplingParams
-    output_token_ids: list[int]  # tokens generated so far; its length is the step number
+    output_token_ids: Sequence[int]  # tokens generated so far (a list or OutputTokens); its length is the step number
     sample_index: int = 0  # which of the request's n samples, 0..n-1
     matcher: object | None = None  # grammar.Matcher: only the tokens it allows may be drawn
 

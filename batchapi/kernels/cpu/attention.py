@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from batchapi.kernels.cpu import build
@@ -53,21 +54,35 @@ def _plan(block_tables, cu_seqlens_q, context_lens, num_blocks: int, block_size:
     plan = _last_plan
     if (plan is None or plan.pool != (num_blocks, block_size)
             or any(a is not b for a, b in zip(plan.key, key, strict=True))):
-        layout = twin.step_layout(cu_seqlens_q, context_lens)
-        runs = [(b, layout.starts[b], 1, layout.context_lens[b]) for b in layout.decode]
-        longest = float("inf") if invariant else PREFILL_ROWS_IN_C
-        runs += [run for run in layout.prefills if run[2] <= longest]
-        prefills = [run for run in layout.prefills if run[2] > longest]
-        seqs = [b for b, _, n, _ in runs for _ in range(n)]
-        q_rows = [row for _, start, n, _ in runs for row in range(start, start + n)]
-        lens = [length for _, _, n, ctx in runs for length in range(ctx - n + 1, ctx + 1)]
-        index = torch.tensor(seqs, dtype=torch.long)
-        plan = _Plan(key, (num_blocks, block_size), layout.starts[-1], torch.arange(len(seqs), dtype=torch.int32),
-                     block_tables.to(torch.int32)[index].contiguous(),
-                     torch.tensor(q_rows + [layout.starts[-1]], dtype=torch.int32),
-                     torch.tensor(lens, dtype=torch.int32), prefills)
+        plan = _make_plan(key, block_tables, cu_seqlens_q, context_lens, num_blocks, block_size, invariant)
         _check_tables(plan, num_blocks, block_size)
         _last_plan = plan
+    return plan
+
+
+def _make_plan(key, block_tables, cu_seqlens_q, context_lens, num_blocks: int, block_size: int,
+               invariant: bool) -> _Plan:
+    """The C kernel's rows, in whole-array ops (a step's prefill has thousands of tokens): every
+    decode token, and each token of a prefill run no longer than the limit, with its causal
+    context length; longer runs go to the twin."""
+    starts = cu_seqlens_q.numpy().astype(np.int64)
+    ctx = context_lens.numpy().astype(np.int64)
+    q_lens = starts[1:] - starts[:-1]
+    if starts[0] != 0 or (q_lens < 0).any():
+        raise ValueError("cu_seqlens_q must start at 0 and never decrease")
+    longest = q_lens.max(initial=0) if invariant else PREFILL_ROWS_IN_C
+    in_c = np.flatnonzero((q_lens > 0) & (q_lens <= longest))  # sequences whose tokens the kernel takes
+    n = q_lens[in_c]
+    seqs = np.repeat(in_c, n)  # the sequence of each row
+    first = np.cumsum(n) - n  # each sequence's first row
+    local = np.arange(len(seqs)) - np.repeat(first, n)  # a row's place in its run
+    q_rows = starts[seqs] + local
+    lens = ctx[seqs] - np.repeat(n, n) + 1 + local  # causal: a run's k-th token sees ctx - n + 1 + k keys
+    prefills = [(b, int(starts[b]), int(q_lens[b]), int(ctx[b])) for b in np.flatnonzero(q_lens > longest).tolist()]
+    plan = _Plan(key, (num_blocks, block_size), int(starts[-1]), torch.arange(len(seqs), dtype=torch.int32),
+                 block_tables.to(torch.int32)[torch.from_numpy(seqs)].contiguous(),
+                 torch.from_numpy(np.append(q_rows, starts[-1]).astype(np.int32)),
+                 torch.from_numpy(lens.astype(np.int32)), prefills)
     return plan
 
 
