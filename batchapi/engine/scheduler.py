@@ -87,6 +87,18 @@ class WaitingQueue:
             del self.groups[key]
         return seq
 
+    def take_front(self, group: deque[Sequence], count: int) -> None:
+        """Drop the first ``count`` sequences of ``group`` (one of ``runs()``): those admitted.
+        O(count), where removing each by value would scan the group (a shared system prompt makes
+        one group of a whole batch)."""
+        for _ in range(count):
+            group.popleft()
+        self.size -= count
+        if not group and group is not self.front:
+            key = next((k for k, g in self.groups.items() if g is group), None)  # the groups admitted from are first
+            if key is not None:
+                del self.groups[key]
+
     def remove(self, seq: Sequence) -> None:
         if seq in self.front:
             self.front.remove(seq)
@@ -175,12 +187,13 @@ class Scheduler:
         return preempted
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
-        admitted: list[Sequence] = []
+        admitted: list[tuple[deque[Sequence], int]] = []  # (group, how many of its first sequences)
         pending: set[int] = set()  # hashes of the prompt blocks that this step's admissions compute
         full = False  # out of budget, seq slots or blocks: admit nothing more this step
         scheduled = dict(zip(batch.seqs, batch.num_new_tokens, strict=True))  # seq -> tokens it computes now
         waves: dict[int, int] = {}  # block filled by a copy this step -> the copy's wave
         for group in self.waiting.runs():
+            count = 0
             for seq in group:
                 if budget <= 0 or not self._has_seq_slot(seq):
                     full = True
@@ -201,14 +214,16 @@ class Scheduler:
                     src, _, wave = donor
                     batch.kv_copies.append(KVCopy(src, seq.block_table[len(cached)], copied, wave))
                     waves[seq.block_table[len(cached)]] = wave
-                admitted.append(seq)
+                count += 1
                 budget -= n
                 if self.bm.enable_prefix_caching:
                     pending.update(self.bm.prompt_hashes(seq, len(hashes), hashes[-1] if hashes else None))
+            if count:
+                admitted.append((group, count))
             if full:
                 break
-        for seq in admitted:
-            self.waiting.remove(seq)
+        for group, count in admitted:
+            self.waiting.take_front(group, count)
 
     def _find_donor(self, seq: Sequence, num_cached: int, scheduled: dict[Sequence, int],
                     waves: dict[int, int]) -> tuple[int, int, int] | None:

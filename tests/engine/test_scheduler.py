@@ -152,3 +152,22 @@ def test_no_partial_copies_without_prefix_caching():
     add(sched, "b", [1, 2, 3, 4, 5, 6])
     batch = sched.schedule()
     assert batch.kv_copies == [] and batch.num_new_tokens == [1, 6]
+
+
+def test_admission_from_one_large_group_takes_its_head_in_order():
+    # a whole batch sharing a system prompt is one waiting group: admitting takes its first
+    # sequences (popleft), the rest keep their order and the queue's size stays right
+    sched = make(num_blocks=4096, max_num_seqs=8, budget=4096, max_model_len=64)
+    shared = list(range(16))
+    seqs = [add(sched, f"r{i}", shared + [100 + i]) for i in range(2000)]
+    step(sched)  # r0 alone: the others wait a step for its blocks to be cached
+    step(sched)
+    assert [s.request_id for s in sched.running] == [f"r{i}" for i in range(8)]
+    assert len(sched.waiting) == 1992
+    assert next(iter(sched.waiting)) is seqs[8]
+    for s in sched.running:
+        s.status = SequenceStatus.FINISHED
+    sched.release_finished()
+    step(sched)
+    assert [s.request_id for s in sched.running] == [f"r{i}" for i in range(8, 16)]  # cache hits: all at once
+    assert len(sched.waiting) == 1984 and len(sched.waiting.groups) == 1
