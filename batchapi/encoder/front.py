@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import Future
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -69,8 +70,11 @@ class _Pending:
 
 
 class EncoderFront:
-    def __init__(self, config: EncoderConfig, encoder: Encoder | None = None):
+    def __init__(self, config: EncoderConfig, encoder: Encoder | None = None,
+                 compute_turn: AbstractContextManager | None = None):
+        """compute_turn: held around each forward (see EngineFront: a chat engine on the same CPU)."""
         self.config = config
+        self._compute_turn = compute_turn or nullcontext()
         self.encoder = encoder or Encoder(config.model_path, config.device, config.dtype)
         self.tokenizer = self.encoder.tokenizer
         self.max_seq_length = self.encoder.max_seq_length
@@ -165,7 +169,8 @@ class EncoderFront:
         items.sort(key=lambda item: item[0], reverse=True)
         for group in self._groups(items):
             try:
-                vectors = self.encoder.encode([ids for _, _, _, ids in group])
+                with self._compute_turn:
+                    vectors = self.encoder.encode([ids for _, _, _, ids in group])
             except Exception as exc:  # noqa: BLE001 - a failed forward fails its requests, never the thread
                 log.exception("the encoder failed on a batch of %d inputs", len(group))
                 for _, pending, _, _ in group:

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from contextlib import AbstractContextManager, nullcontext
 
 from batchapi.engine.config import EngineConfig
 from batchapi.engine.engine import LLMEngine
@@ -23,9 +24,14 @@ Callback = Callable[[GenerationResult], None]
 
 
 class EngineFront:
-    def __init__(self, config: EngineConfig, engine: LLMEngine | None = None):
+    def __init__(self, config: EngineConfig, engine: LLMEngine | None = None,
+                 compute_turn: AbstractContextManager | None = None):
+        """compute_turn: held around each step; a worker whose chat engine and embedding encoder
+        share the CPU passes both one (workers.engine_setup.TakeTurns), so that their OpenMP teams,
+        each as wide as the cores, never run at once."""
         self.config = config
         self.engine = engine or LLMEngine(config)
+        self._compute_turn = compute_turn or nullcontext()
         self.tokenizer = self.engine.tokenizer
         self.system_fingerprint = self.engine.system_fingerprint
         self._lock = threading.Lock()
@@ -135,7 +141,8 @@ class EngineFront:
     def _step(self) -> None:
         started = time.perf_counter()
         try:
-            results = self.engine.step()
+            with self._compute_turn:
+                results = self.engine.step()
         except Exception as exc:  # a bug, not a bad request: fail what is in flight, keep serving
             log.exception("engine step failed; failing %d requests", len(self.engine.requests))
             for request_id in list(self.engine.requests):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import threading
 import uuid
 
 import torch
@@ -16,6 +17,26 @@ from batchapi.model_store import CHAT, resolve_model, served_model
 from batchapi.workers.codec import Codec
 from batchapi.workers.embedding_codec import EmbeddingCodec
 from batchapi.workers.shard_runner import ShardRunner
+
+
+class TakeTurns:
+    """A lock granted in the order it was asked for. A plain Lock lets the thread that just
+    released it take it straight back, so a step loop would starve the encoder waiting beside it."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._next_ticket = self._serving = 0
+
+    def __enter__(self) -> TakeTurns:
+        with self._cond:
+            ticket, self._next_ticket = self._next_ticket, self._next_ticket + 1
+            self._cond.wait_for(lambda: self._serving == ticket)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self._cond:
+            self._serving += 1
+            self._cond.notify_all()
 
 
 def worker_owner() -> str:
@@ -33,19 +54,22 @@ def start_runner(jobs: Jobs) -> ShardRunner:
     if len(chat) > 1:
         raise ValueError(f"a worker runs one chat model; BATCHAPI_MODELS names {[m.id for m in chat]}")
     front = codec = None
+    # one compute turn for every model on the CPU: each forward runs OpenMP teams as wide as the
+    # cores, so two at once would run twice as many threads as cores (and each would wait on the other)
+    turn = TakeTurns() if resolve_device(settings.device) == "cpu" else None
     if chat:
-        front = EngineFront(engine_config_from(settings, str(chat[0].path))).start()
+        front = EngineFront(engine_config_from(settings, str(chat[0].path)), compute_turn=turn).start()
         codec = Codec(front.tokenizer, chat[0].id, front.system_fingerprint)
-    encoders = {m.id: start_encoder(settings, m.path, m.id) for m in served if m.kind != CHAT}
+    encoders = {m.id: start_encoder(settings, m.path, m.id, turn) for m in served if m.kind != CHAT}
     return ShardRunner(jobs, front, codec, worker_owner(), on_engine_death=stop_this_process,
                        encoders=encoders).start()
 
 
-def start_encoder(settings: Settings, path, model_id: str) -> tuple:
+def start_encoder(settings: Settings, path, model_id: str, turn: TakeTurns | None = None) -> tuple:
     """An embedding model's encoder front (fp32: vectors as sentence-transformers computes them) and codec."""
     from batchapi.encoder import EncoderConfig, EncoderFront
 
-    front = EncoderFront(EncoderConfig(path, device=resolve_device(settings.device))).start()
+    front = EncoderFront(EncoderConfig(path, device=resolve_device(settings.device)), compute_turn=turn).start()
     return front, EmbeddingCodec(front.tokenizer, model_id, front.max_seq_length, front.dimensions)
 
 
