@@ -27,6 +27,9 @@ class EngineConfig:
     num_threads: int | None = None  # CPU intra-op threads; None leaves torch's default
     # a request's tokens do not depend on the batch it runs in (engine/linears.py, README)
     batch_invariant: bool = True
+    # a step's detokenizing and stop-string search run while the next step computes (None: on CUDA,
+    # where the forward runs on the device; on CPU the forward holds the cores and nothing overlaps)
+    overlap_text: bool | None = None
 
     def __post_init__(self):
         self.model_path = Path(self.model_path).expanduser()

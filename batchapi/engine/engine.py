@@ -25,7 +25,7 @@ from batchapi.engine.request import (
     TokenLogprob,
 )
 from batchapi.engine.scheduler import Scheduler
-from batchapi.engine.sequence import Sequence
+from batchapi.engine.sequence import Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +101,8 @@ class LLMEngine:
         self.requests: dict[str, _RequestState] = {}
         self.system_fingerprint = system_fingerprint(config, str(self.runner.dtype), self.runner.ops.name)
         self._grammars = None  # grammar.GrammarCompiler, made for the first constrained request
+        self.overlap_text = config.device.startswith("cuda") if config.overlap_text is None else config.overlap_text
+        self._text_queue: list[tuple[Sequence, int]] = []  # tokens appended whose text is still to work out
         self.compiling: list[tuple[Sequence, Future]] = []  # requests waiting for their grammar
 
     @property
@@ -191,26 +193,41 @@ class LLMEngine:
     # ---- one step ----
 
     def step(self) -> list[GenerationResult]:
-        """Advance every scheduled sequence by one step; return the requests that finished."""
+        """Advance every scheduled sequence by one step; return the requests that finished.
+
+        Token ids are checked as they come (stop tokens, EOS, max_tokens, the grammar); their text
+        (detokenizing, stop strings) is worked out in ``_work_text``. With ``overlap_text`` (CUDA)
+        that runs while the device computes the next step, so a sequence whose last token
+        completed a stop string is in that step too: its extra token is dropped, and its result
+        comes one step later. Outputs are the same either way."""
         self._admit_compiled()
         finished = self._take_rejected()
         batch = self.scheduler.schedule()
-        if not len(batch):
+        if not len(batch) and not self._text_queue:
             if self.compiling and not finished:
                 wait([future for _, future in self.compiling], GRAMMAR_WAIT_SECONDS, FIRST_COMPLETED)
             return finished
-        rows, samples = self.runner.execute(batch)
-        self.scheduler.postprocess(batch)
-        for (seq, index), sample in zip(rows, samples, strict=True):
-            target = seq if index == seq.sample_index else self._fork(seq, index)
-            self._append(target, sample)
-        for seq, _ in rows:
-            seq.num_forks = 0
+        launched = self.runner.launch(batch) if len(batch) else None
+        touched = self._work_text() if self.overlap_text else set()  # the last step's text, while this one runs
+        if launched is not None:
+            rows, samples = launched.result()
+            self.scheduler.postprocess(batch)
+            for (seq, index), sample in zip(rows, samples, strict=True):
+                if index == seq.sample_index and seq.is_finished:
+                    continue  # ended meanwhile by a stop string in its last token's text: not part of the output
+                target = seq if index == seq.sample_index else self._fork(seq, index)
+                self._append(target, sample)
+            for seq, _ in rows:
+                seq.num_forks = 0
+                touched.add(seq.request_id)
+        if not self.overlap_text:
+            touched |= self._work_text()
         self.scheduler.release_finished()
-        for seq, _ in rows:
-            state = self.requests.get(seq.request_id)
+        pending = {seq.request_id for seq, _ in self._text_queue}
+        for request_id in touched - pending:
+            state = self.requests.get(request_id)
             if state is not None and all(s.is_finished for s in state.seqs):
-                finished.append(self._result(self.requests.pop(seq.request_id)))
+                finished.append(self._result(self.requests.pop(request_id)))
         return finished
 
     def _take_rejected(self) -> list[GenerationResult]:
@@ -240,7 +257,8 @@ class LLMEngine:
         state.streams[seq.seq_id] = _Stream(detok, stops)
 
     def _append(self, seq: Sequence, sample) -> None:
-        """Add a sampled token to ``seq`` and finish it if a stop condition holds."""
+        """Add a sampled token to ``seq``; finish it if a stop condition of the ids holds. Its
+        text goes to the queue that ``_work_text`` works through."""
         token = sample.token_id
         seq.token_ids.append(token)
         params = seq.params
@@ -254,15 +272,31 @@ class LLMEngine:
         if seq.matcher is not None and not seq.matcher.accept(token):
             seq.fail(ErrorCode.ENGINE_FAILURE, f"the grammar refused token {token}, which its mask allowed")
             return
-        stream = self.requests[seq.request_id].streams[seq.seq_id]
-        text = stream.detok.add(token)
-        if stream.stops is not None and stream.stops.add(text):  # a stop string beats the length limit
-            seq.text = stream.stops.text
-            seq.finish("stop")
-        elif seq.matcher is not None and seq.matcher.is_terminated:  # the document is complete
+        self._text_queue.append((seq, token))
+        if seq.matcher is not None and seq.matcher.is_terminated:  # the document is complete
             seq.finish("stop")
         elif reason == "length" or seq.num_tokens >= self.max_model_len:
             seq.finish("length")
+
+    def _work_text(self) -> set[str]:
+        """Detokenize the queued tokens and search them for stop strings; a stop string ends its
+        sequence with "stop" (over a length or grammar end of the same token). Returns the
+        request ids worked on."""
+        queue, self._text_queue = self._text_queue, []
+        touched = set()
+        for seq, token in queue:
+            state = self.requests.get(seq.request_id)
+            if state is None or seq.error:  # aborted meanwhile
+                continue
+            touched.add(seq.request_id)
+            stream = state.streams[seq.seq_id]
+            text = stream.detok.add(token)
+            if stream.stops is not None and stream.stops.add(text):  # a stop string beats the length limit
+                seq.text = stream.stops.text
+                if seq.status is SequenceStatus.WAITING:  # preempted since: it must not run again
+                    self.scheduler.waiting.remove(seq)
+                seq.finish("stop")
+        return touched
 
     def _result(self, state: _RequestState) -> GenerationResult:
         outputs, failed = [], None

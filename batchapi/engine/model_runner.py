@@ -98,14 +98,34 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[list[tuple[Sequence, int]], list]:
         """Run one step; return ``sample_rows(batch)`` and a sample for each of those rows."""
+        return self.launch(batch).result()
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch) -> LaunchedStep:
+        """Start one step: on CUDA the forward and the choice of tokens are queued on the device
+        and this returns at once; ``result()`` waits for the tokens. On CPU it is done on return."""
         input_ids, positions, meta, logit_rows = self._prepare(batch)
         logits = self.model(input_ids, positions, meta, logit_rows)  # [S, V]
         rows = sample_rows(batch)
         if len(rows) != logits.shape[0]:  # n > 1: a finished prompt is sampled once per child
             repeat = torch.tensor([1 + seq.num_forks for seq, _ in _sampled(batch)], device=logits.device)
             logits = logits.repeat_interleave(repeat, dim=0)
-        return rows, self.sampler(logits, [SampleRow(seq.params, OutputTokens(seq.token_ids, seq.num_prompt_tokens),
-                                                     index, _matcher(seq, index)) for seq, index in rows])
+        sample_rows_ = [SampleRow(seq.params, OutputTokens(seq.token_ids, seq.num_prompt_tokens), index,
+                                  _matcher(seq, index)) for seq, index in rows]
+        return LaunchedStep(self.sampler, rows, logits, sample_rows_, self.sampler.choose(logits, sample_rows_))
+
+
+class LaunchedStep:
+    """A step whose tokens are chosen on the device, maybe not yet read back."""
+
+    def __init__(self, sampler: Sampler, rows, logits, sample_rows_, token_ids):
+        self.sampler, self.rows, self.logits, self.sample_rows, self.token_ids = (
+            sampler, rows, logits, sample_rows_, token_ids)
+
+    def result(self) -> tuple[list[tuple[Sequence, int]], list]:
+        """(``sample_rows(batch)``, a sample for each row): waits for the device."""
+        with torch.inference_mode():
+            return self.rows, self.sampler.outputs(self.logits, self.sample_rows, self.token_ids)
 
 
 def _matcher(seq: Sequence, index: int):

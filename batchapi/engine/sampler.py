@@ -87,20 +87,29 @@ class Sampler:
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[SampleOutput]:
         """logits [B, V], any float dtype, on any device; one row per logits row. Not thread-safe."""
+        return self.outputs(logits, rows, self.choose(logits, rows))
+
+    @torch.inference_mode()
+    def choose(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """The token of each row -> [B] int64 on the logits' device. Greedy rows read nothing back
+        from the device, so on CUDA this returns while the step still runs; ``outputs`` then waits."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (
             f"logits {tuple(logits.shape)} do not match {len(rows)} rows"
         )
         plain_greedy = all(r.params.greedy and not _modifies_logits(r.params) for r in rows)
         matchers = [r.matcher for r in rows]
         if plain_greedy and all(m is None for m in matchers):
-            token_ids = self._argmax(logits)  # fast path: nothing to apply
-        elif plain_greedy and not any(r.params.logprobs for r in rows):
+            return self._argmax(logits)  # fast path: nothing to apply
+        if plain_greedy and not any(r.params.logprobs for r in rows):
             # greedy under grammars, no logprobs wanted: mask the logits in place (nothing reads
             # the raw ones again) rather than copy them to the fp32 scratch first
             apply_masks(logits, matchers, self._apply_bitmask)
-            token_ids = self._argmax(logits)
-        else:
-            token_ids = self._choose(logits, rows)
+            return self._argmax(logits)
+        return self._choose(logits, rows)
+
+    @torch.inference_mode()
+    def outputs(self, logits: torch.Tensor, rows: list[SampleRow], token_ids: torch.Tensor) -> list[SampleOutput]:
+        """The chosen tokens read back (the step's one wait on the device), with their logprobs."""
         return _outputs(logits, rows, token_ids.tolist())
 
     def _choose(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
