@@ -4,7 +4,8 @@ On CUDA: the Triton kernels against their twins in bf16 and fp16; the engine's g
 against Hugging Face `generate` on a random-weight Llama-3.2-1B-shaped model; output tokens/s
 (fixed output lengths, EOS ignored) of the engine with Triton kernels, of Hugging Face static
 batching (best batch size) and of the HBM roofline (weight + KV bytes per decode step at 4.8 TB/s)
-for the 1B and Llama-3-8B shapes at batch 64 and 256. One table at the end.
+for the 1B and Llama-3-8B shapes at batch 64 and 256; batch invariance, and CUDA graphs of the
+decode steps against none (same tokens, tokens/s). One table at the end.
 Without CUDA (or with --cpu) it runs the same code at tiny sizes: kernels under TRITON_INTERPRET
 in fp32/fp16, the engine with twins and with interpreted Triton kernels against HF on a tiny model,
 and says that the GPU run is pending. No model file is needed: weights are random, made here.
@@ -129,12 +130,13 @@ def hf_best(report, model, label, batches, prompt_len, new_tokens, vocab) -> tup
 
 # ---- engine --------------------------------------------------------------------------------
 
-def start_engine(model_dir: Path, device: str, dtype: str, kernels: str, batch_invariant: bool = True):
+def start_engine(model_dir: Path, device: str, dtype: str, kernels: str, batch_invariant: bool = True,
+                 cuda_graphs: bool = True):
     from batchapi.engine import EngineConfig, EngineFront
 
     config = EngineConfig(model_path=model_dir, device=device, dtype=dtype, kernels=kernels, max_num_seqs=256,
                           max_num_batched_tokens=8192, gpu_memory_utilization=0.85, max_model_len=4096,
-                          kv_cache_bytes=64 << 20, batch_invariant=batch_invariant)
+                          kv_cache_bytes=64 << 20, batch_invariant=batch_invariant, cuda_graphs=cuda_graphs)
     return EngineFront(config).start()
 
 
@@ -172,6 +174,30 @@ def invariance(report: Report, label: str, model_dir: Path, device: str, dtype: 
         verdict = ("ok" if same == 8 else "FAIL") if invariant else "-"
         report.add(f"batch invariance {label}, invariance {'on' if invariant else 'off'}",
                    f"{same}/8 copies in a crowd of 64 as alone", verdict)
+
+
+def decode_graphs(report: Report, model_dir: Path, vocab: int, batch: int = 64, new_tokens: int = 64) -> None:
+    """The engine with CUDA graphs of its decode steps (the default) against without: the same
+    tokens, and output tokens/s of each (both after a warm-up that compiles and captures)."""
+    prompts = random_prompts(batch, (16, 128), vocab, 11)
+    runs = {}
+    for graphs in (True, False):
+        front = start_engine(model_dir, "cuda", "bfloat16", "triton", cuda_graphs=graphs)
+        try:
+            engine_generate(front, prompts, 8)  # warm-up: compiles, and captures the buckets a batch passes
+            outs, elapsed = engine_generate(front, prompts, new_tokens)
+            replays = front.engine.runner.graphs.replays if front.engine.runner.graphs is not None else 0
+        finally:
+            front.shutdown()
+            del front
+            free_memory()
+        runs[graphs] = (outs, sum(len(o) for o in outs) / elapsed, replays)
+    (on, on_rate, replays), (off, off_rate, _) = runs[True], runs[False]
+    same = sum(a == b for a, b in zip(on, off, strict=True))
+    report.add(f"CUDA graphs llama-3.2-1b bf16, batch {batch}",
+               f"{same}/{batch} outputs as without graphs; {on_rate:.0f} vs {off_rate:.0f} tok/s "
+               f"(x{on_rate / max(off_rate, 1e-9):.2f}); {replays} graph steps",
+               "ok" if same == batch and replays > 0 else "FAIL")
 
 
 def parity(report: Report, label: str, ours: list[list[int]], reference: list[list[int]], need: float) -> None:
@@ -253,6 +279,7 @@ def run_gpu(report: Report, work: Path) -> None:
     parity(report, "greedy parity llama-3.2-1b bf16 vs HF generate", ours, reference, need=0.75)
     invariance(report, "llama-3.2-1b bf16", one_b, "cuda", "bfloat16", "triton",
                SHAPES["llama-3.2-1b"]["vocab_size"], 32)
+    decode_graphs(report, one_b, SHAPES["llama-3.2-1b"]["vocab_size"])
     throughput(report, "llama-3.2-1b", one_b, model, [64, 256], 128, 128, "cuda")
     del model
     free_memory()

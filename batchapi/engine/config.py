@@ -30,6 +30,8 @@ class EngineConfig:
     # a step's detokenizing and stop-string search run while the next step computes (None: on CUDA,
     # where the forward runs on the device; on CPU the forward holds the cores and nothing overlaps)
     overlap_text: bool | None = None
+    # CUDA: decode steps replayed from CUDA graphs captured at bucketed batch sizes (model_runner.DecodeGraphs)
+    cuda_graphs: bool = True
 
     def __post_init__(self):
         self.model_path = Path(self.model_path).expanduser()

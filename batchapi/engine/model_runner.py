@@ -35,10 +35,15 @@ class ModelRunner:
         self.matmul_plan: dict[str, int | str] = {}  # batch invariance: min rows of each linear layer
         self.model = self._load_model()
         self.block_size = config.block_size
+        self.max_context_len = config.max_model_len or self.model_config.max_position_embeddings
         self.num_blocks = self._num_blocks()
         self._allocate_kv_cache()
         self.sampler = Sampler(self.ops)
         self.inputs = StepInputs(config.max_num_batched_tokens, config.max_num_seqs, self.block_size, self.device)
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and config.cuda_graphs:
+            self.graphs = DecodeGraphs(self.model, config.max_num_seqs, self.max_context_len, self.block_size,
+                                       self.device, capture=True)
 
     # ---- set-up ----
 
@@ -105,7 +110,10 @@ class ModelRunner:
         """Start one step: on CUDA the forward and the choice of tokens are queued on the device
         and this returns at once; ``result()`` waits for the tokens. On CPU it is done on return."""
         input_ids, positions, meta, logit_rows = self._prepare(batch)
-        logits = self.model(input_ids, positions, meta, logit_rows)  # [S, V]
+        if self.graphs is not None and self.graphs.takes(input_ids, meta, logit_rows):
+            logits = self.graphs.run(input_ids, positions, meta)  # [S, V]
+        else:
+            logits = self.model(input_ids, positions, meta, logit_rows)  # [S, V]
         rows = sample_rows(batch)
         if len(rows) != logits.shape[0]:  # n > 1: a finished prompt is sampled once per child
             repeat = torch.tensor([1 + seq.num_forks for seq, _ in _sampled(batch)], device=logits.device)
@@ -261,3 +269,94 @@ class StepInputs:
         wider = np.full((self.tables.shape[0], max(width, 2 * self.tables.shape[1])), -1, dtype=np.int32)
         wider[:, : self.tables.shape[1]] = self.tables
         self.tables = wider
+
+
+def graph_buckets(max_seqs: int) -> list[int]:
+    """Batch sizes with a decode graph, as vLLM picks them: 1, 2, 4, then every 8 to 256, every 16
+    beyond, and max_seqs itself; a step pads up to the next one (under 8 rows, 16 past 256)."""
+    sizes = [1, 2, 4, *range(8, 257, 8), *range(272, max_seqs + 1, 16)]
+    return sorted({b for b in sizes if b < max_seqs} | {max_seqs})
+
+
+class DecodeGraphs:
+    """Decode steps run from CUDA graphs, one graph per bucket of batch sizes.
+
+    A decode-only step (one token a sequence, no KV copies) of B sequences runs as the graph of
+    the smallest bucket of at least B rows: its inputs are copied into the graphs' static buffers,
+    and rows B.. of the bucket are padding (slot -1: nothing stored; a context of one token in
+    block 0), whose logits are dropped. Padding changes no real row: attention, norms and
+    activations are per row, and with batch invariance (the default) so are the matmuls. A graph
+    is captured the first time its bucket is used, after two warm-up runs that compile the Triton
+    kernels; the graphs share one memory pool (they never run at once). The attention's tiling is fixed at the
+    model's longest context, so a graph serves any context length.
+
+    capture=False runs the same padded step eagerly: the CPU tests check the padding with it."""
+
+    def __init__(self, model, max_seqs: int, max_context_len: int, block_size: int, device: torch.device,
+                 capture: bool):
+        self.model, self.capture, self.max_context_len = model, capture, max_context_len
+        self.buckets = graph_buckets(max_seqs)
+        width = -(-max_context_len // block_size) + 1
+
+        def zeros(*shape, dtype):
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        self.input_ids, self.positions = zeros(max_seqs, dtype=torch.int64), zeros(max_seqs, dtype=torch.int64)
+        self.slots = torch.full((max_seqs,), -1, dtype=torch.int64, device=device)
+        self.tables = zeros(max_seqs, width, dtype=torch.int32)
+        self.cu_seqlens = torch.arange(max_seqs + 1, dtype=torch.int32, device=device)  # one token a sequence
+        self.context_lens = torch.ones(max_seqs, dtype=torch.int32, device=device)
+        self.logit_rows = torch.arange(max_seqs, dtype=torch.int64, device=device)
+        self.graphs: dict[int, tuple[object, torch.Tensor]] = {}  # bucket -> (CUDAGraph, its logits)
+        self.pool = None
+        self.replays = 0  # steps run from a graph (or padded, capture=False)
+
+    def takes(self, input_ids: torch.Tensor, meta: AttentionMetadata, logit_rows: torch.Tensor) -> bool:
+        """Whether this step is a decode step a bucket holds."""
+        num = input_ids.shape[0]
+        return (meta.max_seqlen_q == 1 and not meta.kv_copies and logit_rows.shape[0] == num
+                and num <= self.buckets[-1] and meta.block_tables.shape[1] <= self.tables.shape[1])
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The logits [B, V] of the step's B sequences."""
+        num = input_ids.shape[0]
+        bucket = next(b for b in self.buckets if b >= num)
+        self.input_ids[:num].copy_(input_ids)
+        self.positions[:num].copy_(positions)
+        self.slots[:num].copy_(meta.slot_mapping)
+        self.tables[:num, : meta.block_tables.shape[1]].copy_(meta.block_tables)
+        self.context_lens[:num].copy_(meta.context_lens)
+        if bucket > num:  # padding rows: store nothing, attend to one slot of block 0
+            self.input_ids[num:bucket] = 0
+            self.positions[num:bucket] = 0
+            self.slots[num:bucket] = -1
+            self.tables[num:bucket, 0] = 0
+            self.context_lens[num:bucket] = 1
+        self.replays += 1
+        if not self.capture:
+            return self._forward(bucket)[:num]
+        entry = self.graphs.get(bucket)
+        if entry is None:
+            entry = self.graphs[bucket] = self._capture(bucket)
+        entry[0].replay()
+        return entry[1][:num]
+
+    def _forward(self, bucket: int) -> torch.Tensor:
+        meta = AttentionMetadata(slot_mapping=self.slots[:bucket], block_tables=self.tables[:bucket],
+                                 cu_seqlens_q=self.cu_seqlens[: bucket + 1], context_lens=self.context_lens[:bucket],
+                                 max_seqlen_q=1, max_context_len=self.max_context_len)
+        return self.model(self.input_ids[:bucket], self.positions[:bucket], meta, self.logit_rows[:bucket])
+
+    def _capture(self, bucket: int):
+        stream = torch.cuda.Stream(self.input_ids.device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up runs: Triton compiles, allocator settles
+            for _ in range(2):
+                self._forward(bucket)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self._forward(bucket)
+        self.pool = graph.pool()
+        log.info("captured the decode graph of %d rows", bucket)
+        return graph, logits
