@@ -115,8 +115,15 @@ def register_file(session: Session, project_id: str, filename: str, purpose: str
     return row
 
 
-def get_file_row(session: Session, project_id: str, fid: str) -> File:
-    row = session.get(File, fid)
+def get_file_row(session: Session, project_id: str, fid: str, *, lock: bool = False) -> File:
+    """The file, unless it is another project's, deleted or expired (NotFound). ``lock`` holds a
+    shared lock on its row until the caller commits, so ``remove_expired`` cannot remove it
+    meanwhile (``create_batch``, on PostgreSQL; SQLite has one writer at a time anyway)."""
+    if lock:
+        row = session.scalar(select(File).where(File.id == fid).with_for_update(read=True)
+                             .execution_options(populate_existing=True))
+    else:
+        row = session.get(File, fid)
     if row is None or row.project_id != project_id or row.deleted_at is not None or _expired(row, now()):
         raise NotFound(f"No such File object: {fid}", "id")
     return row
@@ -179,11 +186,17 @@ def remove_expired(jobs: Jobs, each: Callable[[list, str, Callable], None]) -> l
     def remove(row) -> None:
         fid, key = row
         with session_scope(jobs.sessions) as session:
+            # the row goes first, uncommitted: that waits for (or blocks) a create_batch naming the
+            # file, which locks the row after adding its batch; the check below then sees that batch
+            if session.execute(delete(File).where(File.id == fid, gone)).rowcount != 1:
+                return
+            if session.scalar(select(Batch.id).where(Batch.input_file_id == fid,
+                                                     Batch.status.in_(sorted(ACTIVE))).limit(1)) is not None:
+                session.rollback()  # a batch was created from it meanwhile: it goes once that ends
+                return
             shared = session.scalar(select(File.id).where(File.storage_key == key, File.id != fid).limit(1))
-        if shared is None:  # no other file row names the same object
-            jobs.storage.delete(key)
-        with session_scope(jobs.sessions) as session:
-            session.execute(delete(File).where(File.id == fid))
+            if shared is None:  # no other file row names the same object
+                jobs.storage.delete(key)  # before the commit: a failed delete leaves the row to retry
         removed.append(fid)
 
     each(rows, "removing the expired file", remove)

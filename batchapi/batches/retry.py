@@ -1,6 +1,7 @@
 """Retry (an extension, docs/API_EXTENSIONS.md): a new batch over exactly the requests of an ended
-batch that did not succeed: those in its error file (failed, expired, cancelled), or, for a batch
-that ended before running any, every request of its input.
+batch that did not succeed (failed, expired, cancelled: each line of its shards whose result is
+not in the shard's output, ``_ShardOutcomes``), or, for a batch that ended before running any,
+every request of its input.
 
 The new batch's input file holds those lines as the original input held them, in input order;
 its endpoint, completion window, metadata and ``output_expires_after`` are the original's, and
@@ -13,13 +14,17 @@ from __future__ import annotations
 import json
 import logging
 import tempfile
+from bisect import bisect_right
 from collections.abc import Iterator
+from dataclasses import dataclass
 
-from batchapi.batches import service
+from sqlalchemy import select
+
+from batchapi.batches import request_results, service
 from batchapi.batches.context import Jobs
 from batchapi.batches.files import delete_file, get_file_row, upload_file
-from batchapi.batches.states import TERMINAL, BatchStatus
-from batchapi.db.models import Batch
+from batchapi.batches.states import DONE_SHARDS, TERMINAL, BatchStatus
+from batchapi.db.models import Batch, Shard
 from batchapi.errors import Conflict, InvalidRequest, NotFound
 from batchapi.openai.lines import BOM, LongLine, is_blank, iter_lines
 from batchapi.openai.text import check_text
@@ -61,36 +66,77 @@ def _write_input(jobs: Jobs, original: Batch, out) -> int:
     if original.status == BatchStatus.FAILED and original.error_file_id is None:
         raise InvalidRequest(f"Batch {original.id} failed validation and ran no request; fix its input file and "
                              "create a new batch.", "batch_id", code="nothing_to_retry")
-    wanted = _unfinished_ids(jobs, original)
+    ran = original.output_file_id is not None or original.in_progress_at is not None
+    if ran and original.error_file_id is None:
+        return 0  # every request succeeded
+    shards = _shard_outcomes(jobs, original) if ran else None
     count = 0
-    for content in _input_lines(jobs, original):
-        if wanted is None or _custom_id(content) in wanted:
+    for number, content in _input_lines(jobs, original):
+        if shards is None or shards.unfinished(number, content):
             out.write(content + b"\n")
             count += 1
     return count
 
 
-def _unfinished_ids(jobs: Jobs, original: Batch) -> set[str] | None:
-    """The custom_ids in the error file; None (all of them) for a batch that ended before running
-    any request, an empty set for one with no error file."""
-    if original.error_file_id is None:
-        ran = original.output_file_id is not None or original.in_progress_at is not None
-        return set() if ran else None
-    ids: set[str] = set()
-    for _, _, _, content in iter_lines(_content(jobs, original, original.error_file_id, "error")):
+@dataclass(frozen=True)
+class _Shard:
+    first_line: int
+    last_line: int
+    failed: bool  # some of its requests did not succeed
+    succeeded: frozenset[str | None] = frozenset()  # the custom_ids in its output, when some did
+
+
+class _ShardOutcomes:
+    """Which requests of a batch that ran did not succeed, by their line in the input: a line of
+    a shard with failures is retried unless the shard's output holds its result. By line, not by
+    the error file's ``custom_id``: a shard the sweeper closed whose input it could not read
+    back names its requests ``null``, and those are retried too. Only a shard that both
+    succeeded and failed has its output read (a succeeded line always carries its ``custom_id``)."""
+
+    def __init__(self, shards: list[_Shard]):
+        self.shards = shards
+        self.firsts = [s.first_line for s in shards]
+
+    def unfinished(self, number: int, content: bytes) -> bool:
+        at = bisect_right(self.firsts, number) - 1
+        if at < 0 or number > self.shards[at].last_line:
+            return False  # in no shard: not a request of the batch
+        shard = self.shards[at]
+        return shard.failed and (not shard.succeeded or _custom_id(content) not in shard.succeeded)
+
+
+def _shard_outcomes(jobs: Jobs, original: Batch) -> _ShardOutcomes:
+    with jobs.sessions() as session:
+        rows = session.execute(
+            select(Shard.id, Shard.first_line, Shard.last_line, Shard.status, Shard.completed_count,
+                   Shard.failed_count, Shard.output_key)
+            .where(Shard.batch_id == original.id).order_by(Shard.first_line)
+        ).all()
+        with_rows = request_results.shards_with_rows(session, original.id)
+    shards = []
+    for sid, first, last, status, completed, failed, output_key in rows:
+        if status not in DONE_SHARDS or not completed:  # none of it succeeded (or it never ended)
+            shards.append(_Shard(first, last, True))
+        elif not failed:
+            shards.append(_Shard(first, last, False))
+        else:
+            output = request_results.shard_lines(jobs, sid, output_key, True, sid in with_rows)
+            shards.append(_Shard(first, last, True, frozenset(_result_ids(output))))
+    return _ShardOutcomes(shards)
+
+
+def _result_ids(chunks: Iterator[bytes]) -> Iterator[str | None]:
+    for _, _, _, content in iter_lines(chunks):
         if not is_blank(content):
-            custom_id = json.loads(content).get("custom_id")
-            if custom_id is not None:
-                ids.add(custom_id)
-    return ids
+            yield json.loads(content).get("custom_id")
 
 
-def _input_lines(jobs: Jobs, original: Batch) -> Iterator[bytes]:
+def _input_lines(jobs: Jobs, original: Batch) -> Iterator[tuple[int, bytes]]:
     chunks = _content(jobs, original, original.input_file_id, "input")
     for number, _, _, content in iter_lines(chunks, jobs.settings.max_line_bytes):
         if isinstance(content, LongLine) or is_blank(content):
             continue  # a line validation refused as a whole never reaches the error file
-        yield content.removeprefix(BOM.encode()) if number == 1 else content
+        yield number, content.removeprefix(BOM.encode()) if number == 1 else content
 
 
 def _custom_id(content: bytes) -> str | None:

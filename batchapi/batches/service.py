@@ -102,9 +102,6 @@ def create_batch(
     t = now()
     try:
         with session_scope(jobs.sessions) as session:
-            file = get_file_row(session, project_id, input_file_id)
-            if file.purpose != "batch":
-                raise InvalidRequest(f"file {input_file_id} has purpose {file.purpose!r}, not 'batch'", "input_file_id")
             batch = Batch(
                 id=new_batch_id(), project_id=project_id, endpoint=endpoint, input_file_id=input_file_id,
                 completion_window=completion_window, status=BatchStatus.VALIDATING, metadata_=metadata,
@@ -115,6 +112,13 @@ def create_batch(
                 request_total=request_total, model=model, retry_of=retry_of, output_expires_after=output_expiry,
             )
             session.add(batch)
+            session.flush()
+            # checked after the batch is in (and locked until it commits), so the sweeper's file
+            # expiry either sees the batch using the file or has removed the file before: then
+            # this create fails with NotFound and nothing of it stays
+            file = get_file_row(session, project_id, input_file_id, lock=True)
+            if file.purpose != "batch":
+                raise InvalidRequest(f"file {input_file_id} has purpose {file.purpose!r}, not 'batch'", "input_file_id")
     except IntegrityError:  # the same key raced us and won
         existing = by_idempotency_key(jobs, project_id, idempotency_key, fingerprint)
         if existing is None:

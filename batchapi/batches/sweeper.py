@@ -227,8 +227,9 @@ def close_shard(jobs: Jobs, shard_id: str, reason: ErrorCode) -> bool:
     if claimed is None:
         return False
     custom_ids = _custom_ids(jobs, claimed)
-    out_key = shard_output_key(claimed.batch_id, claimed.index)
-    err_key = shard_error_key(claimed.batch_id, claimed.index)
+    # keys of their own: a stalled worker of the shard's last attempt may still write that attempt's
+    out_key = shard_output_key(claimed.batch_id, claimed.index, claimed.attempts, closing=True)
+    err_key = shard_error_key(claimed.batch_id, claimed.index, claimed.attempts, closing=True)
     jobs.storage.put_chunks(out_key, [b""])
     jobs.storage.put_chunks(err_key, (render.never_ran(cid, reason) for cid in custom_ids))
     unrun = len(custom_ids) if reason in CUT_OFF else 0

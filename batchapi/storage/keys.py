@@ -1,6 +1,7 @@
 """Every object key, built here and nowhere else.
 
-Keys are fixed per object: a retried writer overwrites its own object, never appends to it.
+Keys are fixed per object: a retried writer overwrites its own object, never appends to it; a
+shard's objects are fixed per attempt, so no two attempts share one.
 """
 
 from __future__ import annotations
@@ -11,12 +12,21 @@ def file_key(file_id: str) -> str:
     return f"files/{file_id}"
 
 
-def shard_output_key(batch_id: str, index: int) -> str:
-    return f"batches/{batch_id}/shards/{index:05d}.output.jsonl"
+def shard_output_key(batch_id: str, index: int, attempt: int, closing: bool = False) -> str:
+    """A shard's output lines as one attempt wrote them. Each attempt writes its own objects and
+    ``leases.complete`` records the keys of the one that completed the shard, so a stalled writer
+    of an earlier attempt cannot replace them; ``closing``: the sweeper's (it starts no attempt).
+    Shards completed before keys carried the attempt keep their recorded ``{index}.output.jsonl``."""
+    return f"batches/{batch_id}/shards/{index:05d}.{_writer(attempt, closing)}.output.jsonl"
 
 
-def shard_error_key(batch_id: str, index: int) -> str:
-    return f"batches/{batch_id}/shards/{index:05d}.error.jsonl"
+def shard_error_key(batch_id: str, index: int, attempt: int, closing: bool = False) -> str:
+    """A shard's error lines as one attempt wrote them (see ``shard_output_key``)."""
+    return f"batches/{batch_id}/shards/{index:05d}.{_writer(attempt, closing)}.error.jsonl"
+
+
+def _writer(attempt: int, closing: bool) -> str:
+    return f"a{attempt}" + ("-closed" if closing else "")
 
 
 def batch_output_key(batch_id: str) -> str:

@@ -55,6 +55,10 @@ class ResultWriter:
         if self._waiting >= self.settings.result_flush_rows:
             self._wake.set()
 
+    def notify_now(self) -> None:
+        """Write at once (a shard that could not be stored left its results here)."""
+        self._wake.set()
+
     def _loop(self) -> None:
         while not self._stop.is_set():
             self._wake.wait(self.settings.result_flush_seconds)

@@ -10,8 +10,10 @@ Three threads besides the engine's own:
 - the result writer (``result_writer``) makes each finished request durable within about a
   second, counted in its batch at once; a shard taken over after a crash runs only the requests
   without a durable result;
-- the finisher writes a finished shard's objects to their fixed keys, completes it and
-  finalizes the batch when it was the last shard.
+- the finisher writes a finished shard's objects to its attempt's keys, completes it and
+  finalizes the batch when it was the last shard; a store the storage or the database refuses
+  is tried again with backoff, and if it keeps failing the shard's results go to the result
+  writer and its lease is left to run out (``_keep``), so nothing finished is lost.
 Celery tasks and the embedded worker share this class; the broker only wakes the feeder.
 
 A dead engine thread (a BaseException escaped it) is final: within a second the monitor stops
@@ -52,6 +54,9 @@ from batchapi.workers.shard_work import ShardWork
 log = logging.getLogger(__name__)
 
 MONITOR_SECONDS = 1.0
+# a finisher that cannot store a shard tries again after 0.5, 1, 2 and 4 s, under a lease it renews
+STORE_TRIES = 5
+STORE_BACKOFF_SECONDS = 0.5
 TRANSIENT = (OperationalError, StorageError, OSError)
 
 
@@ -79,13 +84,15 @@ class ShardRunner:
         self.on_engine_death = on_engine_death  # called once, on the monitor thread
         self.engine_dead = threading.Event()  # set under _lock, so _start never adds work after it
         self._inflight: dict[str, ShardWork] = {}
+        # shards that could not be stored, held only until the result writer has written their results
+        self._kept: dict[str, ShardWork] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._last_progress = time.monotonic()  # when the engine's state last moved (or work arrived)
         self._engine_state: tuple = ()
         self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchapi-finish")
-        self._writer = ResultWriter(jobs, owner, self._held, lambda work: self._backend(work)[1])
+        self._writer = ResultWriter(jobs, owner, self._unstored, lambda work: self._backend(work)[1])
         self._threads = [
             threading.Thread(target=self._feed_loop, name="batchapi-feeder", daemon=True),
             threading.Thread(target=self._monitor_loop, name="batchapi-monitor", daemon=True),
@@ -118,7 +125,7 @@ class ShardRunner:
         if work is None:
             return "released"
         work.stored.wait(timeout)  # acknowledged only once its results are in storage
-        return "released" if work.lost else work.reason or "done"
+        return "released" if work.lost or work.kept else work.reason or "done"
 
     def abort_batch(self, batch_id: str, reason: ErrorCode) -> int:
         """Cut the batch's shards short now (the embedded API calls this on cancel)."""
@@ -140,7 +147,9 @@ class ShardRunner:
         self._save_results()  # before the leases go: what finished is not run again
         for work in works:
             work.stored.set()
-        released = leases.release(self.jobs, [w.shard.id for w in works], self.owner)
+        with self._lock:
+            kept, self._kept = list(self._kept.values()), {}
+        released = leases.release(self.jobs, [w.shard.id for w in works + kept], self.owner)
         if released:
             log.info("gave %d shards back to the queue", released)
         self._finisher.shutdown(wait=True)
@@ -156,6 +165,11 @@ class ShardRunner:
     def _held(self) -> list[ShardWork]:
         with self._lock:
             return list(self._inflight.values())
+
+    def _unstored(self) -> list[ShardWork]:
+        """What the result writer writes: the held shards and the kept ones (``_keep``)."""
+        with self._lock:
+            return list(self._inflight.values()) + list(self._kept.values())
 
     def _backend(self, work: ShardWork) -> tuple:
         """The (front, codec) of the shard's model (a row from before models were recorded: the first)."""
@@ -285,30 +299,58 @@ class ShardRunner:
             with self._lock:
                 if self._inflight.get(shard.id) is work:  # not a later attempt that took its place
                     del self._inflight[shard.id]
+                    if work.kept:
+                        self._kept[shard.id] = work
             work.stored.set()
             self._wake.set()
 
     def _store(self, work: ShardWork) -> None:
+        """Store the shard, trying again with backoff when the storage or the database is briefly
+        away (the monitor keeps renewing the lease meanwhile). If it stays away, the shard is
+        left to the sweeper, its results kept for the result writer (``_keep``)."""
+        delay = STORE_BACKOFF_SECONDS
+        for attempt in range(1, STORE_TRIES + 1):
+            try:
+                self._store_once(work)
+                return
+            except TRANSIENT as exc:
+                if attempt == STORE_TRIES or self._stop.is_set():
+                    log.error("could not store shard %s after %d tries (%s); its lease is left to run out, its "
+                              "results to the result writer", work.shard.id, attempt, exc, exc_info=True)
+                    break
+                log.warning("could not store shard %s (try %d of %d: %s); trying again in %.1f s", work.shard.id,
+                            attempt, STORE_TRIES, exc, delay)
+                self._stop.wait(delay)
+                delay *= 2
+        self._keep(work)
+
+    def _keep(self, work: ShardWork) -> None:
+        """The shard could not be stored: its lease is no longer renewed, so it runs out and the
+        shard is run again, by whoever takes it, for only its requests without a durable result.
+        The results this attempt has go to the result writer, which writes them while the lease
+        is still ours (then the work is let go: ``_let_go_kept``), or drops them, logged, if the
+        shard was taken over first."""
+        work.kept = True
+        self._writer.notify_now()
+
+    def _store_once(self, work: ShardWork) -> None:
         shard = work.shard
         rendered = work.render(self._backend(work)[1])
-        out_key, err_key = shard_output_key(shard.batch_id, shard.index), shard_error_key(shard.batch_id, shard.index)
-        try:
-            if shard.id not in leases.heartbeat(self.jobs, [shard.id], self.owner):
-                log.warning("lost the lease of shard %s before writing; dropping its results", shard.id)
-                return
-            self.jobs.storage.put_chunks(out_key, [rendered.output])
-            self.jobs.storage.put_chunks(err_key, [rendered.errors])
-            with self._writer.lock:  # no rows of this shard are being written meanwhile
-                completed = leases.complete(self.jobs, shard, self.owner, rendered.outcome, out_key, err_key)
-                if completed:
-                    work.take_unsaved()  # in the objects now: nothing left for the writer
-            if not completed:
-                log.warning("lost the lease of shard %s while writing; its retry counts", shard.id)
-                return
-        except TRANSIENT:
-            # the lease runs out and the sweeper re-queues the shard: its requests without a
-            # durable result are run again
-            log.exception("could not store shard %s; leaving it to the sweeper", shard.id)
+        out_key = shard_output_key(shard.batch_id, shard.index, shard.attempts)
+        err_key = shard_error_key(shard.batch_id, shard.index, shard.attempts)
+        if shard.id not in leases.heartbeat(self.jobs, [shard.id], self.owner):
+            log.warning("lost the lease of shard %s before writing; dropping its results", shard.id)
+            return
+        # objects of this attempt only: if the lease runs out while they are written and someone
+        # else completes the shard, these are never read (the completed attempt's keys are)
+        self.jobs.storage.put_chunks(out_key, [rendered.output])
+        self.jobs.storage.put_chunks(err_key, [rendered.errors])
+        with self._writer.lock:  # no rows of this shard are being written meanwhile
+            completed = leases.complete(self.jobs, shard, self.owner, rendered.outcome, out_key, err_key)
+            if completed:
+                work.take_unsaved()  # in the objects now: nothing left for the writer
+        if not completed:
+            log.warning("lost the lease of shard %s while writing; its retry counts", shard.id)
             return
         writer = self._writer
         log.info("shard %s done: %d ok, %d failed%s; request results written so far: %d rows in %d writes (%.3f s)",
@@ -319,6 +361,15 @@ class ShardRunner:
         except TRANSIENT:
             log.warning("could not finalize batch %s now; the sweeper will", shard.batch_id, exc_info=True)
 
+    def _let_go_kept(self) -> None:
+        """Forget the kept shards whose results are all written (or were dropped: taken over)."""
+        with self._writer.lock, self._lock:  # not while a write that may put rows back is under way
+            done = [sid for sid, work in self._kept.items() if not work.has_unsaved()]
+            for sid in done:
+                del self._kept[sid]
+        for sid in done:
+            log.info("the results of shard %s, which could not be stored, are written; it is the sweeper's", sid)
+
     # ---- monitor ----
 
     def _monitor_loop(self) -> None:
@@ -327,6 +378,7 @@ class ShardRunner:
             if not self.engine_dead.is_set() and not self._alive():
                 self._give_up_engine()
             self._watch_engine()
+            self._let_go_kept()
             try:
                 self._check_batches()
                 if time.monotonic() - last_beat >= self.settings.heartbeat_seconds:

@@ -38,6 +38,7 @@ class ShardWork:
     finished: dict[int, Finished] = field(default_factory=dict)  # seq -> rendered by the result writer
     reason: ErrorCode | None = None  # why it was closed early
     lost: bool = False  # the lease went to someone else: write nothing
+    kept: bool = False  # could not be stored: left to the sweeper, its results to the result writer
     done: threading.Event = field(default_factory=threading.Event)  # no result awaited any more
     stored: threading.Event = field(default_factory=threading.Event)  # written and completed (or dropped)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -81,6 +82,10 @@ class ShardWork:
         with self.lock:
             seqs, self.unsaved = self.unsaved, []
             return seqs
+
+    def has_unsaved(self) -> bool:
+        with self.lock:
+            return bool(self.unsaved)
 
     def put_back(self, seqs: list[int]) -> None:
         """Writing them failed (the database was away): the next write tries again."""

@@ -107,7 +107,7 @@ def test_a_shard_that_raises_does_not_stop_the_sweep_of_the_others(sqlite_jobs):
     stuck, stuck_shard = cancelling_batch(jobs, ["s1"])
     healthy, healthy_shard = cancelling_batch(jobs, ["h1"])
     # a directory where the stuck shard's error object goes: writing it fails on every try
-    blocker = Path(jobs.settings.data_dir) / "storage" / shard_error_key(stuck, 0)
+    blocker = Path(jobs.settings.data_dir) / "storage" / shard_error_key(stuck, 0, 0, closing=True)
     (blocker / "inside").mkdir(parents=True)
     report = sweep(jobs)
     assert report.closed == [healthy_shard] and report.finalized == [healthy]
