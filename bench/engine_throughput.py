@@ -181,14 +181,67 @@ MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise
 def matmul_share(engine: LLMEngine, prompts, params) -> tuple[float, float]:
     """Fraction of the wall time of one continuous run spent inside the model's matmuls: the
     part no scheduling can remove, so it bounds what continuous batching can gain over a peer
-    that runs the same matmuls at the same speed."""
+    that runs the same matmuls at the same speed. An op's self time in the profiler is the wall
+    time of its call on the engine's thread, which its OpenMP threads share: it is not divided
+    by the thread count (until December 2026 it was, which halved the share on two threads)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         with Clock() as clock:
             run_engine(engine, prompts, params)
     spent = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in MATMUL_OPS) / 1e6
-    return spent / torch.get_num_threads() / clock.wall, clock.wall
+    return spent / clock.wall, clock.wall
+
+
+STEP_PARTS = {  # the ops of the engine's kernel table, by what they are
+    "attention": ("paged_attention",),
+    "norms, rotary, SiLU, KV store": ("rms_norm", "fused_add_rms_norm", "rotary", "rotary_store", "silu_and_mul",
+                                      "store_kvcache"),
+}
+
+
+def step_breakdown(engine: LLMEngine, prompts, params) -> str:
+    """Where one continuous run's wall time goes: the linear layers, attention, the other kernels,
+    sampling, and the rest (the model's Python between kernels, metadata, scheduling, text).
+    Each part is timed around its calls (a microsecond or so of timing each, in the rest)."""
+    spent: dict[str, float] = {}
+
+    def timed(name, fn):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
+        return run
+
+    runner, ops = engine.runner, engine.runner.ops
+    saved_ops = {op: getattr(ops, op) for ops_ in STEP_PARTS.values() for op in ops_}
+    linears = [m for m in runner.model.modules() if isinstance(m, torch.nn.Linear) or hasattr(m, "inner")]
+    linears = [m for m in linears if not any(m is getattr(o, "inner", None) for o in linears)]  # outermost only
+    saved_forward = {m: m.forward for m in linears}
+    saved_sampler = runner.sampler
+    try:
+        for part, names in STEP_PARTS.items():
+            for op in names:
+                object.__setattr__(ops, op, timed(part, saved_ops[op]))
+        for m in linears:
+            m.forward = timed("linear layers", saved_forward[m])
+        sampler = type("TimedSampler", (), {})()
+        sampler.choose = timed("sampling", saved_sampler.choose)
+        sampler.outputs = timed("sampling", saved_sampler.outputs)
+        runner.sampler = sampler
+        with Clock() as clock:
+            run_engine(engine, prompts, params)
+    finally:
+        for op, fn in saved_ops.items():
+            object.__setattr__(ops, op, fn)
+        for m, fn in saved_forward.items():
+            m.forward = fn
+        runner.sampler = saved_sampler
+    parts = [(name, spent.get(name, 0.0)) for name in ("linear layers", *STEP_PARTS, "sampling")]
+    parts.append(("the rest", clock.wall - sum(t for _, t in parts)))
+    return ", ".join(f"{name} {t / clock.wall:.0%}" for name, t in parts) + f" of {clock.wall:.1f} s"
 
 
 def main() -> None:
@@ -236,6 +289,7 @@ def main() -> None:
         share, wall = matmul_share(engine, prompts, greedy)
         print(f"matmul share of the engine's time (the same run again under torch.profiler): {share:.0%} "
               f"of {wall:.1f} s")
+        print(f"the engine's time by part (the same run, each part timed): {step_breakdown(engine, prompts, greedy)}")
     best_hf, best_batch = None, min(len(prompts), 64)
     if "hf" not in skip:
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()

@@ -123,8 +123,8 @@ class InvariantLinear(nn.Module):
         if self.block_rows is not None:
             return _blocked(self.inner, x, self.block_rows)
         if rows >= self.min_rows:
-            return self.inner(x)
-        return self.inner(F.pad(x, (0, 0, 0, self.min_rows - rows)))[:rows]
+            return self.inner.forward(x)
+        return self.inner.forward(F.pad(x, (0, 0, 0, self.min_rows - rows)))[:rows]
 
 
 def _blocked(linear: nn.Module, x: torch.Tensor, block: int) -> torch.Tensor:

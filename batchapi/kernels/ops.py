@@ -29,6 +29,7 @@ class Ops:
     rms_norm: Callable
     fused_add_rms_norm: Callable
     rotary: Callable
+    rotary_store: Callable  # rotary, then store_kvcache of the rotated k and of v -> the rotated q
     silu_and_mul: Callable
     argmax: Callable  # greedy pick of [B, V] logits -> [B] int64: the first of ties, NaN the largest
     apply_token_bitmask: Callable  # (logits [B, V], bitmask [R, W] int32, rows: list[int]) -> None, in place
@@ -43,6 +44,7 @@ TORCH_OPS = Ops(
     rms_norm=twin.rms_norm,
     fused_add_rms_norm=twin.fused_add_rms_norm,
     rotary=twin.rotary,
+    rotary_store=twin.rotary_store,
     silu_and_mul=twin.silu_and_mul,
     argmax=twin.argmax,
     apply_token_bitmask=twin_bitmask.apply_token_bitmask,
@@ -58,12 +60,14 @@ CPU_OPS = Ops(
     rms_norm=cpu_elementwise.rms_norm,
     fused_add_rms_norm=cpu_elementwise.fused_add_rms_norm,
     rotary=cpu_elementwise.rotary,
+    rotary_store=cpu_elementwise.rotary_store,
     silu_and_mul=cpu_elementwise.silu_and_mul,
     argmax=cpu_elementwise.argmax,
     apply_token_bitmask=cpu_elementwise.apply_token_bitmask,
 )
 
 
+@functools.cache
 def _triton_ops() -> Ops:
     # imported here so that nothing imports triton until Triton ops are asked for
     attention = importlib.import_module("batchapi.kernels.triton.attention")
@@ -79,10 +83,17 @@ def _triton_ops() -> Ops:
         rms_norm=norm.rms_norm,
         fused_add_rms_norm=norm.fused_add_rms_norm,
         rotary=rotary.rotary,
+        rotary_store=functools.partial(_rotary_then_store, rotary.rotary, kvcache.store_kvcache),
         silu_and_mul=activation.silu_and_mul,
         argmax=twin.argmax,  # torch.argmax on CUDA: one pass, no kernel of ours to win there
         apply_token_bitmask=bitmask.apply_token_bitmask,
     )
+
+
+def _rotary_then_store(rotary, store_kvcache, q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
+    q, k = rotary(q, k, positions, cos_sin)
+    store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+    return q
 
 
 def get_ops(mode: str = "auto", device: str | torch.device = "cpu", invariant: bool = False) -> Ops:

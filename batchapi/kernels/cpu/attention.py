@@ -125,10 +125,24 @@ def paged_attention(
     q = q.contiguous()
     out = torch.empty_like(q)
     if plan.rows.numel():
-        paged_decode(q, k_cache, v_cache, plan.tables, plan.q_rows, plan.context_lens, plan.rows, out, scale)
+        _decode_rows(plan, q, k_cache, v_cache, out, scale)
     for b, s, n, ctx in plan.prefills:
         out[s : s + n] = twin.prefill_attention(q[s : s + n], k_cache, v_cache, block_tables[b], ctx, scale)
     return out
+
+
+def _decode_rows(plan: _Plan, q, k_cache, v_cache, out, scale: float) -> None:
+    """paged_decode of the plan's rows without its checks: the plan's tensors are ours (made and
+    checked once a step), q and the caches passed supports() and out is a fresh empty_like(q)."""
+    _, hq, d = q.shape
+    _, bs, hkv, _ = k_cache.shape
+    rows = plan.rows.numel()
+    rc = getattr(build.load(), f"paged_decode_{build.DTYPES[q.dtype]}")(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), plan.tables.data_ptr(), plan.tables.stride(0),
+        plan.context_lens.data_ptr(), plan.q_rows.data_ptr(), rows, plan.rows.data_ptr(), rows, q.shape[0],
+        out.data_ptr(), hq, hkv, d, bs, scale, torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"the C decode refused the step's plan (code {rc})")
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:

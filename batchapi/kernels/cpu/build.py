@@ -130,6 +130,8 @@ def _load_elementwise() -> ctypes.CDLL | None:
         "silu_and_mul": [ptr, i64, ptr, i64, i64, i32, i32],
         "rotary": [ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, ptr, i64, i64, i32, i64, i64, i32, i32],
         "store_kvcache": [ptr, i64, ptr, i64, ptr, ptr, ptr, i32, i64, i64, i64, i64],
+        "rotary_store": [ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, ptr, ptr, ptr, i32, i64, ptr, ptr, i64, i64, i32,
+                         i64, i64, i32, i32],
         "argmax_rows": [ptr, i64, i64, i64, i32, ptr],
         "apply_token_bitmask": [ptr, i64, i64, i64, ptr, i64, ptr, i64, i32, i32],
     }

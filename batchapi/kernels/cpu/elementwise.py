@@ -108,6 +108,53 @@ def rotary(
     return q_out, k_out
 
 
+def rotary_store(
+    q: torch.Tensor,  # [N, Hq, D]
+    k: torch.Tensor,  # [N, Hkv, D]
+    v: torch.Tensor,  # [N, Hkv, D]
+    positions: torch.Tensor,  # [N] int64
+    cos_sin: torch.Tensor,  # [max_pos, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [N] int, -1 = skip
+) -> torch.Tensor:
+    """rotary and store_kvcache in one pass (the rotated key goes straight to its slot): the
+    rotated q. Raises what they raise, before anything is written."""
+    lib = load_elementwise()
+    if (lib is None or q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or cos_sin.dim() != 2
+            or positions.dim() != 1 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape
+            or k.shape[1:] != k_cache.shape[2:] or slot_mapping.shape != k.shape[:1]
+            or slot_mapping.dtype not in (torch.int32, torch.int64)
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+        return twin.rotary_store(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+    (n, hq, d), (k_rows, hkv, k_d), (max_pos, cs_d) = q.shape, k.shape, cos_sin.shape
+    if not (q.dtype in DTYPES and k.dtype == v.dtype == k_cache.dtype == v_cache.dtype == q.dtype
+            and cos_sin.dtype in DTYPES and positions.dtype in (torch.int32, torch.int64)
+            and positions.shape[0] == k_rows == n and d == k_d == cs_d and d % 2 == 0 and d <= MAX_ROTARY_DIM
+            and _cpu_as(None, q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)):
+        return twin.rotary_store(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+    q, k, v, cos_sin = _dense_rows(q), _dense_rows(k), _dense_rows(v), _dense_rows(cos_sin)
+    if positions.dtype is not torch.int64 or not positions.is_contiguous():
+        positions = positions.to(torch.int64).contiguous()
+    slot_mapping = slot_mapping.contiguous()
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    q_out = torch.empty(n, hq, d, dtype=q.dtype)
+    rc = lib.rotary_store(q.data_ptr(), q.stride(0), hq, q_out.data_ptr(), k.data_ptr(), k.stride(0), v.data_ptr(),
+                          v.stride(0), hkv, k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(),
+                          slot_mapping.dtype is torch.int64, num_slots, positions.data_ptr(), cos_sin.data_ptr(),
+                          cos_sin.stride(0), max_pos, cos_sin.dtype is torch.bfloat16, n, d, q.dtype is torch.bfloat16,
+                          torch.get_num_threads())
+    if rc == -2:
+        raise RuntimeError(f"the C rotary refused head size {d}")
+    if rc == -1:
+        bad = positions[(positions < 0) | (positions >= max_pos)]
+        raise ValueError(f"positions {bad[:8].tolist()} lie outside cos_sin's {max_pos} rows")
+    if rc != 0:
+        bad = slot_mapping[slot_mapping >= num_slots]
+        raise ValueError(f"slots {bad[:8].tolist()} lie outside the KV caches' {num_slots} slots")
+    return q_out
+
+
 def store_kvcache(
     key: torch.Tensor,  # [N, Hkv, D]
     value: torch.Tensor,  # [N, Hkv, D]

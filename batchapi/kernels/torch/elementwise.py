@@ -58,6 +58,22 @@ def rotary(
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
+def rotary_store(
+    q: torch.Tensor,  # [N, Hq, D]
+    k: torch.Tensor,  # [N, Hkv, D]
+    v: torch.Tensor,  # [N, Hkv, D]
+    positions: torch.Tensor,  # [N] int64
+    cos_sin: torch.Tensor,  # [max_pos, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [N] int, -1 = skip
+) -> torch.Tensor:
+    """rotary, then store_kvcache of the rotated k and of v; returns the rotated q."""
+    q, k = rotary(q, k, positions, cos_sin)
+    store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+    return q
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)  # [N, I] each
     return F.silu(gate) * up

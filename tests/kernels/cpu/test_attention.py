@@ -23,8 +23,8 @@ def c_only(monkeypatch):
     """Decode rows must go to the C kernel: the twin's own decode path fails the test, and the
     calls into C are counted."""
     calls = []
-    real = attention.paged_decode
-    monkeypatch.setattr(attention, "paged_decode", lambda *a, **k: calls.append(a[6].numel()) or real(*a, **k))
+    real = attention._decode_rows
+    monkeypatch.setattr(attention, "_decode_rows", lambda plan, *a: calls.append(plan.rows.numel()) or real(plan, *a))
     monkeypatch.setattr(twin, "_decode", lambda *a, **k: pytest.fail("decode rows went to the twin"))
     return calls
 
@@ -178,7 +178,7 @@ def test_threads_split_the_work_without_changing_it(c_only):
     (2, 1, 320, 16, torch.float32),  # heads over 256
 ])
 def test_what_the_kernel_does_not_take_goes_to_the_twin_whole(hq, hkv, d, block_size, dtype, monkeypatch):
-    monkeypatch.setattr(attention, "paged_decode", lambda *a, **k: pytest.fail("sent to the C kernel"))
+    monkeypatch.setattr(attention, "_decode_rows", lambda *a, **k: pytest.fail("sent to the C kernel"))
     case = make_case([1, 3, 1], [10, 30, 70], hq, hkv, d, block_size=block_size, dtype=dtype, seed=2)
     assert not attention.supports(case.q, case.k_cache, case.v_cache)
     out = attention.paged_attention(*case.args(), case.scale)
@@ -247,8 +247,8 @@ def test_a_decreasing_cu_seqlens_is_refused():
 def routed(monkeypatch):
     """(rows the C kernel gets per call, prefill runs the twin gets), counted per layer call."""
     calls, prefills = [], []
-    real_c, real_twin = attention.paged_decode, twin.prefill_attention
-    monkeypatch.setattr(attention, "paged_decode", lambda *a, **k: calls.append(a[6].numel()) or real_c(*a, **k))
+    real_c, real_twin = attention._decode_rows, twin.prefill_attention
+    monkeypatch.setattr(attention, "_decode_rows", lambda plan, *a: calls.append(plan.rows.numel()) or real_c(plan, *a))
     monkeypatch.setattr(twin, "prefill_attention", lambda q, *a: prefills.append(q.shape[0]) or real_twin(q, *a))
     monkeypatch.setattr(twin, "_decode", lambda *a, **k: pytest.fail("decode rows went to the twin"))
     return calls, prefills

@@ -18,7 +18,7 @@ from tests.kernels.march import PORTABLE, load_portable_elementwise
 TWIN = TORCH_OPS
 DTYPES = [torch.float32, torch.bfloat16]
 SHAPES = [(1, 8), (3, 72), (96, 576), (5, 100), (2, 1)]  # (rows, size): odd sizes take the masked tail
-ELEMENTWISE = ["rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul", "store_kvcache"]
+ELEMENTWISE = ["rms_norm", "fused_add_rms_norm", "rotary", "rotary_store", "silu_and_mul", "store_kvcache"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -147,6 +147,40 @@ def test_store_kvcache_matches_the_twin(dtype, slot_dtype, c_only):
     elementwise.store_kvcache(k, v, caches[0], caches[1], slots)
     TWIN.store_kvcache(k, v, caches[2], caches[3], slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cache_dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "hq", "hkv", "d"), [(96, 9, 3, 64), (7, 4, 4, 8), (3, 2, 1, 72), (5, 3, 1, 100)])
+def test_rotary_store_is_rotary_then_the_store(rows, hq, hkv, d, dtype, cache_dtype, c_only):
+    q, k, v = qkv_views(rows, hq, hkv, d, dtype, seed=d + 1)
+    cos_sin = build_rope_cache(d, 4096, 10000.0, None, "cpu", cache_dtype)
+    positions = torch.randperm(4096, generator=torch.Generator().manual_seed(rows))[:rows]
+    slots = torch.randperm(8 * 16, generator=torch.Generator().manual_seed(d))[:rows]
+    slots[::3] = -1  # skipped: nothing stored
+    caches = [torch.zeros(8, 16, hkv, d, dtype=dtype) for _ in range(4)]
+    q_out = elementwise.rotary_store(q, k, v, positions, cos_sin, caches[0], caches[1], slots)
+    q_twin, k_twin = TWIN.rotary(q, k, positions, cos_sin)
+    TWIN.store_kvcache(k_twin, v, caches[2], caches[3], slots)
+    assert_matches(q_out, q_twin)
+    assert_matches(caches[0], caches[2])
+    assert torch.equal(caches[1], caches[3])
+    # and exactly what the C rotary and the C store give
+    q_c, k_c = elementwise.rotary(q, k, positions, cos_sin)
+    caches_c = [torch.zeros(8, 16, hkv, d, dtype=dtype) for _ in range(2)]
+    elementwise.store_kvcache(k_c, v, caches_c[0], caches_c[1], slots)
+    assert torch.equal(q_out, q_c) and torch.equal(caches[0], caches_c[0]) and torch.equal(caches[1], caches_c[1])
+
+
+def test_rotary_store_refuses_bad_positions_and_slots_before_writing(c_only):
+    q, k, v = qkv_views(3, 4, 2, 64, torch.float32)
+    cos_sin = build_rope_cache(64, 16, 10000.0, None, "cpu", torch.float32)
+    k_cache, v_cache = torch.zeros(2, 4, 2, 64), torch.zeros(2, 4, 2, 64)
+    with pytest.raises(ValueError, match="positions"):
+        elementwise.rotary_store(q, k, v, torch.tensor([0, 16, 1]), cos_sin, k_cache, v_cache, torch.arange(3))
+    with pytest.raises(ValueError, match="slots"):
+        elementwise.rotary_store(q, k, v, torch.arange(3), cos_sin, k_cache, v_cache, torch.tensor([0, 8, -1]))
+    assert not k_cache.any() and not v_cache.any()
 
 
 def test_non_contiguous_inputs_are_copied_not_misread(c_only):

@@ -378,6 +378,49 @@ int store_kvcache(const void *key, int64_t key_stride, const void *value, int64_
     return 0;
 }
 
+/* rotary, with the rotated key and the value of each row written straight to its cache slot: q_out
+ * [rows, hq, d] as rotary() gives it, k and v rows to slot slots[r] of the caches [num_slots, hkv * d]
+ * (a negative slot: the row's key and value are dropped), as store_kvcache() would store rotary()'s
+ * k_out. One pass, no k_out. Returns -1 (a position outside cos_sin) or -3 (a slot at or past
+ * num_slots) before writing anything; -2 for an unsupported head size. */
+int rotary_store(const void *q, int64_t q_stride, int64_t hq, void *q_out, const void *k, int64_t k_stride,
+                 const void *v, int64_t v_stride, int64_t hkv, void *k_cache, void *v_cache, const void *slots,
+                 int slots_i64, int64_t num_slots, const int64_t *positions, const void *cos_sin, int64_t cs_stride,
+                 int64_t max_pos, int cs_bf16, int64_t rows, int64_t d, int bf16, int threads) {
+    if (d > MAX_ROTARY_DIM || d % 2) return -2;
+    for (int64_t r = 0; r < rows; r++) {
+        if (positions[r] < 0 || positions[r] >= max_pos) return -1;
+        if (slot_at(slots, slots_i64, r) >= num_slots) return -3;
+    }
+    const int64_t size = bf16 ? 2 : 4, cs_size = cs_bf16 ? 2 : 4, work = rows * (hq + hkv) * d;
+    const int64_t row_bytes = hkv * d * size;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && work >= PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t pos = positions[r], slot = slot_at(slots, slots_i64, r);
+        if (pos < 0 || pos >= max_pos || slot >= num_slots) continue; /* checked again: read a second time */
+        const void *cs = (const char *)cos_sin + pos * cs_stride * cs_size;
+        float buf[MAX_ROTARY_DIM];
+        if (cs_bf16 != bf16) {
+            convert_row(cs, cs_bf16, buf, d);
+            cs = buf;
+        }
+        const char *q_row = (const char *)q + r * q_stride * size, *k_row = (const char *)k + r * k_stride * size;
+        char *q_out_row = (char *)q_out + r * hq * d * size;
+        if (bf16)
+            rotate_row(q_row, q_out_row, hq, cs, d / 2, 1);
+        else
+            rotate_row(q_row, q_out_row, hq, cs, d / 2, 0);
+        if (slot < 0) continue;
+        char *k_slot = (char *)k_cache + slot * row_bytes;
+        if (bf16)
+            rotate_row(k_row, k_slot, hkv, cs, d / 2, 1);
+        else
+            rotate_row(k_row, k_slot, hkv, cs, d / 2, 0);
+        memcpy((char *)v_cache + slot * row_bytes, (const char *)v + r * v_stride * size, (size_t)row_bytes);
+    }
+    return 0;
+}
+
 /* ---- greedy argmax ---- */
 
 /* out[r] = the index of row r's largest value, the first of ties, as torch.argmax picks it; a NaN
