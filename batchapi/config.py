@@ -52,6 +52,7 @@ class Settings(BaseSettings):
     gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
     enable_prefix_caching: bool = True
     batch_invariant: bool = True  # a request's tokens do not depend on its batch (README, "Reproducible results")
+    cuda_graphs: bool = True  # CUDA: decode steps replayed from CUDA graphs (README, "Engine step")
 
     # service
     host: str = "127.0.0.1"

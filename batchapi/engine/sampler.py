@@ -28,6 +28,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 
+import numpy as np
 import torch
 
 from batchapi.engine.sampling_params import SamplingParams
@@ -54,6 +55,9 @@ class OutputTokens(Sequence[int]):
 
     def __iter__(self) -> Iterator[int]:
         return islice(self._tokens, self._start, None)
+
+    def as_list(self) -> list[int]:
+        return self._tokens[self._start :]
 
 
 @dataclass
@@ -252,14 +256,20 @@ def _apply_penalties(x: torch.Tensor, rows: list[SampleRow], scale: torch.Tensor
     if not penalised:
         return
     vocab = x.shape[1]
-    # count (row, token) pairs as row * vocab + token: work in the number of output tokens, not B * V
-    flat = _index([i * vocab + t for i in penalised for t in rows[i].output_token_ids], x.device)
-    pairs, counts = torch.unique(flat, return_counts=True)
+    # count (row, token) pairs as row * vocab + token: work in the number of output tokens, not B * V,
+    # and in whole-array ops (a row's tokens are copied out of its list in C, never looped over)
+    flat = np.concatenate([np.array(_as_list(rows[i].output_token_ids), dtype=np.int64) + i * vocab
+                           for i in penalised])
+    pairs, counts = torch.unique(torch.from_numpy(flat).to(x.device), return_counts=True)
     row_ids, token_ids = pairs // vocab, pairs % vocab
     frequency = _column([r.params.frequency_penalty for r in rows], x)[row_ids]
     presence = _column([r.params.presence_penalty for r in rows], x)[row_ids]
     penalty = frequency * counts + presence
     x[row_ids, token_ids] -= penalty if scale is None else penalty * scale[row_ids]
+
+
+def _as_list(tokens) -> list[int]:
+    return tokens.as_list() if isinstance(tokens, OutputTokens) else list(tokens)
 
 
 def _keep_thresholds(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -101,4 +101,5 @@ def engine_config_from(settings: Settings, model: str | None = None) -> EngineCo
         gpu_memory_utilization=settings.gpu_memory_utilization,
         enable_prefix_caching=settings.enable_prefix_caching,
         batch_invariant=settings.batch_invariant,
+        cuda_graphs=settings.cuda_graphs,
     )
