@@ -285,10 +285,12 @@ class DecodeGraphs:
     the smallest bucket of at least B rows: its inputs are copied into the graphs' static buffers,
     and rows B.. of the bucket are padding (slot -1: nothing stored; a context of one token in
     block 0), whose logits are dropped. Padding changes no real row: attention, norms and
-    activations are per row, and with batch invariance (the default) so are the matmuls. A graph
-    is captured the first time its bucket is used, after two warm-up runs that compile the Triton
-    kernels; the graphs share one memory pool (they never run at once). The attention's tiling is fixed at the
-    model's longest context, so a graph serves any context length.
+    activations are per row, and with batch invariance (the default) so are the matmuls (without
+    it a padded step may differ from an eager one in the last bits, as any two batch sizes may).
+    A graph is captured the first time its bucket is used, after two warm-up runs that compile
+    the Triton kernels; the graphs share one memory pool (they never run at once) and write one
+    logits buffer (a graph's own output would hold [bucket, V] for each of ~40 buckets). The
+    attention's tiling is fixed at the model's longest context, so a graph serves any context.
 
     capture=False runs the same padded step eagerly: the CPU tests check the padding with it."""
 
@@ -307,7 +309,8 @@ class DecodeGraphs:
         self.cu_seqlens = torch.arange(max_seqs + 1, dtype=torch.int32, device=device)  # one token a sequence
         self.context_lens = torch.ones(max_seqs, dtype=torch.int32, device=device)
         self.logit_rows = torch.arange(max_seqs, dtype=torch.int64, device=device)
-        self.graphs: dict[int, tuple[object, torch.Tensor]] = {}  # bucket -> (CUDAGraph, its logits)
+        self.graphs: dict[int, tuple[object, torch.Tensor]] = {}  # bucket -> (CUDAGraph, its rows of logits)
+        self.logits: torch.Tensor | None = None  # [max_seqs, V], written by every graph
         self.pool = None
         self.replays = 0  # steps run from a graph (or padded, capture=False)
 
@@ -352,11 +355,13 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up runs: Triton compiles, allocator settles
             for _ in range(2):
-                self._forward(bucket)
+                logits = self._forward(bucket)
         torch.cuda.current_stream().wait_stream(stream)
+        if self.logits is None:  # one output buffer for every graph: a graph keeps no logits of its own
+            self.logits = torch.empty(len(self.logit_rows), logits.shape[1], dtype=logits.dtype, device=logits.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self._forward(bucket)
+            self.logits[:bucket].copy_(self._forward(bucket))
         self.pool = graph.pool()
         log.info("captured the decode graph of %d rows", bucket)
-        return graph, logits
+        return graph, self.logits[:bucket]
