@@ -117,7 +117,7 @@ class ModelRunner:
         rows = sample_rows(batch)
         if len(rows) != logits.shape[0]:  # n > 1: a finished prompt is sampled once per child
             repeat = torch.tensor([1 + seq.num_forks for seq, _ in _sampled(batch)], device=logits.device)
-            logits = logits.repeat_interleave(repeat, dim=0)
+            logits = logits.repeat_interleave(repeat, dim=0, output_size=len(rows))  # the size given: no read-back
         sample_rows_ = [SampleRow(seq.params, OutputTokens(seq.token_ids, seq.num_prompt_tokens), index,
                                   _matcher(seq, index)) for seq, index in rows]
         return LaunchedStep(self.sampler, rows, logits, sample_rows_, self.sampler.choose(logits, sample_rows_))
