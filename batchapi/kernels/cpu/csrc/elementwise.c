@@ -323,6 +323,28 @@ INLINE void convert_row(const void *src, int src_bf16, void *buf, int64_t d) {
     }
 }
 
+/* the cos/sin row of position pos in x's dtype: read in place, or converted into buf */
+INLINE const void *cs_row(const void *cos_sin, int64_t pos, int64_t cs_stride, int cs_bf16, int bf16, float *buf,
+                          int64_t d) {
+    const void *cs = (const char *)cos_sin + pos * cs_stride * (cs_bf16 ? 2 : 4);
+    if (cs_bf16 == bf16) return cs;
+    convert_row(cs, cs_bf16, buf, d);
+    return buf;
+}
+
+/* a row's q heads rotated into q_out, and its k heads into k_out unless that is NULL; the dtype
+ * fixed in each call so the row loops specialise */
+INLINE void rotate_qk(const char *q_row, char *q_out_row, int64_t hq, const char *k_row, char *k_out_row, int64_t hkv,
+                      const void *cs, int64_t d, int bf16) {
+    if (bf16) {
+        rotate_row(q_row, q_out_row, hq, cs, d / 2, 1);
+        if (k_out_row) rotate_row(k_row, k_out_row, hkv, cs, d / 2, 1);
+    } else {
+        rotate_row(q_row, q_out_row, hq, cs, d / 2, 0);
+        if (k_out_row) rotate_row(k_row, k_out_row, hkv, cs, d / 2, 0);
+    }
+}
+
 /* q_out [rows, hq, d], k_out [rows, hkv, d]; d even, at most MAX_ROTARY_DIM. Returns -1, reading
  * nothing, if a position lies outside cos_sin's max_pos rows. */
 int rotary(const void *q, int64_t q_stride, int64_t hq, void *q_out, const void *k, int64_t k_stride, int64_t hkv,
@@ -331,26 +353,15 @@ int rotary(const void *q, int64_t q_stride, int64_t hq, void *q_out, const void 
     if (d > MAX_ROTARY_DIM || d % 2) return -2;
     for (int64_t r = 0; r < rows; r++)
         if (positions[r] < 0 || positions[r] >= max_pos) return -1;
-    const int64_t size = bf16 ? 2 : 4, cs_size = cs_bf16 ? 2 : 4, work = rows * (hq + hkv) * d;
+    const int64_t size = bf16 ? 2 : 4, work = rows * (hq + hkv) * d;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && work >= PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++) {
         const int64_t pos = positions[r];
         if (pos < 0 || pos >= max_pos) continue; /* checked again: the positions are read a second time */
-        const void *cs = (const char *)cos_sin + pos * cs_stride * cs_size;
         float buf[MAX_ROTARY_DIM];
-        if (cs_bf16 != bf16) {
-            convert_row(cs, cs_bf16, buf, d);
-            cs = buf;
-        }
-        const char *q_row = (const char *)q + r * q_stride * size, *k_row = (const char *)k + r * k_stride * size;
-        char *q_out_row = (char *)q_out + r * hq * d * size, *k_out_row = (char *)k_out + r * hkv * d * size;
-        if (bf16) {
-            rotate_row(q_row, q_out_row, hq, cs, d / 2, 1);
-            rotate_row(k_row, k_out_row, hkv, cs, d / 2, 1);
-        } else {
-            rotate_row(q_row, q_out_row, hq, cs, d / 2, 0);
-            rotate_row(k_row, k_out_row, hkv, cs, d / 2, 0);
-        }
+        const void *cs = cs_row(cos_sin, pos, cs_stride, cs_bf16, bf16, buf, d);
+        rotate_qk((const char *)q + r * q_stride * size, (char *)q_out + r * hq * d * size, hq,
+                  (const char *)k + r * k_stride * size, (char *)k_out + r * hkv * d * size, hkv, cs, d, bf16);
     }
     return 0;
 }
@@ -392,31 +403,18 @@ int rotary_store(const void *q, int64_t q_stride, int64_t hq, void *q_out, const
         if (positions[r] < 0 || positions[r] >= max_pos) return -1;
         if (slot_at(slots, slots_i64, r) >= num_slots) return -3;
     }
-    const int64_t size = bf16 ? 2 : 4, cs_size = cs_bf16 ? 2 : 4, work = rows * (hq + hkv) * d;
+    const int64_t size = bf16 ? 2 : 4, work = rows * (hq + hkv) * d;
     const int64_t row_bytes = hkv * d * size;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && work >= PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++) {
         const int64_t pos = positions[r], slot = slot_at(slots, slots_i64, r);
         if (pos < 0 || pos >= max_pos || slot >= num_slots) continue; /* checked again: read a second time */
-        const void *cs = (const char *)cos_sin + pos * cs_stride * cs_size;
         float buf[MAX_ROTARY_DIM];
-        if (cs_bf16 != bf16) {
-            convert_row(cs, cs_bf16, buf, d);
-            cs = buf;
-        }
-        const char *q_row = (const char *)q + r * q_stride * size, *k_row = (const char *)k + r * k_stride * size;
-        char *q_out_row = (char *)q_out + r * hq * d * size;
-        if (bf16)
-            rotate_row(q_row, q_out_row, hq, cs, d / 2, 1);
-        else
-            rotate_row(q_row, q_out_row, hq, cs, d / 2, 0);
-        if (slot < 0) continue;
-        char *k_slot = (char *)k_cache + slot * row_bytes;
-        if (bf16)
-            rotate_row(k_row, k_slot, hkv, cs, d / 2, 1);
-        else
-            rotate_row(k_row, k_slot, hkv, cs, d / 2, 0);
-        memcpy((char *)v_cache + slot * row_bytes, (const char *)v + r * v_stride * size, (size_t)row_bytes);
+        const void *cs = cs_row(cos_sin, pos, cs_stride, cs_bf16, bf16, buf, d);
+        char *k_slot = slot < 0 ? NULL : (char *)k_cache + slot * row_bytes;
+        rotate_qk((const char *)q + r * q_stride * size, (char *)q_out + r * hq * d * size, hq,
+                  (const char *)k + r * k_stride * size, k_slot, hkv, cs, d, bf16);
+        if (k_slot) memcpy((char *)v_cache + slot * row_bytes, (const char *)v + r * v_stride * size, (size_t)row_bytes);
     }
     return 0;
 }
