@@ -6,6 +6,7 @@ else in the package reads ``os.environ``.
 
 from __future__ import annotations
 
+import ipaddress
 from decimal import Decimal
 from pathlib import Path
 from typing import Annotated, Literal
@@ -103,6 +104,11 @@ class Settings(BaseSettings):
     webhook_retry_seconds: float = Field(default=5.0, ge=1)
     webhook_max_age_seconds: int = Field(default=86400, ge=60)
     webhook_timeout_seconds: float = Field(default=10.0, gt=0, le=60)
+    # an endpoint on a private, loopback, link-local or other non-public address is refused at
+    # registration and delivery (an API key must not make the service POST into its own network),
+    # unless allowed here: all of them, or these host names and networks (comma-separated)
+    webhook_allow_private: bool = False
+    webhook_allowed_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list)
 
     # operations (batchapi/logs.py, batchapi/metrics.py, the dashboard)
     log_format: Literal["text", "json"] = "text"  # one JSON object per line with "json"
@@ -123,6 +129,20 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             value = value.split(",")
         return [name.strip() for name in value if name.strip()]
+
+    @field_validator("webhook_allowed_hosts", mode="before")
+    @classmethod
+    def _split_hosts(cls, value):
+        if isinstance(value, str):
+            value = value.split(",")
+        hosts = [host.strip().lower().rstrip(".") for host in value if host.strip()]
+        for host in hosts:
+            if "/" in host or ":" in host or host.replace(".", "").isdigit():  # meant as an address or network
+                try:
+                    ipaddress.ip_network(host, strict=False)
+                except ValueError:
+                    raise ValueError(f"{host!r} is neither a host name nor an IP network") from None
+        return hosts
 
     @field_validator("database_url")
     @classmethod

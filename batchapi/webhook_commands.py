@@ -39,15 +39,17 @@ def _delivery_dict(d: WebhookDelivery) -> dict:
 def run(args: argparse.Namespace, settings: Settings, console: Console) -> int:
     try:
         with cli_session(settings) as session:
+            if args.action == "create":  # the one action that needs the settings: which hosts may be posted to
+                return _create(args, settings, session, console)
             return ACTIONS[args.action](args, session, console)
     except (NotFound, InvalidRequest) as exc:
         console.print(f"[red]error:[/red] {exc.message}")
         return 1
 
 
-def _create(args, session: Session, console: Console) -> int:
+def _create(args, settings: Settings, session: Session, console: Console) -> int:
     project = endpoints.project_by_name(session, args.project)
-    endpoint = endpoints.create_endpoint(session, project.id, args.url, args.events, args.name)
+    endpoint = endpoints.create_endpoint(session, settings, project.id, args.url, args.events, args.name)
     session.flush()
     console.print(f"webhook endpoint {endpoint.id} of project {args.project!r}: {endpoint.url}")
     console.print(f"events: {', '.join(endpoint.event_types)}; signing secret (shown once):")
@@ -101,7 +103,7 @@ def _deliveries(args, session: Session, console: Console) -> int:
     return 0
 
 
-ACTIONS = {"create": _create, "list": _list, "delete": _delete, "rotate": _rotate, "deliveries": _deliveries}
+ACTIONS = {"list": _list, "delete": _delete, "rotate": _rotate, "deliveries": _deliveries}
 
 
 def add_parser(sub, func) -> None:

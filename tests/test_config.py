@@ -91,3 +91,16 @@ def test_served_models_default_to_both_default_models_and_read_a_comma_list(monk
     monkeypatch.setenv("BATCHAPI_MODELS", " /models/llama , all-minilm-l6-v2,")
     assert Settings().served_models == ["/models/llama", "all-minilm-l6-v2"]
     assert Settings().max_embedding_inputs == 50_000
+
+
+def test_webhook_hosts_are_a_list_of_names_and_networks(monkeypatch):
+    assert load_settings().webhook_allow_private is False
+    monkeypatch.setenv("BATCHAPI_WEBHOOK_ALLOW_PRIVATE", "true")
+    monkeypatch.setenv("BATCHAPI_WEBHOOK_ALLOWED_HOSTS", " Hooks.Internal. , 10.1.0.0/16,fd00::/8,,192.168.1.7")
+    settings = load_settings()
+    assert settings.webhook_allow_private is True
+    assert settings.webhook_allowed_hosts == ["hooks.internal", "10.1.0.0/16", "fd00::/8", "192.168.1.7"]
+    for bad in ("10.1.0.0/33", "10.0.0.300", "fd00::zz"):
+        monkeypatch.setenv("BATCHAPI_WEBHOOK_ALLOWED_HOSTS", bad)
+        with pytest.raises(SettingsError, match="BATCHAPI_WEBHOOK_ALLOWED_HOSTS"):
+            load_settings()

@@ -4,7 +4,9 @@ fresh Standard Webhooks headers, and its outcome recorded: a 2xx ends it; anythi
 a refused connection, a timeout) counts an attempt and sets the next one after a wait that starts
 at ``webhook_retry_seconds`` and doubles up to an hour, until the event is
 ``webhook_max_age_seconds`` old (a day), when it is given up as ``failed``. The event id stays
-the same across attempts, so a receiver can drop repeats."""
+the same across attempts, so a receiver can drop repeats. Before each POST the host is resolved and
+checked again (``addresses.pin``) and the POST goes to the address checked; a host that now
+resolves to a private address, or to nothing, is a failed attempt with no POST."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from batchapi.db.clock import now
 from batchapi.db.ids import new_id
 from batchapi.db.models import WebhookDelivery, WebhookEndpoint
 from batchapi.db.session import session_scope
+from batchapi.webhooks.addresses import ForbiddenAddress, HostUnresolved, Target, pin
 from batchapi.webhooks.endpoints import signing_secrets
 from batchapi.webhooks.events import event_body
 from batchapi.webhooks.outbox import DeliveryStatus
@@ -59,12 +62,18 @@ def deliver_due(sessions: sessionmaker[Session], settings: Settings) -> int:
         return 0
     delivered = 0
     started = time.monotonic()
-    with httpx.Client(timeout=settings.webhook_timeout_seconds, follow_redirects=False,
-                      headers={"user-agent": USER_AGENT}) as client, ThreadPoolExecutor(SENDERS) as pool:
+    with _client(settings) as client, ThreadPoolExecutor(SENDERS) as pool:
         while due:
             delivered += sum(pool.map(lambda d: deliver_one(sessions, settings, client, d), due))
             due = _due(sessions, SENDERS) if time.monotonic() - started < ROUND_SECONDS else []
     return delivered
+
+
+def _client(settings: Settings) -> httpx.Client:
+    # no kept-alive connections: a POST pinned to an address would otherwise reuse a TLS connection
+    # to that address made for another host name; no redirects: they could lead anywhere
+    return httpx.Client(timeout=settings.webhook_timeout_seconds, follow_redirects=False,
+                        headers={"user-agent": USER_AGENT}, limits=httpx.Limits(max_keepalive_connections=0))
 
 
 def _due(sessions: sessionmaker[Session], limit: int) -> list[str]:
@@ -99,26 +108,32 @@ def deliver_one(sessions: sessionmaker[Session], settings: Settings, client: htt
             return False
         url, event_id, payload = endpoint.url, delivery.event_id, delivery.payload
         secrets = signing_secrets(endpoint, t)
-    outcome = post(client, url, event_id, payload, secrets)
+    try:
+        outcome = post(client, pin(settings, url), event_id, payload, secrets)
+    except (ForbiddenAddress, HostUnresolved) as exc:
+        outcome = Outcome(None, f"{type(exc).__name__}: {exc.message}"[:MAX_ERROR])
     _record(sessions, settings, delivery_id, outcome)
     return outcome.ok
 
 
 def send_test(settings: Settings, endpoint: WebhookEndpoint, event_type: str) -> Outcome:
-    """A sample event (``data.id`` a made-up batch id) posted to ``endpoint`` now, unrecorded."""
+    """A sample event (``data.id`` a made-up batch id) posted to ``endpoint`` now, unrecorded;
+    ForbiddenAddress or HostUnresolved when it may not be posted."""
+    target = pin(settings, endpoint.url)
     event_id = new_id("evt_")
     payload = event_body(event_id, event_type, now(), new_id("batch_test_"))
-    with httpx.Client(timeout=settings.webhook_timeout_seconds, follow_redirects=False,
-                      headers={"user-agent": USER_AGENT}) as client:
-        return post(client, endpoint.url, event_id, payload, signing_secrets(endpoint, now()))
+    with _client(settings) as client:
+        return post(client, target, event_id, payload, signing_secrets(endpoint, now()))
 
 
-def post(client: httpx.Client, url: str, event_id: str, payload: str, secrets: list[str]) -> Outcome:
-    headers = {"content-type": "application/json", **signed_headers(event_id, payload, secrets, now())}
+def post(client: httpx.Client, target: Target, event_id: str, payload: str, secrets: list[str]) -> Outcome:
+    headers = {"content-type": "application/json", **target.headers,
+               **signed_headers(event_id, payload, secrets, now())}
     try:
         # streamed, and only the start of the body read: a receiver answering with gigabytes must
         # not fill the sweeper's memory
-        with client.stream("POST", url, content=payload.encode(), headers=headers) as response:
+        with client.stream("POST", target.url, content=payload.encode(), headers=headers,
+                           extensions=target.extensions) as response:
             if 200 <= response.status_code < 300:
                 return Outcome(response.status_code, None)
             head = b""

@@ -8,11 +8,13 @@ from urllib.parse import urlsplit
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from batchapi.config import Settings
 from batchapi.db.clock import now
 from batchapi.db.ids import new_id
 from batchapi.db.models import Project, WebhookEndpoint
 from batchapi.db.paging import page
 from batchapi.errors import InvalidRequest, NotFound
+from batchapi.webhooks.addresses import check_host
 from batchapi.webhooks.events import EVENT_TYPES
 from batchapi.webhooks.signing import new_secret
 
@@ -27,10 +29,17 @@ def project_by_name(session: Session, name: str) -> Project:
     return project
 
 
-def check_url(url: str) -> str:
+def check_url(settings: Settings, url: str) -> str:
+    """``url``, if it is http(s) and its host may be posted to (``addresses``); a name that does not
+    resolve yet is taken, as each delivery checks again."""
     parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname or len(url) > MAX_URL:
+    try:
+        port = parts.port
+    except ValueError:  # not a number, or out of range
+        port = -1
+    if parts.scheme not in ("http", "https") or not parts.hostname or port == -1 or len(url) > MAX_URL:
         raise InvalidRequest(f"{url!r} is not an http(s) URL of at most {MAX_URL} characters", "url")
+    check_host(settings, parts.hostname, port or (443 if parts.scheme == "https" else 80))
     return url
 
 
@@ -43,13 +52,13 @@ def check_event_types(event_types: list[str] | None) -> list[str]:
     return [t for t in EVENT_TYPES if t in event_types]
 
 
-def create_endpoint(session: Session, project_id: str, url: str, event_types: list[str] | None = None,
-                    name: str | None = None) -> WebhookEndpoint:
+def create_endpoint(session: Session, settings: Settings, project_id: str, url: str,
+                    event_types: list[str] | None = None, name: str | None = None) -> WebhookEndpoint:
     """A new endpoint; its ``secret`` is the signing secret, to hand to the receiver once."""
     t = now()
     endpoint = WebhookEndpoint(
         id=new_id("we_"), project_id=project_id, name=(name or urlsplit(url).hostname or "")[:200],
-        url=check_url(url), event_types=check_event_types(event_types), secret=new_secret(), created_at=t,
+        url=check_url(settings, url), event_types=check_event_types(event_types), secret=new_secret(), created_at=t,
         updated_at=t,
     )
     session.add(endpoint)
@@ -77,12 +86,13 @@ def get_endpoint(session: Session, endpoint_id: str, project_id: str | None = No
     return endpoint
 
 
-def update_endpoint(session: Session, endpoint_id: str, project_id: str, url: str | None = None,
-                    event_types: list[str] | None = None, name: str | None = None) -> WebhookEndpoint:
+def update_endpoint(session: Session, settings: Settings, endpoint_id: str, project_id: str,
+                    url: str | None = None, event_types: list[str] | None = None,
+                    name: str | None = None) -> WebhookEndpoint:
     """Change what is given; the rest stays."""
     endpoint = get_endpoint(session, endpoint_id, project_id)
     if url is not None:
-        endpoint.url = check_url(url)
+        endpoint.url = check_url(settings, url)
     if event_types is not None:
         endpoint.event_types = check_event_types(event_types)
     if name is not None:

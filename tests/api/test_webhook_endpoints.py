@@ -5,6 +5,7 @@ the deliveries listing (batchapi's extension)."""
 from __future__ import annotations
 
 import io
+import re
 
 import httpx
 import openai
@@ -86,3 +87,51 @@ def test_deliveries_show_what_was_sent(client, pg_server, api_key, model_id):
         assert (failed_once["status"], failed_once["attempts"], failed_once["last_status_code"]) == ("pending", 1, 500)
         assert failed_once["next_attempt_at"] >= failed_once["last_attempt_at"]
     assert httpx.get(f"{pg_server.base_url}/v1/webhook_endpoints/we_nope/deliveries", headers=headers).status_code == 404
+
+
+@pytest.fixture
+def strict(pg_server, monkeypatch):
+    """The live server as deployed: private webhook addresses refused (the suite's settings allow
+    them, for its receivers on 127.0.0.1)."""
+    jobs = pg_server.jobs
+    monkeypatch.setattr(jobs, "settings", jobs.settings.model_copy(update={"webhook_allow_private": False}))
+
+
+@pytest.mark.parametrize("url,refused", [
+    ("http://127.0.0.1:8080/hooks", "127.0.0.1 is not a public address (loopback)"),
+    ("http://10.0.0.5/hooks", "10.0.0.5 is not a public address (private)"),
+    ("http://169.254.169.254/latest/meta-data/", "169.254.169.254 is not a public address (link-local)"),
+    ("https://[::1]:8443/hooks", "::1 is not a public address (loopback)"),
+    ("http://[::ffff:10.0.0.5]/hooks", "::ffff:10.0.0.5 is not a public address (private)"),
+    # 127.0.0.1 or ::1, as /etc/hosts has it
+    ("http://localhost:8080/hooks", r"localhost resolves to [0-9a-f.:]+, which is not a public address \(loopback\)"),
+])
+def test_private_endpoints_are_refused(client, strict, url, refused):
+    with pytest.raises(openai.BadRequestError) as error:
+        client.webhooks.create(url=url, event_types=["batch.completed"], name="inside")
+    body = error.value.response.json()["error"]
+    assert (body["param"], body["code"], body["type"]) == ("url", "webhook_url_forbidden", "invalid_request_error")
+    assert re.match(re.escape("webhook URL refused: ") + (refused if "resolves" in refused else re.escape(refused)),
+                    body["message"])
+    assert list(client.webhooks.list()) == []
+
+
+def test_a_public_endpoint_is_taken_and_cannot_be_moved_inside(client, strict):
+    created = client.webhooks.create(url="http://93.184.215.14/hooks", event_types=["batch.completed"],
+                                     name="public")
+    assert created.url == "http://93.184.215.14/hooks"
+    with pytest.raises(openai.BadRequestError) as error:
+        client.webhooks.update(created.id, url="http://192.168.0.10/hooks")
+    assert error.value.response.json()["error"]["code"] == "webhook_url_forbidden"
+    assert client.webhooks.retrieve(created.id).url == "http://93.184.215.14/hooks"
+
+
+def test_a_test_event_is_not_sent_to_an_endpoint_now_refused(client, pg_server, monkeypatch):
+    with Receiver() as receiver:
+        created = client.webhooks.create(url=receiver.url, event_types=["batch.completed"], name="local")
+        jobs = pg_server.jobs
+        monkeypatch.setattr(jobs, "settings", jobs.settings.model_copy(update={"webhook_allow_private": False}))
+        with pytest.raises(openai.BadRequestError) as error:
+            client.webhooks.test(created.id, event_type="batch.completed")
+        assert receiver.received == []
+    assert error.value.response.json()["error"]["code"] == "webhook_url_forbidden"

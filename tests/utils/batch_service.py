@@ -21,7 +21,9 @@ def service_settings(
     tmp_path: Path, model_dir: Path, pg_url: str | None = None, s3: S3Server | None = None, **overrides
 ) -> Settings:
     """PostgreSQL and S3 when given, else SQLite and a local directory, with the tiny model."""
-    values = dict(data_dir=tmp_path, model=str(model_dir), shard_size=4, sweep_seconds=0.5)
+    # webhook tests post to receivers on 127.0.0.1; tests/webhooks/test_addresses.py turns it off
+    values = dict(data_dir=tmp_path, model=str(model_dir), shard_size=4, sweep_seconds=0.5,
+                  webhook_allow_private=True)
     if pg_url:
         values["database_url"] = pg_url
     if s3 is not None:

@@ -33,7 +33,8 @@ def test_batchapi_beat_delivers_and_retries(tmp_path):
     try:
         with services.fresh_database("batchapi_beat_hooks") as pg_url, Receiver(statuses=[500]) as receiver:
             settings = load_settings(data_dir=tmp_path, database_url=pg_url, broker_url=broker.url, sweep_seconds=0.5,
-                                     webhook_retry_seconds=1, celery_queue=f"gpu-test-{uuid.uuid4().hex[:8]}")
+                                     webhook_retry_seconds=1, webhook_allow_private=True,  # a 127.0.0.1 receiver
+                                     celery_queue=f"gpu-test-{uuid.uuid4().hex[:8]}")
             upgrade(settings)
             jobs = open_jobs(settings)
             log = tmp_path / "beat.log"
@@ -43,7 +44,7 @@ def test_batchapi_beat_delivers_and_retries(tmp_path):
                 batch_id, _ = make_batch(jobs, 0)
                 with session_scope(jobs.sessions) as session:
                     project_id = session.get(Batch, batch_id).project_id
-                    secret = endpoints.create_endpoint(session, project_id, receiver.url).secret
+                    secret = endpoints.create_endpoint(session, settings, project_id, receiver.url).secret
                 with session_scope(jobs.sessions) as session:
                     assert states.transition(session, batch_id, BatchStatus.EXPIRED)
                 wait_until(lambda: len(receiver.received) == 2, timeout=60, interval=0.2)

@@ -22,6 +22,7 @@ from tests.utils.job_rows import make_batch
 @pytest.fixture
 def run(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("BATCHAPI_DATA_DIR", str(tmp_path))
+    monkeypatch.setenv("BATCHAPI_WEBHOOK_ALLOW_PRIVATE", "true")  # its endpoints are on 127.0.0.1
     upgrade(load_settings())
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level

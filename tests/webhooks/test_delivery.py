@@ -39,7 +39,7 @@ def project_of(jobs, batch_id: str) -> str:
 
 def register(jobs, project_id: str, url: str, events=None):
     with session_scope(jobs.sessions) as session:
-        endpoint = endpoints.create_endpoint(session, project_id, url, events)
+        endpoint = endpoints.create_endpoint(session, jobs.settings, project_id, url, events)
         session.flush()
         return endpoint.id, endpoint.secret
 
@@ -220,10 +220,10 @@ def test_bad_endpoints_are_refused(pg_jobs):
     with session_scope(pg_jobs.sessions) as session:
         for url in ("ftp://example.com/x", "not a url", "http:///nohost"):
             with pytest.raises(InvalidRequest) as refused:
-                endpoints.create_endpoint(session, project_id, url)
+                endpoints.create_endpoint(session, pg_jobs.settings, project_id, url)
             assert refused.value.param == "url"
         with pytest.raises(InvalidRequest) as refused:
-            endpoints.create_endpoint(session, project_id, "http://x.test/", ["batch.done"])
+            endpoints.create_endpoint(session, pg_jobs.settings, project_id, "http://x.test/", ["batch.done"])
         assert refused.value.param == "event_types"
 
 

@@ -25,7 +25,7 @@ def test_finished_and_cancelled_batches_send_their_events(tmp_path, tiny_llama_d
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=key, max_retries=0)
         with session_scope(server.jobs.sessions) as session:
             project = session.query(Project).filter_by(name="nightly").one()
-            endpoint = endpoints.create_endpoint(session, project.id, receiver.url)
+            endpoint = endpoints.create_endpoint(session, server.jobs.settings, project.id, receiver.url)
             secret = endpoint.secret
         model_id = server.app.state.model.id
 

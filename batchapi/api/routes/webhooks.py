@@ -43,7 +43,7 @@ def _committed(jobs: Jobs, act: Callable[[Session], T]) -> T:
 @router.post("")
 def create_endpoint(jobs: JobsDep, project_id: ProjectDep, body: CreateWebhookEndpointRequest) -> WebhookEndpointWithSecret:
     return WebhookEndpointWithSecret.of(_committed(jobs, lambda s: endpoints.create_endpoint(
-        s, project_id, body.url, body.event_types, body.name)))
+        s, jobs.settings, project_id, body.url, body.event_types, body.name)))
 
 
 @router.get("")
@@ -64,7 +64,7 @@ def retrieve_endpoint(jobs: JobsDep, project_id: ProjectDep, webhook_endpoint_id
 def update_endpoint(jobs: JobsDep, project_id: ProjectDep, webhook_endpoint_id: str,
                     body: UpdateWebhookEndpointRequest) -> WebhookEndpointObject:
     return WebhookEndpointObject.of(_committed(jobs, lambda s: endpoints.update_endpoint(
-        s, webhook_endpoint_id, project_id, body.url, body.event_types, body.name)))
+        s, jobs.settings, webhook_endpoint_id, project_id, body.url, body.event_types, body.name)))
 
 
 @router.delete("/{webhook_endpoint_id}", responses=error_responses(404))
