@@ -1,8 +1,12 @@
-"""Engine throughput on SmolLM2-135M-Instruct: this engine vs Hugging Face generate, same run.
+"""Engine throughput on SmolLM2-135M-Instruct: this engine vs vLLM and Hugging Face generate, same run.
 
     .venv/bin/python bench/engine_throughput.py [--prompts 96] [--max-tokens 96] [--threads N]
+        [--vllm-python VENV/bin/python] [--skip vllm,profile,hf,static,mixed,prefix,invariance]
 
-Prints output tokens/s for (1) this engine with continuous batching, (2) HF `generate` with
+Prints output tokens/s for (1) this engine with continuous batching, then vLLM's CPU build on
+the same prompts (wall time, in its own venv: bench/vllm_peer.py; skipped without
+--vllm-python), the matmul share of the engine's wall time (torch.profiler) and the engine's time
+by part (linear layers, attention, the other kernels, sampling, the rest), (2) HF `generate` with
 static batches (best of --hf-batch-sizes), (3) this engine forced to static batches of HF's
 best size (static batching as HF does it: a batch runs until its longest request is done, see
 run_engine); the ratios; and the fraction of the roofline: tokens/s if a step did nothing but
