@@ -56,9 +56,6 @@ class OutputTokens(Sequence[int]):
     def __iter__(self) -> Iterator[int]:
         return islice(self._tokens, self._start, None)
 
-    def as_list(self) -> list[int]:
-        return self._tokens[self._start :]
-
 
 @dataclass
 class SampleRow:
@@ -258,7 +255,7 @@ def _apply_penalties(x: torch.Tensor, rows: list[SampleRow], scale: torch.Tensor
     vocab = x.shape[1]
     # count (row, token) pairs as row * vocab + token: work in the number of output tokens, not B * V,
     # and in whole-array ops (a row's tokens are copied out of its list in C, never looped over)
-    flat = np.concatenate([np.array(_as_list(rows[i].output_token_ids), dtype=np.int64) + i * vocab
+    flat = np.concatenate([np.fromiter(rows[i].output_token_ids, dtype=np.int64) + i * vocab
                            for i in penalised])
     pairs, counts = torch.unique(torch.from_numpy(flat).to(x.device), return_counts=True)
     row_ids, token_ids = pairs // vocab, pairs % vocab
@@ -266,10 +263,6 @@ def _apply_penalties(x: torch.Tensor, rows: list[SampleRow], scale: torch.Tensor
     presence = _column([r.params.presence_penalty for r in rows], x)[row_ids]
     penalty = frequency * counts + presence
     x[row_ids, token_ids] -= penalty if scale is None else penalty * scale[row_ids]
-
-
-def _as_list(tokens) -> list[int]:
-    return tokens.as_list() if isinstance(tokens, OutputTokens) else list(tokens)
 
 
 def _keep_thresholds(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -75,7 +75,7 @@ def check_host(settings: Settings, host: str, port: int) -> list[IPAddress] | No
 def pin(settings: Settings, url: str) -> Target:
     """The POST target for ``url`` now: ForbiddenAddress or HostUnresolved if there is none."""
     parts = urlsplit(url)
-    addresses = check_host(settings, parts.hostname or "", parts.port or _default_port(parts.scheme))
+    addresses = check_host(settings, parts.hostname or "", parts.port or default_port(parts.scheme))
     if addresses is None or _literal(parts.hostname or ""):
         return Target(url)
     if not addresses:
@@ -110,17 +110,15 @@ def _literal(host: str) -> IPAddress | None:
 
 
 def _allowed_networks(settings: Settings) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
-    # config.py checked that every entry that looks like an address is a valid network
-    return [ipaddress.ip_network(h, strict=False) for h in settings.webhook_allowed_hosts if _is_network(h)]
+    # config.py checked that every entry that looks like an address is a valid network; the rest are names
+    networks = []
+    for entry in settings.webhook_allowed_hosts:
+        try:
+            networks.append(ipaddress.ip_network(entry, strict=False))
+        except ValueError:
+            continue
+    return networks
 
 
-def _is_network(entry: str) -> bool:
-    try:
-        ipaddress.ip_network(entry, strict=False)
-    except ValueError:
-        return False
-    return True
-
-
-def _default_port(scheme: str) -> int:
+def default_port(scheme: str) -> int:
     return 443 if scheme == "https" else 80

@@ -14,7 +14,7 @@ from batchapi.db.ids import new_id
 from batchapi.db.models import Project, WebhookEndpoint
 from batchapi.db.paging import page
 from batchapi.errors import InvalidRequest, NotFound
-from batchapi.webhooks.addresses import check_host
+from batchapi.webhooks.addresses import check_host, default_port
 from batchapi.webhooks.events import EVENT_TYPES
 from batchapi.webhooks.signing import new_secret
 
@@ -39,7 +39,7 @@ def check_url(settings: Settings, url: str) -> str:
         port = -1
     if parts.scheme not in ("http", "https") or not parts.hostname or port == -1 or len(url) > MAX_URL:
         raise InvalidRequest(f"{url!r} is not an http(s) URL of at most {MAX_URL} characters", "url")
-    check_host(settings, parts.hostname, port or (443 if parts.scheme == "https" else 80))
+    check_host(settings, parts.hostname, port or default_port(parts.scheme))
     return url
 
 
