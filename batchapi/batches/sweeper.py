@@ -43,8 +43,8 @@ from batchapi.db.models import Batch, Shard
 from batchapi.errors import NotFound, StorageError
 from batchapi.openai import render
 from batchapi.openai.errors import ErrorCode
-from batchapi.storage import remove_partial_writes
-from batchapi.storage.keys import shard_error_key, shard_output_key
+from batchapi.storage import discard, remove_partial_writes
+from batchapi.storage.keys import shard_error_key, shard_output_key, superseded_shard_keys
 from batchapi.uploads.service import expire_uploads
 from batchapi.webhooks.delivery import deliver_due
 
@@ -233,8 +233,12 @@ def close_shard(jobs: Jobs, shard_id: str, reason: ErrorCode) -> bool:
     jobs.storage.put_chunks(out_key, [b""])
     jobs.storage.put_chunks(err_key, (render.never_ran(cid, reason) for cid in custom_ids))
     unrun = len(custom_ids) if reason in CUT_OFF else 0
-    return leases.complete(jobs, claimed, OWNER, Outcome(0, len(custom_ids), reason=reason, unrun=unrun), out_key,
-                           err_key)
+    # a closer that loses its lease keeps its objects: the next closer of the attempt writes the same keys
+    if not leases.complete(jobs, claimed, OWNER, Outcome(0, len(custom_ids), reason=reason, unrun=unrun), out_key,
+                           err_key):
+        return False
+    discard(jobs.storage, superseded_shard_keys(claimed.batch_id, claimed.index, claimed.attempts, closing=True))
+    return True
 
 
 def _custom_ids(jobs: Jobs, claimed: leases.Claimed) -> list[str | None]:

@@ -66,6 +66,16 @@ def make_storage(settings: Settings) -> Storage:
     return LocalStorage(url[len("file://") :])
 
 
+def discard(storage: Storage, keys: Iterable[str]) -> None:
+    """Delete objects nothing reads any more, best effort: one that cannot be deleted now is
+    logged and stays (it costs space, never a result)."""
+    for key in keys:
+        try:
+            storage.delete(key)
+        except (StorageError, OSError) as exc:
+            log.warning("could not delete %s, which nothing reads: %s", key, exc)
+
+
 def remove_partial_writes(storage: Storage) -> None:
     """``storage.remove_partial()`` from the sweep loop, where an unreachable store is only logged."""
     try:

@@ -25,6 +25,15 @@ def shard_error_key(batch_id: str, index: int, attempt: int, closing: bool = Fal
     return f"batches/{batch_id}/shards/{index:05d}.{_writer(attempt, closing)}.error.jsonl"
 
 
+def superseded_shard_keys(batch_id: str, index: int, attempt: int, closing: bool = False) -> list[str]:
+    """The objects other writers of a shard may have left once ``attempt`` (the sweeper's if
+    ``closing``) has completed it: every earlier attempt's, run or closed (a worker that died
+    after writing, a closer that lost its lease), and for a closer the attempt it took over.
+    Nothing reads them: the shard names the completed writer's keys."""
+    writers = [(n, c) for n in range(1, attempt) for c in (False, True)] + ([(attempt, False)] if closing else [])
+    return [make(batch_id, index, n, c) for n, c in writers for make in (shard_output_key, shard_error_key)]
+
+
 def _writer(attempt: int, closing: bool) -> str:
     return f"a{attempt}" + ("-closed" if closing else "")
 

@@ -46,7 +46,8 @@ from batchapi.engine import EngineFront, GenerationResult
 from batchapi.engine import ErrorCode as EngineError
 from batchapi.errors import NotFound, StorageError
 from batchapi.openai.errors import ErrorCode, RequestError
-from batchapi.storage.keys import shard_error_key, shard_output_key
+from batchapi.storage import discard
+from batchapi.storage.keys import shard_error_key, shard_output_key, superseded_shard_keys
 from batchapi.workers.codec import Codec
 from batchapi.workers.result_writer import ResultWriter
 from batchapi.workers.shard_work import ShardWork
@@ -351,7 +352,9 @@ class ShardRunner:
                 work.take_unsaved()  # in the objects now: nothing left for the writer
         if not completed:
             log.warning("lost the lease of shard %s while writing; its retry counts", shard.id)
+            discard(self.jobs.storage, [out_key, err_key])  # this attempt's alone: nobody reads them
             return
+        discard(self.jobs.storage, superseded_shard_keys(shard.batch_id, shard.index, shard.attempts))
         writer = self._writer
         log.info("shard %s done: %d ok, %d failed%s; request results written so far: %d rows in %d writes (%.3f s)",
                  shard.id, rendered.outcome.completed, rendered.outcome.failed,

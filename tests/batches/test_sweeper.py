@@ -14,7 +14,7 @@ from batchapi.batches.states import BatchStatus, ShardStatus
 from batchapi.batches.sweeper import SweepLoop, sweep
 from batchapi.db.models import Batch, File, Shard
 from batchapi.db.session import session_scope
-from batchapi.storage.keys import shard_error_key
+from batchapi.storage.keys import shard_error_key, shard_output_key
 from tests.utils.batch_service import jsonl, request_line
 from tests.utils.job_rows import make_batch, shard
 
@@ -124,6 +124,22 @@ def test_a_shard_that_raises_does_not_stop_the_sweep_of_the_others(sqlite_jobs):
     assert sweep(jobs).finalized == [stuck]
     status, failed, lines = ended(jobs, stuck)
     assert (status, failed, [line["custom_id"] for line in lines]) == (BatchStatus.CANCELLED, 1, ["s1"])
+
+
+def test_closing_a_shard_deletes_the_objects_its_earlier_writers_left(sqlite_jobs):
+    jobs = sqlite_jobs
+    batch_id, shard_id = cancelling_batch(jobs, ["c1"])
+    with session_scope(jobs.sessions) as session:  # two attempts ran before; neither completed it
+        session.execute(update(Shard).where(Shard.id == shard_id).values(attempts=2))
+    left = [make(batch_id, 0, attempt, closing) for attempt, closing in ((1, False), (1, True), (2, False))
+            for make in (shard_output_key, shard_error_key)]
+    for key in left:
+        jobs.storage.put_chunks(key, [b"an attempt's objects\n"])
+    assert sweep(jobs).finalized == [batch_id]
+    assert [key for key in left if jobs.storage.exists(key)] == []
+    row = shard(jobs, shard_id)
+    assert row.error_key == shard_error_key(batch_id, 0, 2, closing=True)
+    assert [line["custom_id"] for line in ended(jobs, batch_id)[2]] == ["c1"]
 
 
 def test_a_shard_whose_input_cannot_be_read_back_is_closed_unnamed(sqlite_jobs):

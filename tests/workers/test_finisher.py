@@ -17,6 +17,7 @@ from batchapi.db.models import Batch, File, RequestResult, Shard
 from batchapi.db.session import session_scope
 from batchapi.errors import StorageError
 from batchapi.storage import make_storage
+from batchapi.storage.keys import shard_error_key, shard_output_key
 from tests.utils import services
 from tests.utils.batch_service import jsonl, live_server, service_settings, wait_until
 from tests.workers.helpers import lines_for
@@ -34,6 +35,7 @@ class ShardObjects:
         self.gate: threading.Event | None = None  # set: writes wait for it
         self.entered = threading.Event()
         self.refuse = False
+        self.written: list[str] = []
 
     def put_chunks(self, key, chunks):
         if "/shards/" in key:
@@ -42,7 +44,9 @@ class ShardObjects:
                 raise StorageError(f"the store refused {key}")
             if self.gate is not None:
                 assert self.gate.wait(60)
-        return self.storage.put_chunks(key, chunks)
+        size = self.storage.put_chunks(key, chunks)
+        self.written.append(key)
+        return size
 
     def __getattr__(self, name):
         return getattr(self.storage, name)
@@ -113,6 +117,9 @@ def test_a_stalled_finisher_cannot_replace_the_objects_of_the_attempt_that_took_
         output = output_of(jobs, batch_id)
         held.gate.set()  # the stalled finisher wakes up and writes its (earlier) attempt's objects
         wait_until(lambda: not stalled._held(), timeout=60)
+        stale = [shard_output_key(batch_id, 0, 1), shard_error_key(batch_id, 0, 1)]
+        assert held.written == stale  # written, then deleted: its complete found the lease gone
+        assert not any(jobs.storage.exists(key) for key in stale)
     finally:
         held.gate.set()
         stalled.shutdown()
@@ -126,6 +133,27 @@ def test_a_stalled_finisher_cannot_replace_the_objects_of_the_attempt_that_took_
     assert b"".join(jobs.storage.iter_chunks(shard.output_key)) == output
     assert b"".join(iter_partial_results(jobs, project_id, batch_id, "output")) == output
     assert len(output.splitlines()) == 4
+
+
+def test_the_objects_a_dead_attempt_left_go_once_a_later_attempt_completes(server):
+    jobs = server.jobs
+    batch_id, shard_id = started_batch(server, "dead")
+    # attempt 1 wrote its objects and died before completing; the sweeper re-queued the shard
+    left = [shard_output_key(batch_id, 0, 1), shard_error_key(batch_id, 0, 1)]
+    for key in left:
+        jobs.storage.put_chunks(key, [b"a dead attempt's objects\n"])
+    with session_scope(jobs.sessions) as session:
+        session.execute(update(Shard).where(Shard.id == shard_id).values(attempts=1))
+    worker = runner(jobs, "second-worker")
+    try:
+        wait_until(lambda: status(jobs, batch_id) == "completed", timeout=120)
+    finally:
+        worker.shutdown()
+    with jobs.sessions() as session:
+        shard = session.get(Shard, shard_id)
+    assert (shard.attempts, shard.output_key) == (2, shard_output_key(batch_id, 0, 2))
+    assert not any(jobs.storage.exists(key) for key in left)
+    assert len(output_of(jobs, batch_id).splitlines()) == 4
 
 
 def test_a_store_that_keeps_failing_loses_no_finished_request(server, monkeypatch):
