@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from sqlalchemy.exc import OperationalError
+
 
 class ServiceError(Exception):
     code: str | None = None
@@ -34,3 +36,7 @@ class Unauthenticated(ServiceError):
 
 class StorageError(ServiceError):
     code = "storage_error"
+
+
+# what a retry may get past: the database or the object store briefly away
+TRANSIENT = (OperationalError, StorageError, OSError)

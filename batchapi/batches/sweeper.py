@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from sqlalchemy import exists, select
-from sqlalchemy.exc import OperationalError
 
 from batchapi.batches import files, leases
 from batchapi.batches.context import Jobs
@@ -40,7 +39,7 @@ from batchapi.batches.shard_input import read_custom_ids
 from batchapi.batches.states import OPEN_SHARDS, BatchStatus, ShardStatus
 from batchapi.db.clock import now
 from batchapi.db.models import Batch, Shard
-from batchapi.errors import NotFound, StorageError
+from batchapi.errors import TRANSIENT, NotFound
 from batchapi.openai import render
 from batchapi.openai.errors import ErrorCode
 from batchapi.storage import discard, remove_partial_writes
@@ -51,8 +50,6 @@ from batchapi.webhooks.delivery import deliver_due
 log = logging.getLogger(__name__)
 
 OWNER = "sweeper"
-# what a sweep may meet and the next one retries: the database or the storage briefly away
-TRANSIENT = (OperationalError, StorageError, OSError)
 PARTIAL_WRITES_EVERY = 3600.0  # seconds between looks for partial writes (they are old after an hour)
 T = TypeVar("T")
 

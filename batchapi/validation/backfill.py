@@ -13,21 +13,18 @@ import logging
 from collections.abc import Callable
 
 from sqlalchemy import func, select, update
-from sqlalchemy.exc import OperationalError
 
 from batchapi.batches import states
 from batchapi.batches.context import Jobs
 from batchapi.batches.states import BatchStatus
 from batchapi.db.models import Batch, File, Shard
 from batchapi.db.session import session_scope
-from batchapi.errors import StorageError
+from batchapi.errors import TRANSIENT
 from batchapi.model_store import served_model
 from batchapi.openai.lines import is_blank, iter_lines, parse_line
 from batchapi.validation.token_counts import PromptCounter, counter_for, exact_counts, output_bound
 
 log = logging.getLogger(__name__)
-# the storage or the database briefly away: the next sweep counts the shard
-TRANSIENT = (OperationalError, StorageError, OSError)
 
 
 def batches_to_count(jobs: Jobs) -> list[str]:

@@ -44,7 +44,7 @@ from batchapi.db.clock import now
 from batchapi.db.models import Batch
 from batchapi.engine import EngineFront, GenerationResult
 from batchapi.engine import ErrorCode as EngineError
-from batchapi.errors import NotFound, StorageError
+from batchapi.errors import TRANSIENT, NotFound
 from batchapi.openai.errors import ErrorCode, RequestError
 from batchapi.storage import discard
 from batchapi.storage.keys import shard_error_key, shard_output_key, superseded_shard_keys
@@ -58,7 +58,6 @@ MONITOR_SECONDS = 1.0
 # a finisher that cannot store a shard tries again after 0.5, 1, 2 and 4 s, under a lease it renews
 STORE_TRIES = 5
 STORE_BACKOFF_SECONDS = 0.5
-TRANSIENT = (OperationalError, StorageError, OSError)
 
 
 def engine_failure(request_id: str, exc: BaseException) -> GenerationResult:
