@@ -11,6 +11,7 @@ from fnmatch import fnmatchcase
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from batchapi.api.errors import error_response
+from batchapi.api.request_id import new_request_id
 from batchapi.storage.streams import TooLarge
 
 MAX_HEAD_BYTES = 64 * 1024  # request line and headers of one request
@@ -21,13 +22,17 @@ LINGER_SECONDS = 2.0  # how long a refused connection is drained before it close
 CLOSE = (b"connection", b"close")
 
 
-def head_too_large_response() -> bytes:
+def head_too_large_response(request_id: str) -> bytes:
+    """The 431, written before any ASGI middleware sees the request, so it carries its own id
+    (always a fresh one: the headers that might name one were never parsed)."""
     body = json.dumps({"error": {
         "message": f"The request line and headers are larger than {MAX_HEAD_BYTES} bytes.",
         "type": "invalid_request_error", "param": None, "code": "request_header_fields_too_large",
+        "request_id": request_id,
     }}).encode()
     return (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
-            b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+            b"content-length: %d\r\nx-request-id: %s\r\nconnection: close\r\n\r\n%s"
+            % (len(body), request_id.encode(), body))
 
 
 class HeadLimitProtocol(HttpToolsProtocol):
@@ -64,8 +69,11 @@ class HeadLimitProtocol(HttpToolsProtocol):
         """Answer 431, then read and drop what the client still sends for a moment before closing:
         closing at once with unread data resets the connection, and the client may lose the answer."""
         self.refused = True
-        self.logger.info("refused a request whose head passed %d bytes", MAX_HEAD_BYTES)
-        self.transport.write(head_too_large_response())
+        request_id = new_request_id()
+        client = "{}:{}".format(*self.client) if self.client else "-"  # as uvicorn's access log names it
+        self.logger.info("%s - 431: refused a request whose head passed %d bytes", client, MAX_HEAD_BYTES,
+                         extra={"request_id": request_id})
+        self.transport.write(head_too_large_response(request_id))
         if self.transport.can_write_eof():
             self.transport.write_eof()
             self.loop.call_later(LINGER_SECONDS, self.transport.close)

@@ -40,8 +40,9 @@ def test_an_oversized_head_gets_431_at_once(pg_server, case):
     answer = send_until_answered(pg_server.base_url, head, rest, timeout=30)
     assert answer.status == 431, answer.body
     error = answer.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
+    assert set(error) == {"message", "type", "param", "code", "request_id"}
     assert error["code"] == "request_header_fields_too_large"
+    assert error["request_id"] == answer.headers["x-request-id"]
     assert answer.headers["connection"] == "close"
     assert answer.sent < MAX_HEAD_BYTES + READ_AHEAD, answer.sent
     print(f"431 for {case}: {answer.sent} bytes taken, answered in {answer.seconds * 1000:.1f} ms")

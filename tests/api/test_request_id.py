@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
+import logging
 import re
 
 import httpx
 import pytest
 
 from tests.api.conftest import new_key
+from tests.api.raw_http import send_until_answered
 
 GENERATED = re.compile(r"req_[0-9a-f]{32}")
 
@@ -64,6 +67,43 @@ def test_refusals_before_the_route_carry_it_too(http):
     assert too_big.json()["error"]["request_id"] == too_big.headers["x-request-id"]
     nul = http.get("/v1/batches/batch%00x")
     assert nul.status_code == 400 and nul.json()["error"]["request_id"] == nul.headers["x-request-id"]
+
+
+class Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture
+def server_log():
+    """uvicorn's own logger at INFO, where the server writes the 431s (it never reaches the app)."""
+    logger, handler = logging.getLogger("uvicorn.error"), Records()
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    yield handler.records
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+def test_a_431_carries_a_fresh_request_id_and_logs_it(pg_server, server_log):
+    """The head limit answers from the HTTP protocol, before the middleware: the id is its own."""
+    head = b"GET /health HTTP/1.1\r\nHost: x\r\nx-request-id: mine-431\r\nX-Big: "
+    ids = []
+    for _ in range(2):
+        answer = send_until_answered(pg_server.base_url, head, itertools.repeat(b"a" * 65536))
+        assert answer.status == 431
+        assert GENERATED.fullmatch(answer.headers["x-request-id"])
+        assert answer.json()["error"]["request_id"] == answer.headers["x-request-id"]
+        ids.append(answer.headers["x-request-id"])
+    assert ids[0] != ids[1]
+    logged = [r for r in server_log if "431" in r.getMessage()]
+    assert [r.request_id for r in logged] == ids
+    assert all(r.getMessage().startswith("127.0.0.1:") for r in logged)
 
 
 def test_an_unexpected_error_still_answers_with_the_request_id(tmp_path):
