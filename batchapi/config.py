@@ -114,6 +114,10 @@ class Settings(BaseSettings):
     log_format: Literal["text", "json"] = "text"  # one JSON object per line with "json"
     metrics_port: int = Field(default=0, ge=0, le=65535)  # `batchapi worker`'s /metrics port; 0: none
     dashboard_session_hours: float = Field(default=12.0, gt=0)  # a dashboard sign-in lasts this long
+    # the dashboard cookie's Secure flag. auto: on https requests as uvicorn sees them (it takes
+    # X-Forwarded-Proto from the proxies in its FORWARDED_ALLOW_IPS, loopback by default); true behind
+    # a TLS-terminating proxy on another host
+    cookie_secure: Literal["auto", "true", "false"] = "auto"
     # prometheus_client's own variable (it reads it too): a directory where API processes share their
     # HTTP metrics; `batchapi serve --workers N` makes a fresh one when it is unset
     prometheus_multiproc_dir: str = Field(default="", validation_alias="PROMETHEUS_MULTIPROC_DIR")

@@ -45,12 +45,19 @@ def test_plain_postgres_url_gets_a_driver(monkeypatch):
         ("BATCHAPI_PORT", "seventy"),
         ("BATCHAPI_MAX_NUM_SEQS", "0"),
         ("BATCHAPI_KERNELS", "cuda"),
+        ("BATCHAPI_COOKIE_SECURE", "sometimes"),
     ],
 )
 def test_invalid_setting_names_the_variable(monkeypatch, name, value):
     monkeypatch.setenv(name, value)
     with pytest.raises(SettingsError, match=name):
         load_settings()
+
+
+def test_cookie_secure_is_auto_unless_set(monkeypatch):
+    assert load_settings().cookie_secure == "auto"
+    monkeypatch.setenv("BATCHAPI_COOKIE_SECURE", "true")
+    assert load_settings().cookie_secure == "true"
 
 
 def test_heartbeat_must_fit_in_the_lease(monkeypatch):

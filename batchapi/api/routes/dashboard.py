@@ -107,8 +107,13 @@ def sign_in(request: Request, jobs: JobsDep, api_key: Annotated[str, Form(max_le
         return _sign_in_page(request, jobs, "That API key is not valid (unknown or revoked).", 401)
     response = RedirectResponse(PREFIX, status_code=303)
     response.set_cookie(COOKIE, token, max_age=int(jobs.settings.dashboard_session_hours * 3600), path=PREFIX,
-                        httponly=True, samesite="strict", secure=request.url.scheme == "https")
+                        httponly=True, samesite="strict", secure=_secure(request, jobs.settings.cookie_secure))
     return response
+
+
+def _secure(request: Request, setting: str) -> bool:
+    """``BATCHAPI_COOKIE_SECURE``; auto: the scheme uvicorn resolved, a trusted proxy's X-Forwarded-Proto included."""
+    return request.url.scheme == "https" if setting == "auto" else setting == "true"
 
 
 @router.post("/sign-out")
