@@ -8,7 +8,10 @@
 - ``EngineStats``, one per process that runs an engine (``batchapi worker`` on
   ``BATCHAPI_METRICS_PORT``; the embedded default through the API's ``/metrics``): running and
   waiting sequences, KV cache usage, the step time histogram, prompt and generation tokens and
-  generation tokens/s over the last ``RATE_WINDOW_SECONDS``.
+  generation tokens/s over the last ``RATE_WINDOW_SECONDS``. An embedding model's encoder reports
+  under the same names, labelled by its model: its requests as sequences, one forward as a step,
+  input tokens as prompt tokens, and the vectors it made; it has no KV cache and generates
+  nothing, so those stay at zero.
 - ``HttpMetrics``, ASGI middleware: request latency by method, route template and status. Under
   ``batchapi serve --workers N`` the processes share it through prometheus_client's multiprocess
   files, so any process's ``/metrics`` reports all of them.
@@ -220,12 +223,14 @@ class EngineStats:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.step_seconds = Histogram("batchapi_engine_step_seconds", "Time of one engine step.", ["model"],
-                                      buckets=STEP_BUCKETS, registry=self.registry)
-        self.prompt_tokens = Counter("batchapi_engine_prompt_tokens", "Prompt tokens of requests the engine "
-                                     "finished.", ["model"], registry=self.registry)
+        self.step_seconds = Histogram("batchapi_engine_step_seconds", "Time of one engine step (an encoder's: "
+                                      "one forward).", ["model"], buckets=STEP_BUCKETS, registry=self.registry)
+        self.prompt_tokens = Counter("batchapi_engine_prompt_tokens", "Prompt tokens (an encoder's: input tokens "
+                                     "encoded) of requests the engine finished.", ["model"], registry=self.registry)
         self.generation_tokens = Counter("batchapi_engine_generation_tokens", "Tokens the engine generated, "
                                          "counted as its requests finish.", ["model"], registry=self.registry)
+        self.embeddings = Counter("batchapi_engine_embeddings", "Embedding vectors an encoder made, counted as "
+                                  "its requests finish.", ["model"], registry=self.registry)
         self.registry.register(self)
         self._lock = threading.Lock()
         self._fronts: dict[int, tuple[str, object]] = {}
@@ -246,12 +251,16 @@ class EngineStats:
     def attached(self) -> bool:
         return bool(self._fronts)
 
-    def _observe(self, model: str, seconds: float, results) -> None:  # on the engine thread
+    def _observe(self, model: str, seconds: float, results) -> None:  # on the engine or encoder thread
         self.step_seconds.labels(model).observe(seconds)
         generated = sum(result.completion_tokens for result in results)
+        # an encoder's results carry vectors, a chat engine's none
+        vectors = sum(len(getattr(result, "vectors", ())) for result in results)
         if results:
             self.prompt_tokens.labels(model).inc(sum(result.prompt_tokens for result in results))
             self.generation_tokens.labels(model).inc(generated)
+        if vectors:
+            self.embeddings.labels(model).inc(vectors)
         with self._lock:
             self._recent[model].append((time.monotonic(), generated))
 
@@ -264,9 +273,10 @@ class EngineStats:
 
     def collect(self) -> Iterator[Metric]:
         running = GaugeMetricFamily("batchapi_engine_running_sequences", "Sequences in the engine's running "
-                                    "batch.", labels=["model"])
+                                    "batch (an encoder's: requests in the round it encodes).", labels=["model"])
         waiting = GaugeMetricFamily("batchapi_engine_waiting_sequences", "Sequences waiting for a place "
-                                    "(and requests not yet taken in).", labels=["model"])
+                                    "(and requests not yet taken in; an encoder's: requests queued for its "
+                                    "next round).", labels=["model"])
         kv = GaugeMetricFamily("batchapi_engine_kv_cache_usage_ratio", "Fraction of the KV cache's blocks in "
                                "use (0 to 1).", labels=["model"])
         rate = GaugeMetricFamily("batchapi_engine_generation_tokens_per_second", "Generated tokens per second "
@@ -300,14 +310,15 @@ def engine_stats() -> EngineStats:
 
 
 def attach_runner(runner) -> None:
-    """Report a shard runner's chat engine (``runner.front``, its model ``runner.codec.model_id``)."""
-    if getattr(runner, "front", None) is not None:
-        engine_stats().attach(runner.codec.model_id, runner.front)
+    """Report every model of a shard runner (``runner.backends``: model id -> (front, codec)): its
+    chat engine and its encoders."""
+    for model, (front, _) in runner.backends.items():
+        engine_stats().attach(model, front)
 
 
 def detach_runner(runner) -> None:
-    if getattr(runner, "front", None) is not None:
-        engine_stats().detach(runner.front)
+    for front, _ in runner.backends.values():
+        engine_stats().detach(front)
 
 
 def serve_engine_metrics(port: int, host: str = "0.0.0.0") -> None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -86,6 +88,8 @@ class EncoderFront:
         self._aborts: set[str] = set()
         self._stop = False
         self._thread: threading.Thread | None = None
+        # called on the encoder thread after each forward with (seconds, requests it finished): metrics
+        self.on_step: Callable[[float, list[EmbeddingResult]], None] | None = None
 
     # ---- any thread ----
 
@@ -168,16 +172,27 @@ class EncoderFront:
                 items.append((len(ids), pending, i, ids))
         items.sort(key=lambda item: item[0], reverse=True)
         for group in self._groups(items):
-            try:
-                with self._compute_turn:
-                    vectors = self.encoder.encode([ids for _, _, _, ids in group])
-            except Exception as exc:  # noqa: BLE001 - a failed forward fails its requests, never the thread
-                log.exception("the encoder failed on a batch of %d inputs", len(group))
-                for _, pending, _, _ in group:
-                    self._fail(pending, EncoderError.ENGINE_FAILURE, f"the encoder failed: {exc}")
-                continue
-            for (_, pending, i, _), vector in zip(group, vectors, strict=True):
-                self._done(pending, i, vector.numpy().astype("<f4").tobytes())
+            self._forward(group)
+
+    def _forward(self, group: list) -> None:
+        started = time.perf_counter()
+        try:
+            with self._compute_turn:
+                vectors = self.encoder.encode([ids for _, _, _, ids in group])
+        except Exception as exc:  # noqa: BLE001 - a failed forward fails its requests, never the thread
+            log.exception("the encoder failed on a batch of %d inputs", len(group))
+            for _, pending, _, _ in group:
+                self._fail(pending, EncoderError.ENGINE_FAILURE, f"the encoder failed: {exc}")
+            return
+        finished = []  # (pending, result) of the requests whose last input this forward encoded
+        for (_, pending, i, _), vector in zip(group, vectors, strict=True):
+            result = self._done(pending, i, vector.numpy().astype("<f4").tobytes())
+            if result is not None:
+                finished.append((pending, result))
+        if self.on_step is not None:  # before the futures, as EngineFront: a result its caller sees is counted
+            self.on_step(time.perf_counter() - started, [result for _, result in finished])
+        for pending, result in finished:
+            pending.future.set_result(result)
 
     def _groups(self, items: list) -> list[list]:
         """Sorted longest first, so a group's first input sets its padded length."""
@@ -200,14 +215,16 @@ class EncoderFront:
                 return f"input {i} holds a token id outside the model's vocabulary of {vocab}"
         return None
 
-    def _done(self, pending: _Pending, index: int, vector: bytes) -> None:
+    def _done(self, pending: _Pending, index: int, vector: bytes) -> EmbeddingResult | None:
+        """The request's result, not yet delivered, when this was its last input."""
         if pending.future.done():
-            return
+            return None
         pending.vectors[index] = vector
         pending.left -= 1
-        if pending.left == 0:
-            tokens = sum(min(len(ids), self.max_seq_length) for ids in pending.request.inputs)
-            pending.future.set_result(EmbeddingResult(pending.request.request_id, tokens, list(pending.vectors)))
+        if pending.left > 0:
+            return None
+        tokens = sum(min(len(ids), self.max_seq_length) for ids in pending.request.inputs)
+        return EmbeddingResult(pending.request.request_id, tokens, list(pending.vectors))
 
     def _fail(self, pending: _Pending, code: EncoderError, message: str) -> None:
         if not pending.future.done():

@@ -1,5 +1,6 @@
 """``/metrics`` of the embedded default: counters equal to the batches' own usage after they run,
-the engine's gauges and step histogram, HTTP latency by route template."""
+the engine's gauges and step histogram, the embedding model's encoder under the same names, HTTP
+latency by route template."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.api.conftest import new_key
 from tests.utils.batch_service import CHAT, embedded_stack, request_line, run_to_end
+
+EMBEDDINGS = "/v1/embeddings"
+EMBEDDING = "all-minilm-l6-v2"  # the embedded default's embedding model
 
 
 def scrape(base_url: str) -> dict[tuple[str, tuple], float]:
@@ -28,8 +32,10 @@ def usage_counters(samples: dict, model: str) -> dict[str, float]:
 
 
 @pytest.fixture(scope="module")
-def embedded(tmp_path_factory, tiny_llama_dir):
-    with embedded_stack(tmp_path_factory.mktemp("metrics"), tiny_llama_dir, None) as server:  # SQLite: the default
+def embedded(tmp_path_factory, tiny_llama_dir, minilm_dir):
+    """As the embedded default: a chat model and the embedding model, on SQLite."""
+    with embedded_stack(tmp_path_factory.mktemp("metrics"), tiny_llama_dir, None,
+                        models=[str(tiny_llama_dir), str(minilm_dir)]) as server:
         yield server
 
 
@@ -79,3 +85,26 @@ def test_http_latency_by_route_template(embedded):
     assert samples[("batchapi_http_request_duration_seconds_count",
                     (("method", "GET"), ("route", "unmatched"), ("status", "404")))] >= 1
     assert not any("batch_a" in str(labels) for _, labels in samples)  # ids never become labels
+
+
+def test_the_encoders_series_in_the_embedded_default(embedded):
+    """After the tests above: it adds a completed batch."""
+    client = OpenAI(base_url=embedded.base_url + "/v1", api_key=new_key(embedded, "metrics-embeddings"), max_retries=0)
+    labels = (("model", EMBEDDING),)
+    names = ("batchapi_engine_embeddings_total", "batchapi_engine_prompt_tokens_total",
+             "batchapi_engine_step_seconds_count")
+    before = scrape(embedded.base_url)
+    lines = [{"custom_id": f"e{i}", "method": "POST", "url": EMBEDDINGS,
+              "body": {"model": EMBEDDING, "input": [f"Sentence number {i}.", "hello"]}} for i in range(3)]
+    batch, output, _ = run_to_end(client, lines, EMBEDDINGS, timeout=300)
+    assert len(output) == 3
+    samples = scrape(embedded.base_url)
+    embeddings, prompt_tokens, steps = (samples[(name, labels)] - before.get((name, labels), 0.0) for name in names)
+    assert embeddings == 6
+    assert prompt_tokens == batch.usage.input_tokens > 0
+    assert steps >= 1
+    assert samples[("batchapi_engine_running_sequences", labels)] == 0
+    assert samples[("batchapi_engine_waiting_sequences", labels)] == 0
+    assert samples[("batchapi_engine_generation_tokens_total", labels)] == 0
+    # the chat model's own series stay apart
+    assert ("batchapi_engine_embeddings_total", (("model", embedded.app.state.model.id),)) not in samples
