@@ -62,8 +62,11 @@ def check_metadata(metadata: dict | None) -> None:
         check_text(value, "metadata")
 
 
-def _fingerprint(input_file_id: str, endpoint: str, window: str, metadata: dict | None) -> str:
-    canonical = json.dumps([input_file_id, endpoint, window, metadata], sort_keys=True)
+def _fingerprint(input_file_id: str, endpoint: str, window: str, metadata: dict | None,
+                 output_expiry: int | None) -> str:
+    # output_expiry only where given: keys of batches created before it counted keep their fingerprint
+    fields = [input_file_id, endpoint, window, metadata] + ([output_expiry] if output_expiry is not None else [])
+    canonical = json.dumps(fields, sort_keys=True)
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
@@ -92,7 +95,7 @@ def create_batch(
     check_metadata(metadata)
     output_expiry = expiry_seconds(output_expires_after, "output_expires_after")  # of the output and error files
     fingerprint = retry_fingerprint(retry_of) if retry_of else _fingerprint(input_file_id, endpoint, completion_window,
-                                                                            metadata)
+                                                                            metadata, output_expiry)
     if idempotency_key is not None:
         existing = by_idempotency_key(jobs, project_id, idempotency_key, fingerprint)
         if existing is not None:

@@ -147,7 +147,14 @@ def test_idempotency_key_returns_the_first_batch(client, model_id):
     with pytest.raises(openai.ConflictError) as err:
         client.batches.create(**{**args, "completion_window": "48h"}, extra_headers={"Idempotency-Key": "nightly-42"})
     assert err.value.code == "idempotency_key_reused"
-    assert len(client.batches.list().data) == 2
+    later = {"anchor": "created_at", "seconds": 7200}
+    with pytest.raises(openai.ConflictError) as err:  # the output files' expiry is part of the request too
+        client.batches.create(**args, output_expires_after=later, extra_headers={"Idempotency-Key": "nightly-42"})
+    assert err.value.code == "idempotency_key_reused"
+    kept = client.batches.create(**args, output_expires_after=later, extra_headers={"Idempotency-Key": "nightly-44"})
+    again = client.batches.create(**args, output_expires_after=later, extra_headers={"Idempotency-Key": "nightly-44"})
+    assert again.id == kept.id
+    assert len(client.batches.list().data) == 3
 
 
 def test_partial_results_stream_finished_shards(client, model_id, pg_server, api_key):
