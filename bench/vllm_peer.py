@@ -2,7 +2,8 @@
 
     <vllm-venv>/bin/python bench/vllm_peer.py --model DIR --prompts prompts.json --max-tokens 96 [--rounds 2]
 
-prompts.json holds a list of token-id lists. Greedy, bf16, prefix caching on, every prompt queued
+prompts.json holds a list of token-id lists. Greedy, in --dtype (the engine's: bf16, or fp32
+where the CPU lacks native bf16), prefix caching on, every prompt queued
 at once; each round is timed after a warm-up, and the last line printed is JSON:
 {"version", "tokens", "wall", "rounds": [[tokens, wall], ...]} for the best round. Wall time,
 not CPU time: vLLM's engine runs in a process of its own. engine_throughput.py starts this with
@@ -26,6 +27,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     args = ap.parse_args()
 
     import vllm
@@ -33,7 +35,7 @@ def main() -> None:
 
     with open(args.prompts) as f:
         prompts = [{"prompt_token_ids": ids} for ids in json.load(f)]
-    llm = LLM(model=args.model, dtype="bfloat16", enable_prefix_caching=True, max_num_seqs=args.max_num_seqs,
+    llm = LLM(model=args.model, dtype=args.dtype, enable_prefix_caching=True, max_num_seqs=args.max_num_seqs,
               max_model_len=2048, seed=0)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     llm.generate(prompts[:8], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)  # warm-up
