@@ -7,6 +7,7 @@ final, and only so does every report add up to the batches' own ``usage`` and ``
 token and to the 1e-8 of the currency unit, since each batch's cost is the one ``billing.cost``
 rounds once. A batch still running is in no report yet. ``num_model_requests`` counts succeeded
 requests, the ones that carry usage (failed, cancelled and expired requests cost nothing).
+A deleted Message Batch still counts: what it used was billed, so its row stays (``deleted_at``).
 
 Buckets are ``bucket_width`` long from ``start_time`` on (the last one ends at ``end_time``);
 every bucket in range is listed, empty ones included, ``limit`` to a page.

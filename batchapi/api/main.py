@@ -26,6 +26,7 @@ from batchapi.api.routes import (
 )
 from batchapi.api.schemas import ModelObject
 from batchapi.api.uploads import FORM_OVERHEAD_BYTES, MAX_CONCURRENT_UPLOADS
+from batchapi.batches import messages
 from batchapi.batches.context import Jobs, open_jobs
 from batchapi.batches.dispatch import Dispatcher
 from batchapi.batches.sweeper import SweepLoop
@@ -41,7 +42,6 @@ from batchapi.validation.runner import ValidationRunner
 log = logging.getLogger(__name__)
 
 Hook = Callable[[Jobs], AbstractContextManager]
-MAX_MESSAGE_BATCH_BYTES = 256 * 1024 * 1024  # Anthropic's limit on a create request
 
 
 def create_app(
@@ -98,7 +98,7 @@ def create_app(
     app.state.metrics_registry = registry = metrics.api_registry(shared_dir=shared)
     errors.install(app)
     app.add_middleware(BodyLimit, per_path={"/v1/files": settings.max_upload_bytes + FORM_OVERHEAD_BYTES,
-                                            "/v1/messages/batches": MAX_MESSAGE_BATCH_BYTES,
+                                            "/v1/messages/batches": messages.MAX_BODY_BYTES,
                                             uploads.PARTS_PATH: uploads.MAX_PART_BYTES + FORM_OVERHEAD_BYTES})
     app.add_middleware(metrics.HttpMetrics, registry=registry, shared=bool(shared))
     app.add_middleware(RequestIdMiddleware)  # outermost of ours: every response and log line has the id

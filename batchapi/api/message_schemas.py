@@ -9,7 +9,7 @@ from pydantic import BaseModel
 
 from batchapi.api.schemas import ERRORS
 from batchapi.batches.messages import public_id
-from batchapi.batches.states import BatchStatus
+from batchapi.batches.states import TERMINAL, BatchStatus
 from batchapi.db.models import Batch
 
 PROCESSING = {BatchStatus.CANCELLING: "canceling", BatchStatus.COMPLETED: "ended", BatchStatus.FAILED: "ended",
@@ -31,19 +31,22 @@ class MessageBatchRequestCounts(BaseModel):
 
     @classmethod
     def of(cls, b: Batch) -> MessageBatchRequestCounts:
-        """From the batch's counts: a failed request is ``errored`` unless a cancel or expiry cut it
-        off before it ran (``request_unrun``), and every request of an ended cancelled or expired
-        batch that is neither succeeded nor errored is canceled or expired (those of shards never
-        made, too); a batch that failed validation ran none, so all errored."""
-        counts = dict(succeeded=b.request_completed, errored=b.request_failed, canceled=0, expired=0)
+        """As Anthropic's: every request ``processing`` until the whole batch has ended (a client
+        that polls until ``processing`` is 0 then finds the results), then the batch's counts: a
+        failed request is ``errored`` unless a cancel or expiry cut it off before it ran
+        (``request_unrun``), and every request of a cancelled or expired batch that is neither
+        succeeded nor errored is canceled or expired (those of shards never made, too); a batch
+        that failed validation ran none, so all errored."""
         status = BatchStatus(b.status)
+        if status not in TERMINAL:
+            return cls(processing=b.request_total, succeeded=0, errored=0, canceled=0, expired=0)
+        counts = dict(succeeded=b.request_completed, errored=b.request_failed, canceled=0, expired=0)
         if status == BatchStatus.FAILED:
             counts["errored"] = b.request_total - b.request_completed
         elif status in UNFINISHED:
             counts["errored"] = b.request_failed - b.request_unrun
             counts[UNFINISHED[status]] = b.request_total - b.request_completed - counts["errored"]
-        processing = max(0, b.request_total - sum(counts.values()))
-        return cls(processing=processing, **counts)
+        return cls(processing=0, **counts)
 
 
 class MessageBatch(BaseModel):

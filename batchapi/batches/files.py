@@ -33,17 +33,19 @@ REMOVE_PER_SWEEP = 500
 
 def upload_file(
     jobs: Jobs, project_id: str, filename: str, purpose: str | Callable[[], str], stream: BinaryIO,
-    expires_after: int | None | Callable[[], int | None] = None,
+    expires_after: int | None | Callable[[], int | None] = None, max_bytes: int | None = None,
 ) -> File:
     """Store ``stream`` as a new File. ``purpose`` and ``expires_after`` (seconds, already checked
     by ``expiry_seconds``) may be callables that tell them once ``stream`` has been read (a form
-    may send its fields after the file); a bad one removes the object."""
+    may send its fields after the file); a bad one removes the object. ``max_bytes``: the limit on
+    the file, if not ``max_upload_bytes`` (a Message Batch's own)."""
     if isinstance(purpose, str):
         check_purpose(purpose)
     check_filename(filename)
     fid = file_id()
     key = file_key(fid)
-    size = jobs.storage.put_stream(key, LimitedReader(stream, jobs.settings.max_upload_bytes))
+    limit = jobs.settings.max_upload_bytes if max_bytes is None else max_bytes
+    size = jobs.storage.put_stream(key, LimitedReader(stream, limit))
     try:
         if callable(purpose):
             purpose = purpose()

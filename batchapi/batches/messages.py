@@ -7,11 +7,14 @@ usage and cost are those of every batch. Its id is the row's under Anthropic's p
 (``batch_X`` is ``msgbatch_X``). The results are the batch's stored output and error lines in
 Anthropic's shape (``openai.message_results``); a batch that ended before any shard ran (it failed
 validation, or was cancelled or expired while validating) has each request of its input ended
-with the batch's reason.
+with the batch's reason. Deleting a batch removes its files and results but keeps the row, marked
+``deleted_at``, so that what it was billed stays in the usage and cost reports; every route here
+then finds no such batch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import re
@@ -22,18 +25,21 @@ from sqlalchemy import select
 
 from batchapi.batches import service
 from batchapi.batches.context import Jobs
-from batchapi.batches.files import upload_file
+from batchapi.batches.files import delete_file, upload_file
 from batchapi.batches.states import TERMINAL, BatchStatus
 from batchapi.db.clock import now
 from batchapi.db.models import Batch, File, RequestResult, Shard
 from batchapi.db.session import session_scope
-from batchapi.errors import InvalidRequest, NotFound
+from batchapi.errors import TRANSIENT, InvalidRequest, NotFound
 from batchapi.openai.body import MESSAGES
 from batchapi.openai.lines import is_blank, iter_lines
 from batchapi.openai.message_results import dump, error_result, result_lines
+from batchapi.storage.streams import TooLarge
 
 PREFIX, ROW_PREFIX = "msgbatch_", "batch_"
+# Anthropic's limits on one Message Batch, whatever the limits on files uploaded to /v1/files
 MAX_REQUESTS = 100_000
+MAX_BODY_BYTES = 256 * 1024 * 1024
 CUSTOM_ID = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 WINDOW = "24h"
 # what a request of a batch that ended before it ran ends as
@@ -61,9 +67,8 @@ def input_lines(jobs: Jobs, body: object) -> tuple[bytes, int]:
     requests = body.get("requests") if isinstance(body, dict) else None
     if not isinstance(requests, list) or not requests:
         raise InvalidRequest("requests: a non-empty array of {custom_id, params} is required", "requests")
-    limit = min(MAX_REQUESTS, jobs.settings.max_file_lines)
-    if len(requests) > limit:
-        raise InvalidRequest(f"requests: at most {limit} requests per batch, got {len(requests)}", "requests")
+    if len(requests) > MAX_REQUESTS:
+        raise InvalidRequest(f"requests: at most {MAX_REQUESTS} requests per batch, got {len(requests)}", "requests")
     unknown = sorted(set(body) - {"requests"})
     if unknown:
         raise InvalidRequest(f"{unknown[0]}: Extra inputs are not permitted", unknown[0])
@@ -71,7 +76,18 @@ def input_lines(jobs: Jobs, body: object) -> tuple[bytes, int]:
     out = io.BytesIO()
     for i, request in enumerate(requests):
         out.write(_line(request, i, seen, jobs.settings.max_line_bytes))
+    limit = max_file_bytes()
+    if out.tell() > limit:  # a body within MAX_BODY_BYTES whose numbers grow when written again (1e9)
+        raise TooLarge(f"requests: the {len(requests)} requests are {out.tell()} bytes as an input file; the "
+                       f"limit is {limit}", "requests")
     return out.getvalue(), len(requests)
+
+
+def max_file_bytes() -> int:
+    """The largest input file a create body within ``MAX_BODY_BYTES`` becomes: the body's bytes and
+    what each request's line adds to it (its method and url, ``body`` for ``params``)."""
+    wrapper = len(_encode(_record("", {}))) - len(_encode({"custom_id": "", "params": {}}))
+    return MAX_BODY_BYTES + MAX_REQUESTS * wrapper
 
 
 def _line(request: object, i: int, seen: set[str], max_bytes: int) -> bytes:
@@ -87,9 +103,8 @@ def _line(request: object, i: int, seen: set[str], max_bytes: int) -> bytes:
     seen.add(custom_id)
     if not isinstance(params, dict):
         raise InvalidRequest(f"{at}.params: must be an object", f"{at}.params")
-    record = {"custom_id": custom_id, "method": "POST", "url": MESSAGES, "body": params}
     try:
-        line = json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+        line = _encode(_record(custom_id, params))
     except UnicodeEncodeError:
         raise InvalidRequest(f"{at}.params: holds a lone UTF-16 surrogate, which is not text", f"{at}.params") from None
     if len(line) > max_bytes:
@@ -97,15 +112,31 @@ def _line(request: object, i: int, seen: set[str], max_bytes: int) -> bytes:
     return line
 
 
+def _record(custom_id: str, params: dict) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": MESSAGES, "body": params}
+
+
+def _encode(record: dict) -> bytes:
+    return json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+
+
 def create(jobs: Jobs, project_id: str, body: object) -> Batch:
+    """A new batch over the requests, written as an input file; a refused create leaves no file."""
     data, count = input_lines(jobs, body)
-    file = upload_file(jobs, project_id, "message_batch_requests.jsonl", "batch", io.BytesIO(data))
-    return service.create_batch(jobs, project_id, file.id, MESSAGES, WINDOW, request_total=count)
+    file = upload_file(jobs, project_id, "message_batch_requests.jsonl", "batch", io.BytesIO(data),
+                       max_bytes=max_file_bytes())
+    try:
+        return service.create_batch(jobs, project_id, file.id, MESSAGES, WINDOW, request_total=count)
+    except Exception:  # refused, or the database away: the client retries with a new file
+        with contextlib.suppress(NotFound, *TRANSIENT):  # gone already, or left for the file expiry
+            delete_file(jobs, project_id, file.id)
+        raise
 
 
 def _row(session, project_id: str, message_batch_id: str) -> Batch:
     batch = session.get(Batch, _row_id(message_batch_id))
-    if batch is None or batch.project_id != project_id or batch.endpoint != MESSAGES:
+    if (batch is None or batch.project_id != project_id or batch.endpoint != MESSAGES
+            or batch.deleted_at is not None):
         raise _not_found(message_batch_id)
     return batch
 
@@ -126,7 +157,7 @@ def list_page(jobs: Jobs, project_id: str, limit: int, after_id: str | None,
         get(jobs, project_id, cursor)
         cursor = _row_id(cursor)
     rows, more = service.list_batches(jobs, project_id, limit, cursor, endpoint=MESSAGES,
-                                      newest_first=before_id is None)
+                                      newest_first=before_id is None)  # deleted batches left out
     return (rows[::-1] if before_id is not None else rows), more
 
 
@@ -139,7 +170,8 @@ def cancel(jobs: Jobs, project_id: str, message_batch_id: str) -> Batch:
 
 
 def delete(jobs: Jobs, project_id: str, message_batch_id: str) -> str:
-    """Remove an ended batch: its row, its shards, its files and their objects."""
+    """Remove an ended batch: its files, shards and their objects. The row stays, marked
+    ``deleted_at``, with its counts and usage: the reports still bill what it used."""
     with session_scope(jobs.sessions) as session:
         batch = _row(session, project_id, message_batch_id)
         if batch.status not in TERMINAL:
@@ -154,7 +186,7 @@ def delete(jobs: Jobs, project_id: str, message_batch_id: str) -> str:
         shard_ids = select(Shard.id).where(Shard.batch_id == batch.id)
         session.execute(sql_delete(RequestResult).where(RequestResult.shard_id.in_(shard_ids)))
         session.execute(sql_delete(Shard).where(Shard.batch_id == batch.id))
-        session.delete(batch)
+        batch.deleted_at = now()
     for key in keys:
         jobs.storage.delete(key)
     return message_batch_id

@@ -24,7 +24,7 @@ from batchapi.db.paging import page
 from batchapi.db.session import session_scope
 from batchapi.errors import Conflict, InvalidRequest, NotFound
 from batchapi.model_store import served_id_for, served_ids, served_model_id
-from batchapi.openai.body import ENDPOINTS
+from batchapi.openai.body import ENDPOINTS, MESSAGES
 from batchapi.openai.lines import BOM, LongLine, is_blank, iter_lines
 from batchapi.openai.text import check_text
 
@@ -100,7 +100,7 @@ def create_batch(
         existing = by_idempotency_key(jobs, project_id, idempotency_key, fingerprint)
         if existing is not None:
             return existing
-    model = batch_model(jobs, project_id, input_file_id)
+    model = batch_model(jobs, project_id, input_file_id, each_request=endpoint == MESSAGES)
     price = price_for(jobs.settings, model or served_model_id(jobs.settings))
     t = now()
     try:
@@ -132,13 +132,19 @@ def create_batch(
     return batch
 
 
-def batch_model(jobs: Jobs, project_id: str, input_file_id: str) -> str | None:
+def batch_model(jobs: Jobs, project_id: str, input_file_id: str, each_request: bool = False) -> str | None:
     """The served model the file's first request names: the batch's model, priced at create and
     the one whose workers run it. InvalidRequest (``model_not_found``) when no worker serves it;
-    None when the first line names no model (validation reports what is wrong with it)."""
+    None when the first line names no model (validation reports what is wrong with it).
+    ``each_request`` (a Message Batch: Anthropic validates each request alone): the first served
+    model any request names, a request naming another being only that request's error; None
+    when none does (the default model's workers then refuse each request)."""
     with jobs.sessions() as session:
         storage_key = get_file_row(session, project_id, input_file_id).storage_key
-    named = _first_model(jobs, storage_key)
+    if each_request:
+        served = (served_id_for(jobs.settings, named) for named in _models(jobs, storage_key) if named)
+        return next(filter(None, served), None)
+    named = next(_models(jobs, storage_key), None)
     if named is None:
         return None
     model = served_id_for(jobs.settings, named)
@@ -148,7 +154,9 @@ def batch_model(jobs: Jobs, project_id: str, input_file_id: str) -> str | None:
     return model
 
 
-def _first_model(jobs: Jobs, storage_key: str) -> str | None:
+def _models(jobs: Jobs, storage_key: str) -> Iterator[str | None]:
+    """The model each request line names, in order (None for a line that names none); stops at a
+    line that is not JSON, or with no content: validation says what is wrong there."""
     try:
         for number, _start, _end, content in iter_lines(jobs.storage.iter_chunks(storage_key),
                                                         jobs.settings.max_line_bytes):
@@ -158,10 +166,9 @@ def _first_model(jobs: Jobs, storage_key: str) -> str | None:
             record = json.loads(text.removeprefix(BOM) if number == 1 else text)
             body = record.get("body") if isinstance(record, dict) else None
             model = body.get("model") if isinstance(body, dict) else None
-            return model if isinstance(model, str) and model else None
-    except (ValueError, RecursionError, NotFound):  # not JSON, or no content: validation says so
-        return None
-    return None
+            yield model if isinstance(model, str) and model else None
+    except (ValueError, RecursionError, NotFound):
+        return
 
 
 def retry_fingerprint(original_id: str) -> str:
@@ -180,8 +187,10 @@ def by_idempotency_key(jobs: Jobs, project_id: str, key: str | None, fingerprint
 
 
 def get_batch_row(session: Session, project_id: str, bid: str) -> Batch:
+    """The project's batch; NotFound for another project's and for a deleted Message Batch (its
+    row stays for the reports only)."""
     batch = session.get(Batch, bid)
-    if batch is None or batch.project_id != project_id:
+    if batch is None or batch.project_id != project_id or batch.deleted_at is not None:
         raise batch_not_found(bid)
     return batch
 
@@ -201,7 +210,7 @@ def list_batches(jobs: Jobs, project_id: str, limit: int, after: str | None, *, 
     ``endpoint`` keeps that endpoint's batches only; ``newest_first`` False pages oldest first."""
     with jobs.sessions() as session:
         cursor = get_batch_row(session, project_id, after) if after else None
-        query = select(Batch).where(Batch.project_id == project_id)
+        query = select(Batch).where(Batch.project_id == project_id, Batch.deleted_at.is_(None))
         if endpoint is not None:
             query = query.where(Batch.endpoint == endpoint)
         return page(session, query, Batch, cursor, limit, newest_first=newest_first)

@@ -116,6 +116,8 @@ class Batch(Base):
     expired_at: Mapped[int | None]
     cancelling_at: Mapped[int | None]
     cancelled_at: Mapped[int | None]
+    # a deleted Message Batch: gone for the API, its files and shards removed, its usage still billed
+    deleted_at: Mapped[int | None]
 
     # validation lease: a validator that dies leaves it to expire, and a sweep picks it up again
     validation_lease_expires_at: Mapped[int | None]

@@ -24,7 +24,7 @@ def _batch_query() -> tuple[str, tuple[str, ...]]:
     name of each column it returns, built from the model so that a new column is read too."""
     attrs = inspect(Batch).column_attrs
     stmt = select(*(attr.columns[0] for attr in attrs)).where(
-        Batch.id == bindparam("id"), Batch.project_id == bindparam("project_id")
+        Batch.id == bindparam("id"), Batch.project_id == bindparam("project_id"), Batch.deleted_at.is_(None)
     )
     sql = str(stmt.compile(dialect=postgresql.psycopg.dialect()))
     return sql, tuple(attr.key for attr in attrs)

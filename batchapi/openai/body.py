@@ -98,6 +98,12 @@ class ParsedBody:
     encoding_format: str = "float"
     dimensions: int | None = None
 
+    @property
+    def continues_final_message(self) -> bool:
+        """The reply continues the last message (Anthropic's prefill: an assistant turn last), so the
+        prompt ends inside it. A chat body's last assistant message is a finished turn, as OpenAI reads it."""
+        return self.endpoint == MESSAGES and bool(self.messages) and self.messages[-1]["role"] == "assistant"
+
 
 def _content_text(content: Any, param: str) -> str:
     if isinstance(content, str):

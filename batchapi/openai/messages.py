@@ -6,16 +6,23 @@ are chat's and the engine side is unchanged.
   and ``assistant`` turns whose content is a string or blocks: ``text``; on assistant turns
   ``tool_use`` (the turn's ``tool_calls``, ``input`` as the parsed arguments); on user turns
   ``tool_result`` (a ``tool`` message answering a ``tool_use`` of the turn just before, its content
-  a string or text blocks), which come first in their turn, as Anthropic requires. The last turn
-  must be the user's: continuing a written-out assistant turn (prefill) is not supported.
-- ``max_tokens`` is required. ``temperature`` (0 to 1), ``top_p``, ``top_k``, ``stop_sequences``.
+  a string or text blocks), which come first in their turn, as Anthropic requires. A last turn of
+  the assistant's is a prefill: the reply continues its text (``workers.codec`` renders the prompt
+  up to it, left open), and as Anthropic that text may not end in whitespace.
+- ``max_tokens`` is required, at least 1 (Anthropic's 0, a prompt-cache warm-up that generates
+  nothing, is refused: the engine runs every request it is given). ``temperature`` (0 to 1),
+  ``top_p``, ``top_k``, ``stop_sequences``.
 - ``tools`` (``{"name", "description", "input_schema"}``) are function tools in chat's shape, the
   schema as ``parameters``; ``tool_choice`` ``auto``, ``any`` (chat's ``required``), ``tool`` with
   ``name`` (a named function) or ``none``; ``disable_parallel_tool_use`` is
-  ``parallel_tool_calls`` false.
-- Accepted and ignored: ``metadata``, ``service_tier``, ``cache_control`` on blocks and tools.
-  Refused: ``stream: true``, ``thinking`` and every other field (unknown), non-text blocks
-  (images, documents), tools with a ``type`` (server tools).
+  ``parallel_tool_calls`` false. A tool's ``strict`` is accepted and changes nothing here: the
+  grammar holds every forced call to its schema whether strict or not, and a call under ``auto``
+  is free text either way (``tools`` explains both).
+- Accepted and ignored: ``metadata``, ``service_tier``, ``cache_control`` on blocks and tools, a
+  tool's ``eager_input_streaming`` (batches do not stream). Refused: ``stream: true``,
+  ``thinking`` and every other field (unknown), non-text blocks (images, documents), tools with a
+  ``type`` (server tools) and the tool fields of server features (``defer_loading``,
+  ``allowed_callers``, ``input_examples``).
 
 ``parsed`` is a ``body.ParsedBody``; ``body`` imports ``parse_messages`` from here, so this
 module cannot import it. ``body`` checks that tool turns pair up, as for chat.
@@ -34,6 +41,9 @@ FIELDS = {"model", "max_tokens", "messages", "system", "temperature", "top_p", "
           "tools", "tool_choice", "stream"} | IGNORED
 MAX_STOP_SEQUENCES = 16
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+# ``strict`` is not passed on as chat's: chat's only asks more of the schema (every property required),
+# and Anthropic's strict schemas may leave properties optional
+TOOL_FIELDS = {"type", "name", "description", "input_schema", "cache_control", "strict", "eager_input_streaming"}
 
 
 def parse_messages(body: dict, parsed) -> None:
@@ -94,9 +104,10 @@ def _conversation(value: Any) -> list[dict]:
         if content is None:
             raise RequestError("'content' is required", f"{at}.content", ErrorCode.MISSING_REQUIRED_PARAMETER)
         out.extend(_user(content, at) if role == "user" else [_assistant(content, at)])
-    if value[-1].get("role") != "user":
-        raise RequestError("the last message must be the user's: continuing an assistant turn (prefill) is not "
-                           "supported", f"messages[{len(value) - 1}].role")
+    if out and out[-1]["role"] == "assistant" and out[-1]["content"] != out[-1]["content"].rstrip():
+        # as Anthropic: the reply starts right after the prefill, so a trailing space would be the model's to write
+        raise RequestError("final assistant content cannot end with trailing whitespace",
+                           f"messages[{len(value) - 1}].content")
     return out
 
 
@@ -218,9 +229,12 @@ def _tool(tool: Any, param: str) -> dict:
     if tool.get("type") not in (None, "custom"):
         raise RequestError(f"the tool type {tool['type']!r} is not supported: only client tools "
                            "({'name', 'description', 'input_schema'}) run in a batch here", f"{param}.type")
-    refuse_unknown(tool, {"type", "name", "description", "input_schema", "cache_control"}, param)
+    refuse_unknown(tool, TOOL_FIELDS, param)
     if tool.get("input_schema") is None:
         raise RequestError("'input_schema' is required", f"{param}.input_schema", ErrorCode.MISSING_REQUIRED_PARAMETER)
+    for name in ("strict", "eager_input_streaming"):
+        if tool.get(name) is not None and not isinstance(tool[name], bool):
+            raise RequestError(f"'{name}' must be a boolean", f"{param}.{name}", ErrorCode.INVALID_TYPE)
     flat = {"type": "function", "name": tool.get("name"), "parameters": tool["input_schema"]}
     if tool.get("description") is not None:
         flat["description"] = tool["description"]

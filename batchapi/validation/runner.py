@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from sqlalchemy import delete
 from sqlalchemy.exc import OperationalError
 
-from batchapi.batches import leases, states
+from batchapi.batches import leases, messages, states
 from batchapi.batches.context import Jobs
 from batchapi.batches.states import BatchStatus, ShardStatus
 from batchapi.db.clock import now
@@ -27,6 +27,7 @@ from batchapi.db.models import Batch, File, Shard
 from batchapi.db.session import session_scope
 from batchapi.errors import NotFound, StorageError
 from batchapi.model_store import CHAT, EMBEDDING, default_model_for, served_model
+from batchapi.openai.body import MESSAGES
 from batchapi.openai.embeddings import EMBEDDINGS
 from batchapi.openai.errors import ErrorCode
 from batchapi.validation.backfill import batches_to_count, count_batch
@@ -51,7 +52,10 @@ def validate_batch(jobs: Jobs, batch_id: str) -> str:
         size = jobs.storage.size(file.storage_key)
     except NotFound:
         return _fail(jobs, batch_id, [LineError(ErrorCode.FILE_NOT_FOUND, "the input file's content is missing")])
-    limit = jobs.settings.max_file_bytes
+    if endpoint == MESSAGES:  # written from a create body, within Anthropic's limits, not the upload's
+        limit, max_lines = messages.max_file_bytes(), messages.MAX_REQUESTS
+    else:
+        limit, max_lines = jobs.settings.max_file_bytes, jobs.settings.max_file_lines
     if size > limit:
         return _fail(jobs, batch_id, [LineError(ErrorCode.FILE_TOO_LARGE, f"the file is {size} bytes; the limit is {limit}")])
     if size == 0:
@@ -68,7 +72,7 @@ def validate_batch(jobs: Jobs, batch_id: str) -> str:
             f"{_a(kind)} model", None, "body.model")])
     limits = Limits(
         endpoint=endpoint, served_model=served.id, model_aliases=served.aliases,
-        max_lines=jobs.settings.max_file_lines, shard_size=jobs.settings.shard_size,
+        max_lines=max_lines, shard_size=jobs.settings.shard_size,
         max_line_bytes=jobs.settings.max_line_bytes, max_inputs=jobs.settings.max_embedding_inputs,
     )
     scanner = Scanner(limits, counter_for(served.path))

@@ -9,7 +9,10 @@ Two kinds of problem, as OpenAI has them: a problem of the file (not JSON, no ``
 the wrong url or model, too long a prompt, ...) is in ``errors`` and fails the batch; a problem
 inside one request's body (``RequestError.in_body``: an unknown parameter, a bad value) is in
 ``request_errors`` and only that request fails: it stays in its shard, with no tokens counted,
-and the worker writes it to the error file as a 400.
+and the worker writes it to the error file as a 400. Anthropic validates each request of a
+Message Batch on its own, so there the model and the context are the request's concern too
+(``Limits.each_request``): one request too long for the model errors alone, as the worker's
+``Codec`` refuses it again when its shard runs.
 """
 
 from __future__ import annotations
@@ -21,13 +24,14 @@ from typing import NamedTuple
 
 from batchapi.grammar.check import GrammarError, check_schema
 from batchapi.grammar.spec import GrammarSpec
-from batchapi.openai.body import MAX_TOKENS_PARAM, PROMPT_PARAM, SCHEMA_PARAM, ParsedBody
+from batchapi.openai.body import MESSAGES, SCHEMA_PARAM, ParsedBody
 from batchapi.openai.embeddings import EMBEDDINGS
 from batchapi.openai.errors import ErrorCode, RequestError
 from batchapi.openai.lines import BOM, LongLine, is_blank, iter_lines, parse_line
 from batchapi.openai.tools import output_constraint
 from batchapi.validation.token_counts import (
     PromptCounter,
+    context_error,
     embedding_counts,
     exact_counts,
     output_bound,
@@ -103,6 +107,11 @@ class Limits:
     shard_size: int
     max_line_bytes: int | None = None  # None: no limit (``Settings.max_line_bytes`` in the service)
     max_inputs: int | None = None  # embedding inputs across the file (``Settings.max_embedding_inputs``)
+
+    @property
+    def each_request(self) -> bool:
+        """The model and the context are each request's concern, not the file's (Anthropic's rule)."""
+        return self.endpoint == MESSAGES
 
 
 @dataclass
@@ -192,10 +201,11 @@ class Scanner:
         if error is not None and not error.in_body:
             self.error(error.code, error.message, line, error.line_param)
             return None
-        # the model is the file's concern even in a body refused for something else
-        model = parsed.body.model if parsed.body is not None else _named_model(content)
-        if model is not None and not self.check_model(line, model):
-            return None
+        each = self.limits.each_request
+        if error is None or not each:  # OpenAI's: the model is the file's concern even in a refused body
+            model = parsed.body.model if parsed.body is not None else _named_model(content)
+            if model is not None and not self.check_model(line, model):
+                return _Request(line, 0, 0, None) if each else None
         if error is not None:
             self.request_error(line, error)
             return _Request(line, 0, 0, None)
@@ -215,6 +225,13 @@ class Scanner:
 
     def check_model(self, line: int, named: str) -> bool:
         model = self.limits.served_model if named in self.limits.model_aliases else named
+        if self.limits.each_request:  # the batch runs the served model its first such request named
+            if model == self.limits.served_model:
+                return True
+            self.request_error(line, RequestError(
+                f"the model {named!r} is not served for this batch; its requests run on {self.limits.served_model!r}",
+                "model", ErrorCode.MODEL_NOT_FOUND))
+            return False
         if self.first_model is None:
             self.first_model = (model, line)
         elif model != self.first_model[0]:
@@ -269,17 +286,12 @@ class Scanner:
                 self.prompt_tokens += request.prompt_tokens
                 self.output_tokens += output
                 continue
-            count, wanted = request.prompt_tokens, request.parsed.max_tokens
-            if count >= context:
-                at_least = "at least " if request.floor else ""
-                message = f"the prompt is {at_least}{count} tokens; the model's context is {context} tokens"
-                param = f"body.{PROMPT_PARAM[request.parsed.endpoint]}"
-            else:
-                limit = MAX_TOKENS_PARAM[request.parsed.endpoint]
-                message = (f"the prompt ({count} tokens) and {limit} ({wanted}) exceed the model's "
-                           f"context of {context} tokens")
-                param = f"body.{limit}"
-            self.error(ErrorCode.CONTEXT_LENGTH_EXCEEDED, message, request.line, param)
+            error = context_error(request.parsed, request.prompt_tokens, context, at_least=request.floor)
+            if self.limits.each_request:  # that request's 400, in its shard, no tokens counted
+                self.request_error(request.line, error)
+                self.done.append(_Valid(request.line, request.start, request.end, 0, 0))
+                continue
+            self.error(error.code, error.message, request.line, error.line_param)
         self.pending, self.pending_bytes = [], 0
 
     def count_embeddings(self) -> None:
@@ -294,7 +306,9 @@ class Scanner:
         self.pending, self.pending_bytes = [], 0
 
     def result(self) -> ScanResult:
-        requests = dict(request_errors=self.request_errors, request_error_total=self.request_error_total)
+        # in line order: a context problem is found a tokenizing batch after the body problems around it
+        reported = sorted(self.request_errors, key=lambda e: e.line or 0)
+        requests = dict(request_errors=reported, request_error_total=self.request_error_total)
         if self.errors:
             return ScanResult(errors=self.errors, **requests)
         result = ScanResult(errors=[], model=self.limits.served_model, request_count=len(self.done), **requests)
@@ -336,5 +350,4 @@ def _grammar_problem(body: ParsedBody | None) -> RequestError | None:
 
 
 def _fits(request: _Request, context: int) -> bool:
-    wanted = request.parsed.max_tokens or 0
-    return request.prompt_tokens < context and request.prompt_tokens + wanted <= context
+    return context_error(request.parsed, request.prompt_tokens, context) is None

@@ -27,13 +27,15 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from batchapi.openai.body import ParsedBody
+from batchapi.openai.body import MAX_TOKENS_PARAM, PROMPT_PARAM, ParsedBody
+from batchapi.openai.errors import ErrorCode, RequestError
 from batchapi.openai.tools import template_input
 
 log = logging.getLogger(__name__)
 
 Messages = Sequence[dict[str, str]]
 TOKENIZE_CHARS = 1 << 20
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' own, so both cut at the same place
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
 
@@ -55,9 +57,13 @@ class PromptCounter:
         self._template = _environment().from_string(source) if source else None
         self._shapes: dict[tuple[str, ...], list[str] | None] = {}
 
-    def render_chat(self, messages: Messages, tools: list[dict] | None = None) -> str:
-        """The prompt text ``apply_chat_template(messages, tools=tools, add_generation_prompt=True)`` gives."""
+    def render_chat(self, messages: Messages, tools: list[dict] | None = None, continue_final: bool = False) -> str:
+        """The prompt text ``apply_chat_template(messages, tools=tools, add_generation_prompt=True)``
+        gives; with ``continue_final``, what ``continue_final_message=True`` (and no generation
+        prompt) gives: the text up to the end of the last message's content, left open."""
         assert self._template is not None, "the model has no chat template"
+        if continue_final:
+            return self._render_open(messages, tools)
         if tools is not None or any(set(m) - {"role", "content"} for m in messages):
             return self._render(messages, tools)  # tool calls and names: the template reads more than content
         shape = tuple(m["role"] for m in messages)
@@ -104,6 +110,15 @@ class PromptCounter:
             messages=list(messages), add_generation_prompt=True, tools=tools, documents=None, **self._specials
         )
 
+    def _render_open(self, messages: Messages, tools: list[dict] | None) -> str:
+        """As transformers continues a final message: the content tagged, rendered with no
+        generation prompt, and cut at the tag (where the template trimmed the content, trimmed too)."""
+        last = {**messages[-1], "content": messages[-1]["content"] + CONTINUE_TAG}
+        text = self._template.render(messages=[*messages[:-1], last], add_generation_prompt=False, tools=tools,
+                                     documents=None, **self._specials)
+        at = text.rindex(CONTINUE_TAG.strip())
+        return text[:at] if text[at : at + len(CONTINUE_TAG)] == CONTINUE_TAG else text[:at].rstrip()
+
     def _pieces(self, shape: tuple[str, ...]) -> list[str] | None:
         """The fixed text around each message's content, or None when the template reads the
         content (trims it, tests it), so only a full render is right."""
@@ -142,11 +157,26 @@ def output_bound(parsed: ParsedBody, prompt_tokens: int, context: int) -> int:
     return (parsed.max_tokens or max(context - prompt_tokens, 0)) * parsed.n
 
 
+def context_error(parsed: ParsedBody, prompt_tokens: int, context: int, at_least: bool = False) -> RequestError | None:
+    """The refusal of a prompt that, with its max_tokens, cannot fit the model's context; None
+    when it fits. ``at_least``: ``prompt_tokens`` is a lower bound (the prompt was not tokenized)."""
+    wanted = parsed.max_tokens or 0
+    if prompt_tokens < context and prompt_tokens + wanted <= context:
+        return None
+    if prompt_tokens >= context:
+        bound = "at least " if at_least else ""
+        return RequestError(f"the prompt is {bound}{prompt_tokens} tokens; the model's context is {context} tokens",
+                            PROMPT_PARAM[parsed.endpoint], ErrorCode.CONTEXT_LENGTH_EXCEEDED)
+    limit = MAX_TOKENS_PARAM[parsed.endpoint]
+    return RequestError(f"the prompt ({prompt_tokens} tokens) and {limit} ({wanted}) exceed the model's context of "
+                        f"{context} tokens", limit, ErrorCode.CONTEXT_LENGTH_EXCEEDED)
+
+
 def prompt_text(counter: PromptCounter, parsed: ParsedBody) -> tuple[str, bool] | None:
     """The text a request's prompt is tokenized from and whether special tokens are added;
     None for a prompt given as token ids."""
     if parsed.messages is not None:
-        return counter.render_chat(*template_input(parsed, counter.chat_template)), False
+        return counter.render_chat(*template_input(parsed, counter.chat_template), parsed.continues_final_message), False
     if isinstance(parsed.prompt, list):
         return None
     return parsed.prompt, True

@@ -20,6 +20,7 @@ from batchapi.openai.lines import InputLine
 from batchapi.openai.message_results import message_body
 from batchapi.openai.responses import response_body
 from batchapi.openai.tools import output_constraint, template_input
+from batchapi.validation.token_counts import context_error
 
 # the engine's reasons for refusing a request, as the wire format names them
 ENGINE_ERRORS = {
@@ -32,7 +33,9 @@ ENGINE_ERRORS = {
 def prompt_token_ids(parsed: ParsedBody, tokenizer) -> list[int]:
     if parsed.messages is not None:
         messages, tool_list = template_input(parsed, tokenizer.chat_template)
-        text = tokenizer.apply_chat_template(messages, tools=tool_list, add_generation_prompt=True, tokenize=False)
+        prefill = parsed.continues_final_message
+        text = tokenizer.apply_chat_template(messages, tools=tool_list, add_generation_prompt=not prefill,
+                                             continue_final_message=prefill, tokenize=False)
         return tokenizer.encode(text, add_special_tokens=False)  # the template already holds them
     if isinstance(parsed.prompt, list):
         return list(parsed.prompt)
@@ -65,15 +68,29 @@ def engine_error(result: GenerationResult) -> RequestError:
 
 
 class Codec:
-    def __init__(self, tokenizer, model_id: str, system_fingerprint: str | None = None):
+    def __init__(self, tokenizer, model_id: str, system_fingerprint: str | None = None,
+                 names: frozenset[str] = frozenset(), context: int | None = None):
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.system_fingerprint = system_fingerprint  # the engine's: which configuration made a result
+        self.names = names  # what a request may call the model; empty: any name (run-batch runs what it is given)
+        self.context = context  # the engine's tokens per sequence, output included; None: unchecked
 
     def request(self, line: InputLine, request_id: str) -> GenerationRequest:
-        """Raises ValueError for sampling settings the engine refuses."""
-        assert line.body is not None, f"line {line.line} did not parse: {line.error}"
-        return GenerationRequest(request_id, prompt_token_ids(line.body, self.tokenizer), sampling_params(line.body))
+        """Raises ValueError for sampling settings the engine refuses; RequestError for an
+        Anthropic request that names another model or cannot fit the context, which validation
+        reported as that request's (``Limits.each_request``) and which is refused again here."""
+        body = line.body
+        assert body is not None, f"line {line.line} did not parse: {line.error}"
+        if body.endpoint == MESSAGES and self.names and body.model not in self.names:
+            raise RequestError(f"the model {body.model!r} is not served for this batch; its requests run on "
+                               f"{self.model_id!r}", "model", ErrorCode.MODEL_NOT_FOUND)
+        ids = prompt_token_ids(body, self.tokenizer)
+        if body.endpoint == MESSAGES and self.context is not None:
+            error = context_error(body, len(ids), self.context)
+            if error is not None:
+                raise error
+        return GenerationRequest(request_id, ids, sampling_params(body))
 
     def line(self, line: InputLine, result: GenerationResult | None, not_run: ErrorCode) -> tuple[bytes, bool]:
         """``(line bytes, succeeded)``: a refused line, a result, or ``not_run`` for no result."""

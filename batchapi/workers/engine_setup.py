@@ -59,7 +59,8 @@ def start_runner(jobs: Jobs) -> ShardRunner:
     turn = TakeTurns() if resolve_device(settings.device) == "cpu" else None
     if chat:
         front = EngineFront(engine_config_from(settings, str(chat[0].path)), compute_turn=turn).start()
-        codec = Codec(front.tokenizer, chat[0].id, front.system_fingerprint)
+        codec = Codec(front.tokenizer, chat[0].id, front.system_fingerprint, chat[0].aliases,
+                      front.engine.max_model_len)
     encoders = {m.id: start_encoder(settings, m.path, m.id, turn) for m in served if m.kind != CHAT}
     return ShardRunner(jobs, front, codec, worker_owner(), on_engine_death=stop_this_process,
                        encoders=encoders).start()

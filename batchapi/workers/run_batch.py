@@ -133,7 +133,9 @@ def run_batch(input_path: Path, output_path: Path, engine_config: EngineConfig |
     started = time.monotonic()
     try:
         with open(output_path, "wb") as out, _progress(progress) as bar:
-            writer = _Writer(out, counts, Codec(front.tokenizer, Path(front.config.model_path).name, front.system_fingerprint))
+            codec = Codec(front.tokenizer, Path(front.config.model_path).name, front.system_fingerprint,
+                          context=front.engine.max_model_len)
+            writer = _Writer(out, counts, codec)
             task = bar.add_task("run", total=counts.total, tps=0.0)
 
             def drain(block: bool) -> None:
@@ -160,6 +162,9 @@ def run_batch(input_path: Path, output_path: Path, engine_config: EngineConfig |
                 if line.error is None:
                     try:
                         request = writer.codec.request(line, f"line-{number}")
+                    except RequestError as exc:  # a request that cannot fit the context
+                        exc.custom_id = line.custom_id
+                        line.error = exc
                     except ValueError as exc:  # sampling settings the engine refuses
                         line.error = RequestError(str(exc), custom_id=line.custom_id)
                 if line.error is not None:

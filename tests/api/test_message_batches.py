@@ -1,11 +1,13 @@
 """Anthropic's Message Batches API through the unmodified ``anthropic`` SDK, against a live server on
 PostgreSQL and SeaweedFS with the embedded worker and the tiny random model: create, retrieve,
-results (each custom_id once, parsed as the SDK's types), list paging, cancel, delete, a request
-with bad params errored alone, auth in Anthropic's error shape, usage and cost reconciled with the
-underlying batch, and a forced tool call that validates against its input_schema."""
+results (each custom_id once, parsed as the SDK's types), list paging, cancel, delete (the batch
+still billed in the reports), a request with bad params errored alone, auth in Anthropic's error
+shape, usage and cost reconciled with the underlying batch, a forced tool call that validates
+against its input_schema, and a refused create that leaves no file."""
 
 from __future__ import annotations
 
+import time
 from decimal import Decimal
 
 import anthropic
@@ -14,9 +16,10 @@ import jsonschema
 import pytest
 from anthropic.types import Message
 from anthropic.types.messages import MessageBatch
+from sqlalchemy import func, select
 
 from batchapi.batches.billing import cost
-from batchapi.db.models import Batch
+from batchapi.db.models import Batch, Shard
 from tests.api.conftest import new_key
 from tests.utils.batch_service import embedded_stack, wait_until
 
@@ -199,10 +202,53 @@ def test_another_projects_batch_is_not_found(server, client, model):
     ended(client, batch.id)
 
 
-def test_a_batch_that_fails_validation_ends_with_every_request_errored(client, model):
-    requests = [{"custom_id": "ok", "params": params(model)}, {"custom_id": "other", "params": params("no-such-model")}]
-    batch = ended(client, client.messages.batches.create(requests=requests).id)
-    assert batch.request_counts.errored == 2 and batch.request_counts.processing == 0
+def test_a_request_for_a_model_not_served_or_past_the_context_errors_alone(client, model):
+    """Anthropic validates each request on its own, the first one included: neither the create nor
+    the batch fails for one request's model or length, as an OpenAI batch's file would."""
+    requests = [{"custom_id": "other", "params": params("no-such-model")}, {"custom_id": "ok", "params": params(model)},
+                {"custom_id": "long", "params": params(model, "word " * 600)},
+                {"custom_id": "wants", "params": {**params(model), "max_tokens": 600}}]
+    batch = client.messages.batches.create(requests=requests)
+    batch = ended(client, batch.id)
+    assert (batch.request_counts.succeeded, batch.request_counts.errored) == (1, 3)
     got = results(client, batch.id)
-    assert set(got) == {"ok", "other"} and {r.type for r in got.values()} == {"errored"}
+    assert got["ok"].type == "succeeded" and got["ok"].message.model == model
+    assert {c: got[c].type for c in ("other", "long", "wants")} == dict.fromkeys(("other", "long", "wants"), "errored")
     assert "no-such-model" in got["other"].error.error.message
+    assert "context" in got["long"].error.error.message and "max_tokens" in got["wants"].error.error.message
+    assert all(got[c].error.error.type == "invalid_request_error" for c in ("other", "long", "wants"))
+
+
+def test_a_deleted_batch_stays_billed_and_is_gone_from_every_route(server, client, key, model):
+    requests = [{"custom_id": f"u{i}", "params": params(model, f"Name {i} fruits.")} for i in range(3)]
+    batch = ended(client, client.messages.batches.create(requests=requests).id)
+    http = httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {key}"})
+    span = {"start_time": int(batch.created_at.timestamp()) - 60, "end_time": int(time.time()) + 3600}
+    paths = ("/v1/organization/usage/completions", "/v1/organization/costs")
+    before = [http.get(path, params=span).json() for path in paths]
+    usage = [r for bucket in before[0]["data"] for r in bucket["results"]]
+    assert [(r["num_model_requests"], r["output_tokens"] > 0) for r in usage] == [(3, True)]
+    assert [r["amount"]["value"] > 0 for bucket in before[1]["data"] for r in bucket["results"]] == [True]
+
+    client.messages.batches.delete(batch.id)
+    assert [http.get(path, params=span).json() for path in paths] == before
+    assert batch.id not in [b.id for b in client.messages.batches.list()]
+    for gone in (lambda: client.messages.batches.retrieve(batch.id), lambda: client.messages.batches.cancel(batch.id),
+                 lambda: client.messages.batches.delete(batch.id), lambda: list(client.messages.batches.results(batch.id)),
+                 lambda: client.messages.batches.list(after_id=batch.id)):
+        with pytest.raises(anthropic.NotFoundError) as caught:
+            gone()
+        assert caught.value.body["error"]["type"] == "not_found_error"
+    assert http.get("/v1/files").json()["data"] == []  # the input, output and error files went
+    with server.jobs.sessions() as session:
+        assert session.scalar(select(func.count()).select_from(Shard).where(
+            Shard.batch_id == "batch_" + batch.id.removeprefix("msgbatch_"))) == 0
+
+
+def test_the_100001st_request_is_refused_in_anthropics_shape(client):
+    requests = [{"custom_id": f"r{i}", "params": {}} for i in range(100_001)]
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        client.messages.batches.create(requests=requests)
+    assert caught.value.body["type"] == "error"
+    assert caught.value.body["error"] == {"type": "invalid_request_error",
+                                          "message": "requests: at most 100000 requests per batch, got 100001"}

@@ -64,7 +64,7 @@ def test_a_named_tool_is_a_forced_call():
     ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role", ErrorCode.INVALID_VALUE),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages[0].content[0]",
      ErrorCode.INVALID_VALUE),
-    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}, "messages[1].role",
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b "}]}, "messages[1].content",
      ErrorCode.INVALID_VALUE),
     ({"tools": [{**TOOL, "input_schema": {"type": "object", "if": {}}}]}, "tools[0].input_schema",
      ErrorCode.INVALID_JSON_SCHEMA),

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from batchapi.openai.body import parse_body
+from batchapi.openai.body import MESSAGES, parse_body
 from batchapi.openai.lines import iter_lines
 from batchapi.validation.scanner import Limits, Scanner
 from batchapi.validation.token_counts import PromptCounter, exact_counts
@@ -319,3 +319,27 @@ def test_a_prompt_that_surely_cannot_fit_is_reported_by_its_floor(counter):
     assert [(e.code, e.line, e.param) for e in result.errors] == [("context_length_exceeded", 2, "body.messages")]
     floor = counter.lower_bound(counter.render_chat([{"role": "user", "content": text}]))
     assert result.errors[0].message == f"the prompt is at least {floor} tokens; the model's context is 512 tokens"
+
+
+def message_line(i: int, model: str = M, content: str = "hello", max_tokens: int = 16, **params) -> dict:
+    return {"custom_id": f"m{i}", "method": "POST", "url": MESSAGES,
+            "body": {"model": model, "max_tokens": max_tokens, "messages": [{"role": "user", "content": content}],
+                     **params}}
+
+
+def test_a_message_batch_refuses_a_request_for_its_model_or_context_alone(counter):
+    """Anthropic validates each request of a Message Batch on its own: the model and the context
+    are the request's concern, where OpenAI's rule fails the file (CASES above)."""
+    lines = [message_line(1), message_line(2, model="claude-x"), message_line(3, content="hello " * 600),
+             message_line(4, max_tokens=500), message_line(5, model="/models/tiny-llama"),
+             message_line(6, model="claude-x", temperature=9)]
+    result = scan(counter, jsonl(lines), endpoint=MESSAGES)
+    assert result.errors == []
+    assert request_codes(result) == [("model_not_found", 2, "body.model"),
+                                     ("context_length_exceeded", 3, "body.messages"),
+                                     ("context_length_exceeded", 4, "body.max_tokens"),
+                                     ("invalid_value", 6, "body.temperature")]  # one error a request
+    assert result.request_count == 6 and sum(s.request_count for s in result.shards) == 6
+    rest = scan(counter, jsonl([message_line(1), message_line(5)]), endpoint=MESSAGES)
+    assert (result.prompt_tokens, result.max_output_tokens) == (rest.prompt_tokens, rest.max_output_tokens) != (0, 0)
+    assert "'claude-x' is not served for this batch" in result.request_errors[0].message

@@ -8,6 +8,7 @@ import pytest
 from openai.types.responses import Response
 
 from batchapi.engine import EngineConfig, EngineFront
+from batchapi.openai.errors import RequestError
 from batchapi.openai.lines import parse_line
 from batchapi.workers.codec import Codec
 from batchapi.workers.run_batch import run_batch
@@ -157,3 +158,26 @@ def test_a_responses_file_runs_into_response_objects(tmp_path, front):
     chat_usage = out["chat"]["body"]["usage"]
     assert counts.prompt_tokens == sum(u.input_tokens for u in responses_usage) + chat_usage["prompt_tokens"]
     assert counts.completion_tokens == sum(u.output_tokens for u in responses_usage) + chat_usage["completion_tokens"]
+
+
+def test_an_anthropic_request_for_another_model_or_past_the_context_is_refused_alone(front):
+    """The worker's side of validation's per-request rule for Message Batches (``Limits.each_request``)."""
+    codec = Codec(front.tokenizer, "tiny", names=frozenset({"tiny", "tiny-alias"}), context=front.engine.max_model_len)
+
+    def request(custom_id, **body):
+        content = json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/messages", "body": {
+            "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}], **body}}).encode()
+        return codec.request(parse_line(content, 1, None), custom_id)
+
+    assert request("ok", model="tiny-alias").prompt_token_ids
+    refusals = {}
+    for custom_id, body in (("other", dict(model="claude-x")), ("long", dict(model="tiny", max_tokens=500)),
+                            ("longer", dict(model="tiny", messages=[{"role": "user", "content": "word " * 400}]))):
+        with pytest.raises(RequestError) as err:
+            request(custom_id, **body)
+        refusals[custom_id] = (err.value.code, err.value.param)
+    assert refusals == {"other": ("model_not_found", "model"), "long": ("context_length_exceeded", "max_tokens"),
+                        "longer": ("context_length_exceeded", "messages")}
+    chat = json.dumps({"custom_id": "c", "method": "POST", "url": "/v1/chat/completions", "body": {
+        "model": "claude-x", "max_tokens": 500, "messages": [{"role": "user", "content": "Hi"}]}}).encode()
+    assert codec.request(parse_line(chat, 1, None), "c").prompt_token_ids  # OpenAI's rule: validation's concern

@@ -1,0 +1,88 @@
+"""A Message Batch's own limits (Anthropic's: 100,000 requests, a 256 MB create body), apart from
+the limits on files uploaded to /v1/files, and a refused create that leaves no file behind."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from sqlalchemy import select
+from sqlalchemy.exc import OperationalError
+
+from batchapi.batches import messages
+from batchapi.db.models import Batch, File
+from batchapi.db.projects import get_or_create_project
+from batchapi.db.session import session_scope
+from batchapi.errors import InvalidRequest
+from batchapi.model_store import served_model_id
+from batchapi.storage.streams import TooLarge
+
+
+@pytest.fixture
+def project(sqlite_jobs, request) -> str:
+    with session_scope(sqlite_jobs.sessions) as session:
+        return get_or_create_project(session, f"messages-{request.node.name}").id
+
+
+def body(n: int, model: str = "m", **params) -> dict:
+    return {"requests": [{"custom_id": f"r{i}", "params": {"model": model, "max_tokens": 4, **params}}
+                         for i in range(n)]}
+
+
+def live_files(jobs, project: str) -> list[File]:
+    with jobs.sessions() as session:
+        return list(session.scalars(select(File).where(File.project_id == project, File.deleted_at.is_(None))))
+
+
+def test_more_requests_than_the_file_line_limit_make_one_input_file(sqlite_jobs):
+    n = sqlite_jobs.settings.max_file_lines + 1  # 50,001: within Anthropic's 100,000
+    data, count = messages.input_lines(sqlite_jobs, body(n))
+    assert count == n and data.count(b"\n") == n
+    assert json.loads(data.splitlines()[-1]) == {"custom_id": f"r{n - 1}", "method": "POST", "url": "/v1/messages",
+                                                 "body": {"model": "m", "max_tokens": 4}}
+
+
+def test_one_request_past_the_limit_is_refused(sqlite_jobs, monkeypatch):
+    monkeypatch.setattr(messages, "MAX_REQUESTS", 3)
+    assert messages.input_lines(sqlite_jobs, body(3))[1] == 3
+    with pytest.raises(InvalidRequest) as caught:
+        messages.input_lines(sqlite_jobs, body(4))
+    assert (caught.value.message, caught.value.param) == ("requests: at most 3 requests per batch, got 4", "requests")
+
+
+def test_a_body_within_the_body_limit_becomes_a_file_within_the_file_limit(sqlite_jobs, monkeypatch):
+    requests = body(3)
+    monkeypatch.setattr(messages, "MAX_REQUESTS", 3)
+    monkeypatch.setattr(messages, "MAX_BODY_BYTES", len(json.dumps(requests, separators=(",", ":"))))
+    data, _ = messages.input_lines(sqlite_jobs, requests)
+    assert len(data) <= messages.max_file_bytes()
+    # numbers that grow when written again (1e9 is 1000000000.0) can pass it
+    raw = '{"requests":[{"custom_id":"a","params":{"n":[1e9,1e9,1e9,1e9,1e9,1e9]}}]}'
+    monkeypatch.setattr(messages, "MAX_REQUESTS", 1)
+    monkeypatch.setattr(messages, "MAX_BODY_BYTES", len(raw))
+    with pytest.raises(TooLarge) as caught:
+        messages.input_lines(sqlite_jobs, json.loads(raw))
+    assert caught.value.param == "requests" and caught.value.code == "file_too_large"
+
+
+def test_the_input_file_may_be_larger_than_an_upload(sqlite_jobs, project):
+    jobs = dataclasses.replace(sqlite_jobs, settings=sqlite_jobs.settings.model_copy(update={"max_upload_bytes": 64}))
+    batch = messages.create(jobs, project, body(3, served_model_id(jobs.settings)))
+    with jobs.sessions() as session:
+        assert session.get(File, batch.input_file_id).bytes > 64
+
+
+def test_a_refused_create_leaves_no_file(sqlite_jobs, project, monkeypatch):
+    def database_away(*args, **kwargs):
+        raise OperationalError("INSERT INTO batches", {}, Exception("the database went away"))
+
+    monkeypatch.setattr(messages.service, "create_batch", database_away)  # after the file's commit
+    with pytest.raises(OperationalError):
+        messages.create(sqlite_jobs, project, body(2, "no-such-model"))
+    assert live_files(sqlite_jobs, project) == []
+    with sqlite_jobs.sessions() as session:
+        (gone,) = session.scalars(select(File).where(File.project_id == project))
+        assert session.scalar(select(Batch).where(Batch.project_id == project)) is None
+    assert gone.filename == "message_batch_requests.jsonl"
+    assert not sqlite_jobs.storage.exists(gone.storage_key)
