@@ -7,6 +7,7 @@ else in the package reads ``os.environ``.
 from __future__ import annotations
 
 import ipaddress
+import re
 from decimal import Decimal
 from pathlib import Path
 from typing import Annotated, Literal
@@ -118,6 +119,9 @@ class Settings(BaseSettings):
     # X-Forwarded-Proto from the proxies in its FORWARDED_ALLOW_IPS, loopback by default); true behind
     # a TLS-terminating proxy on another host
     cookie_secure: Literal["auto", "true", "false"] = "auto"
+    # the URL clients reach the API at (https://batch.example.com), for the links the API hands out
+    # (a Message Batch's results_url); empty: the request's own scheme, host and port
+    public_url: str = ""
     # prometheus_client's own variable (it reads it too): a directory where API processes share their
     # HTTP metrics; `batchapi serve --workers N` makes a fresh one when it is unset
     prometheus_multiproc_dir: str = Field(default="", validation_alias="PROMETHEUS_MULTIPROC_DIR")
@@ -126,6 +130,14 @@ class Settings(BaseSettings):
     @classmethod
     def _expand(cls, value: Path) -> Path:
         return value.expanduser()
+
+    @field_validator("public_url")
+    @classmethod
+    def _check_public_url(cls, value: str) -> str:
+        value = value.strip().rstrip("/")
+        if value and not re.fullmatch(r"https?://[^/?#\s]+(/[^?#\s]*)?", value):
+            raise ValueError("must be an http(s) URL with no query or fragment, e.g. https://batch.example.com")
+        return value
 
     @field_validator("models", mode="before")
     @classmethod

@@ -60,6 +60,16 @@ def test_cookie_secure_is_auto_unless_set(monkeypatch):
     assert load_settings().cookie_secure == "true"
 
 
+def test_public_url_is_an_http_url_without_its_trailing_slash(monkeypatch):
+    assert load_settings().public_url == ""
+    monkeypatch.setenv("BATCHAPI_PUBLIC_URL", "https://batch.example.com/api/")
+    assert load_settings().public_url == "https://batch.example.com/api"
+    for bad in ("batch.example.com", "ftp://batch.example.com", "https://batch.example.com/?x=1"):
+        monkeypatch.setenv("BATCHAPI_PUBLIC_URL", bad)
+        with pytest.raises(SettingsError, match="BATCHAPI_PUBLIC_URL"):
+            load_settings()
+
+
 def test_heartbeat_must_fit_in_the_lease(monkeypatch):
     monkeypatch.setenv("BATCHAPI_LEASE_SECONDS", "10")
     monkeypatch.setenv("BATCHAPI_HEARTBEAT_SECONDS", "8")

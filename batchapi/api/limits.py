@@ -10,7 +10,7 @@ from fnmatch import fnmatchcase
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from batchapi.api.errors import error_response
+from batchapi.api.errors import ANTHROPIC_PATHS, anthropic_error, error_response
 from batchapi.api.request_id import new_request_id
 from batchapi.storage.streams import TooLarge
 
@@ -118,7 +118,7 @@ class BodyLimit:
         too_large = TooLarge(f"The request body is larger than {cap} bytes, the limit of {scope['path']}.",
                              None, "request_too_large")
         if declared is not None and declared > cap:
-            return await send_refusal(send, too_large)
+            return await send_refusal(send, too_large, scope["path"])
 
         received, complete, tripped, replaced = 0, False, False, False
 
@@ -138,7 +138,7 @@ class BodyLimit:
             if message["type"] == "http.response.start":
                 if tripped and message["status"] != 413:  # a handler turned the refusal into another error
                     replaced = True
-                    return await send_refusal(send, too_large)
+                    return await send_refusal(send, too_large, scope["path"])
                 if not complete:
                     message = {**message, "headers": [*message.get("headers", []), CLOSE]}
             elif replaced:
@@ -148,7 +148,10 @@ class BodyLimit:
         await self.app(scope, counted_receive, closing_send)
 
 
-async def send_refusal(send, exc: TooLarge) -> None:
+async def send_refusal(send, exc: TooLarge, path: str) -> None:
+    """The 413, in the wire format of the route refused (Anthropic's on its routes)."""
     response = error_response(413, exc.message, exc.param, exc.code)
+    if path.startswith(ANTHROPIC_PATHS):
+        response = anthropic_error(response)
     await send({"type": "http.response.start", "status": 413, "headers": [*response.raw_headers, CLOSE]})
     await send({"type": "http.response.body", "body": response.body})

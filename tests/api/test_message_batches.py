@@ -108,6 +108,15 @@ def test_create_retrieve_and_results_with_one_errored_request(client, model, ser
     assert Decimal(cost(row).as_dict()["list_amount"]) == listed.quantize(Decimal("1e-8"))
 
 
+def test_results_url_is_on_the_public_url_when_one_is_set(client, model, server, monkeypatch):
+    batch = ended(client, client.messages.batches.create(requests=[{"custom_id": "a", "params": params(model)}]).id)
+    assert batch.results_url.startswith(server.base_url)  # the request's own host by default
+    monkeypatch.setattr(server.jobs.settings, "public_url", "https://batch.example.com/api")
+    again = client.messages.batches.retrieve(batch.id)
+    assert again.results_url == f"https://batch.example.com/api/v1/messages/batches/{batch.id}/results"
+    assert {b.results_url for b in client.messages.batches.list() if b.id == batch.id} == {again.results_url}
+
+
 def test_list_pages_newest_first_with_after_and_before(client, model):
     ids = [client.messages.batches.create(requests=[{"custom_id": "a", "params": params(model)}]).id
            for _ in range(3)]
@@ -240,6 +249,10 @@ def test_a_deleted_batch_stays_billed_and_is_gone_from_every_route(server, clien
             gone()
         assert caught.value.body["error"]["type"] == "not_found_error"
     assert http.get("/v1/files").json()["data"] == []  # the input, output and error files went
+    row_id = "batch_" + batch.id.removeprefix("msgbatch_")
+    for path in (f"/v1/batches/{row_id}", f"/v1/batches/{row_id}/partial_results"):  # nor on OpenAI's routes
+        assert http.get(path).status_code == 404, path
+    assert row_id not in [b["id"] for b in http.get("/v1/batches").json()["data"]]
     with server.jobs.sessions() as session:
         assert session.scalar(select(func.count()).select_from(Shard).where(
             Shard.batch_id == "batch_" + batch.id.removeprefix("msgbatch_"))) == 0

@@ -217,3 +217,16 @@ def test_a_json_body_over_its_limit_is_refused(pg_server, api_key, length):
     answer = send_until_answered(pg_server.base_url, head, endless if length else chunked(endless))
     assert_refused(answer, 413, "request_too_large")
     assert answer.sent < MAX_JSON_BODY_BYTES + READ_AHEAD
+
+
+def test_a_message_batch_over_its_limit_is_refused_in_anthropics_shape(pg_server, api_key):
+    from batchapi.batches.messages import MAX_BODY_BYTES
+
+    head = request_head("POST", "/v1/messages/batches", {
+        "x-api-key": api_key, "anthropic-version": "2023-06-01", "Content-Type": "application/json",
+        "Content-Length": str(MAX_BODY_BYTES + 1)})
+    answer = send_until_answered(pg_server.base_url, head, itertools.chain([b'{"requests": ['], itertools.repeat(CHUNK)))
+    assert answer.status == 413 and answer.sent < READ_AHEAD, (answer.status, answer.sent)
+    body = answer.json()
+    assert body["type"] == "error" and body["error"]["type"] == "request_too_large", body
+    assert str(MAX_BODY_BYTES) in body["error"]["message"]

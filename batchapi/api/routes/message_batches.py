@@ -30,7 +30,7 @@ async def create_message_batch(request: Request, jobs: JobsDep, project_id: Anth
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         raise InvalidRequest("The request body is not valid JSON.") from None
     batch = await run_in_threadpool(messages.create, jobs, project_id, body)
-    return MessageBatch.of(batch, str(request.base_url))
+    return MessageBatch.of(batch, _base_url(request, jobs))
 
 
 @router.get("")
@@ -43,7 +43,7 @@ def list_message_batches(
     limit: Annotated[int, Query(ge=1, le=1000)] = 20,
 ) -> MessageBatchList:
     rows, has_more = messages.list_page(jobs, project_id, limit, after_id, before_id)
-    data = [MessageBatch.of(r, str(request.base_url)) for r in rows]
+    data = [MessageBatch.of(r, _base_url(request, jobs)) for r in rows]
     return MessageBatchList(data=data, has_more=has_more, first_id=data[0].id if data else None,
                             last_id=data[-1].id if data else None)
 
@@ -51,13 +51,13 @@ def list_message_batches(
 @router.get("/{message_batch_id}")
 def retrieve_message_batch(request: Request, jobs: JobsDep, project_id: AnthropicProjectDep,
                            message_batch_id: str) -> MessageBatch:
-    return MessageBatch.of(messages.get(jobs, project_id, message_batch_id), str(request.base_url))
+    return MessageBatch.of(messages.get(jobs, project_id, message_batch_id), _base_url(request, jobs))
 
 
 @router.post("/{message_batch_id}/cancel", responses=error_responses(409))
 def cancel_message_batch(request: Request, jobs: JobsDep, project_id: AnthropicProjectDep,
                          message_batch_id: str) -> MessageBatch:
-    return MessageBatch.of(messages.cancel(jobs, project_id, message_batch_id), str(request.base_url))
+    return MessageBatch.of(messages.cancel(jobs, project_id, message_batch_id), _base_url(request, jobs))
 
 
 @router.delete("/{message_batch_id}", responses=error_responses(503))
@@ -70,3 +70,8 @@ def message_batch_results(jobs: JobsDep, project_id: AnthropicProjectDep, messag
     """JSONL, one line per request, for an ended batch: ``{"custom_id", "result"}``."""
     return StreamingResponse(messages.iter_results(jobs, project_id, message_batch_id),
                              media_type="application/binary")
+
+
+def _base_url(request: Request, jobs) -> str:
+    """Where clients reach the API: ``BATCHAPI_PUBLIC_URL``, else the request's own scheme and host."""
+    return jobs.settings.public_url or str(request.base_url)
