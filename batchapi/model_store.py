@@ -144,12 +144,21 @@ def served_ids(settings: Settings) -> list[str]:
     return list(dict.fromkeys(model_id(name) for name in settings.served_models))
 
 
-def served_id_for(settings: Settings, name: str) -> str | None:
-    """The served model a request's ``model`` names (by id or alias), or None; reads no disk."""
+def served_id_for(settings: Settings, name: str, kind: str | None = None) -> str | None:
+    """The served model a request's ``model`` names (by id or alias), or None; reads no disk.
+    ``kind``: only a model of that kind, as far as it is known without the model's files (a
+    packaged model's; a directory's own config.json where the directory is on this machine)."""
     for served in settings.served_models:
-        if name in accepted_names(served):
+        if name in accepted_names(served) and (kind is None or _known_kind(served) in (kind, None)):
             return model_id(served)
     return None
+
+
+def _known_kind(name_or_path: str) -> str | None:
+    if name_or_path in CATALOG:
+        return CATALOG[name_or_path].kind
+    path = Path(name_or_path).expanduser()
+    return model_kind(path) if _is_hf_dir(path) else None
 
 
 def served_model(settings: Settings, model: str | None = None) -> ServedModel:

@@ -89,3 +89,17 @@ def test_served_names_resolve_without_reading_disk(tmp_path):
     assert served_id_for(settings, "HuggingFaceTB/SmolLM2-135M-Instruct") == "smollm2-135m-instruct"
     assert served_id_for(settings, "/m/all-minilm-l6-v2") == "all-minilm-l6-v2"
     assert served_id_for(settings, "text-embedding-3-small") is None
+
+
+def test_served_names_of_one_kind_as_far_as_it_is_known(tmp_path, minilm_dir, tiny_llama_dir):
+    from batchapi.config import load_settings
+    from batchapi.model_store import CHAT, EMBEDDING, served_id_for
+
+    settings = load_settings(data_dir=tmp_path, models=["all-minilm-l6-v2", str(minilm_dir), str(tiny_llama_dir),
+                                                        "/not/here/model"])
+    assert served_id_for(settings, "all-minilm-l6-v2") == "all-minilm-l6-v2"
+    assert served_id_for(settings, "all-minilm-l6-v2", CHAT) is None  # a packaged model: the catalog's kind
+    assert served_id_for(settings, str(minilm_dir), CHAT) is None  # a directory here: its config's
+    assert served_id_for(settings, str(minilm_dir), EMBEDDING) == minilm_dir.name
+    assert served_id_for(settings, str(tiny_llama_dir), CHAT) == tiny_llama_dir.name
+    assert served_id_for(settings, "/not/here/model", CHAT) == "model"  # not on this machine: not ruled out

@@ -129,8 +129,14 @@ def create(jobs: Jobs, project_id: str, body: object) -> Batch:
         return service.create_batch(jobs, project_id, file.id, MESSAGES, WINDOW, request_total=count)
     except Exception:  # refused, or the database away: the client retries with a new file
         with contextlib.suppress(NotFound, *TRANSIENT):  # gone already, or left for the file expiry
-            delete_file(jobs, project_id, file.id)
+            if not _has_batch(jobs, file.id):  # an error after the batch's commit leaves a live batch its input
+                delete_file(jobs, project_id, file.id)
         raise
+
+
+def _has_batch(jobs: Jobs, file_id: str) -> bool:
+    with jobs.sessions() as session:
+        return session.scalar(select(Batch.id).where(Batch.input_file_id == file_id).limit(1)) is not None
 
 
 def _row(session, project_id: str, message_batch_id: str) -> Batch:
@@ -187,6 +193,7 @@ def delete(jobs: Jobs, project_id: str, message_batch_id: str) -> str:
         session.execute(sql_delete(RequestResult).where(RequestResult.shard_id.in_(shard_ids)))
         session.execute(sql_delete(Shard).where(Shard.batch_id == batch.id))
         batch.deleted_at = now()
+        batch.idempotency_key = None  # free for a new batch, as when the row went
     for key in keys:
         jobs.storage.delete(key)
     return message_batch_id

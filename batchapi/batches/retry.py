@@ -20,12 +20,13 @@ from dataclasses import dataclass
 
 from sqlalchemy import select
 
-from batchapi.batches import request_results, service
+from batchapi.batches import messages, request_results, service
 from batchapi.batches.context import Jobs
 from batchapi.batches.files import delete_file, get_file_row, upload_file
 from batchapi.batches.states import DONE_SHARDS, TERMINAL, BatchStatus
 from batchapi.db.models import Batch, Shard
 from batchapi.errors import Conflict, InvalidRequest, NotFound
+from batchapi.openai.body import MESSAGES
 from batchapi.openai.lines import BOM, LongLine, is_blank, iter_lines
 from batchapi.openai.text import check_text
 
@@ -50,7 +51,9 @@ def retry_batch(jobs: Jobs, project_id: str, bid: str, idempotency_key: str | No
             raise InvalidRequest(f"Batch {bid} has no failed, expired or cancelled requests to retry.", "batch_id",
                                  code="nothing_to_retry")
         spool.seek(0)
-        file = upload_file(jobs, project_id, f"{bid}_retry.jsonl", "batch", spool)
+        # a Message Batch's input may be larger than an upload (messages.max_file_bytes)
+        limit = messages.max_file_bytes() if original.endpoint == MESSAGES else None
+        file = upload_file(jobs, project_id, f"{bid}_retry.jsonl", "batch", spool, max_bytes=limit)
     keep = original.output_expires_after  # its output files expire as the original's do
     batch = service.create_batch(jobs, project_id, file.id, original.endpoint, original.completion_window,
                                  original.metadata_, idempotency_key, retry_of=bid,

@@ -23,7 +23,7 @@ from batchapi.db.models import Batch, Shard
 from batchapi.db.paging import page
 from batchapi.db.session import session_scope
 from batchapi.errors import Conflict, InvalidRequest, NotFound
-from batchapi.model_store import served_id_for, served_ids, served_model_id
+from batchapi.model_store import CHAT, served_id_for, served_ids, served_model_id
 from batchapi.openai.body import ENDPOINTS, MESSAGES
 from batchapi.openai.lines import BOM, LongLine, is_blank, iter_lines
 from batchapi.openai.text import check_text
@@ -62,11 +62,8 @@ def check_metadata(metadata: dict | None) -> None:
         check_text(value, "metadata")
 
 
-def _fingerprint(input_file_id: str, endpoint: str, window: str, metadata: dict | None,
-                 output_expiry: int | None) -> str:
-    # output_expiry only where given: keys of batches created before it counted keep their fingerprint
-    fields = [input_file_id, endpoint, window, metadata] + ([output_expiry] if output_expiry is not None else [])
-    canonical = json.dumps(fields, sort_keys=True)
+def _fingerprint(input_file_id: str, endpoint: str, window: str, metadata: dict | None) -> str:
+    canonical = json.dumps([input_file_id, endpoint, window, metadata], sort_keys=True)
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
@@ -95,11 +92,11 @@ def create_batch(
     check_metadata(metadata)
     output_expiry = expiry_seconds(output_expires_after, "output_expires_after")  # of the output and error files
     fingerprint = retry_fingerprint(retry_of) if retry_of else _fingerprint(input_file_id, endpoint, completion_window,
-                                                                            metadata, output_expiry)
+                                                                            metadata)
     if idempotency_key is not None:
         existing = by_idempotency_key(jobs, project_id, idempotency_key, fingerprint)
         if existing is not None:
-            return existing
+            return _same_expiry(existing, output_expiry, retry_of)
     model = batch_model(jobs, project_id, input_file_id, each_request=endpoint == MESSAGES)
     price = price_for(jobs.settings, model or served_model_id(jobs.settings))
     t = now()
@@ -126,7 +123,7 @@ def create_batch(
         existing = by_idempotency_key(jobs, project_id, idempotency_key, fingerprint)
         if existing is None:
             raise
-        return existing
+        return _same_expiry(existing, output_expiry, retry_of)
     if jobs.on_batch_created is not None:
         jobs.on_batch_created(batch.id)
     return batch
@@ -137,12 +134,12 @@ def batch_model(jobs: Jobs, project_id: str, input_file_id: str, each_request: b
     the one whose workers run it. InvalidRequest (``model_not_found``) when no worker serves it;
     None when the first line names no model (validation reports what is wrong with it).
     ``each_request`` (a Message Batch: Anthropic validates each request alone): the first served
-    model any request names, a request naming another being only that request's error; None
-    when none does (the default model's workers then refuse each request)."""
+    chat model any request names, a request naming another being only that request's error;
+    None when none does (the default model's workers then refuse each request)."""
     with jobs.sessions() as session:
         storage_key = get_file_row(session, project_id, input_file_id).storage_key
     if each_request:
-        served = (served_id_for(jobs.settings, named) for named in _models(jobs, storage_key) if named)
+        served = (served_id_for(jobs.settings, named, CHAT) for named in _models(jobs, storage_key) if named)
         return next(filter(None, served), None)
     named = next(_models(jobs, storage_key), None)
     if named is None:
@@ -176,14 +173,25 @@ def retry_fingerprint(original_id: str) -> str:
 
 
 def by_idempotency_key(jobs: Jobs, project_id: str, key: str | None, fingerprint: str) -> Batch | None:
+    """The batch created with ``key``; Conflict if it was created with other parameters."""
     with jobs.sessions() as session:
         batch = session.scalar(select(Batch).where(Batch.project_id == project_id, Batch.idempotency_key == key))
     if batch is not None and batch.request_fingerprint != fingerprint:
-        raise Conflict(
-            "this Idempotency-Key was already used with different parameters", "Idempotency-Key",
-            code="idempotency_key_reused",
-        )
+        raise _key_reused()
     return batch
+
+
+def _same_expiry(batch: Batch, output_expiry: int | None, retry_of: str | None) -> Batch:
+    """The output files' expiry is part of a create's parameters too; it is compared on the row, as
+    fingerprints made before it counted lack it (a retry's follows its original's)."""
+    if retry_of is None and batch.output_expires_after != output_expiry:
+        raise _key_reused()
+    return batch
+
+
+def _key_reused() -> Conflict:
+    return Conflict("this Idempotency-Key was already used with different parameters", "Idempotency-Key",
+                    code="idempotency_key_reused")
 
 
 def get_batch_row(session: Session, project_id: str, bid: str) -> Batch:

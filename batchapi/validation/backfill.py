@@ -21,8 +21,15 @@ from batchapi.db.models import Batch, File, Shard
 from batchapi.db.session import session_scope
 from batchapi.errors import TRANSIENT
 from batchapi.model_store import served_model
+from batchapi.openai.body import MESSAGES
 from batchapi.openai.lines import is_blank, iter_lines, parse_line
-from batchapi.validation.token_counts import PromptCounter, counter_for, exact_counts, output_bound
+from batchapi.validation.token_counts import (
+    PromptCounter,
+    context_error,
+    counter_for,
+    exact_counts,
+    output_bound,
+)
 
 log = logging.getLogger(__name__)
 
@@ -50,13 +57,14 @@ def count_batch(
         shards = list(session.scalars(
             select(Shard).where(Shard.batch_id == batch_id, Shard.tokens_counted.is_(False)).order_by(Shard.index)
         ))
-    counter = counter or counter_for(served_model(jobs.settings, batch.model).path)
+    served = served_model(jobs.settings, batch.model)
+    counter = counter or counter_for(served.path)
     done = 0
     for shard in shards:
         if stop() or not _still_wanted(jobs, batch_id):
             break
         try:
-            counts, outputs = _count_shard(jobs, counter, batch.endpoint, file.storage_key, shard)
+            counts, outputs = _count_shard(jobs, counter, batch.endpoint, file.storage_key, shard, served.aliases)
         except TRANSIENT:
             raise
         except Exception:  # it would fail on every sweep: keep validation's bounds, count the other shards
@@ -79,7 +87,8 @@ def _still_wanted(jobs: Jobs, batch_id: str) -> bool:
     return status in (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS)
 
 
-def _count_shard(jobs: Jobs, counter: PromptCounter, endpoint: str, key: str, shard: Shard) -> tuple[list[int], int]:
+def _count_shard(jobs: Jobs, counter: PromptCounter, endpoint: str, key: str, shard: Shard,
+                 names: frozenset[str]) -> tuple[list[int], int]:
     chunks = jobs.storage.iter_chunks(key, shard.start_byte, shard.end_byte)
     lines = [parse_line(content, shard.first_line + number - 1, endpoint)
              for number, _, _, content in iter_lines(chunks, jobs.settings.max_line_bytes) if not is_blank(content)]
@@ -91,6 +100,12 @@ def _count_shard(jobs: Jobs, counter: PromptCounter, endpoint: str, key: str, sh
     for i, count in zip(good, exact_counts(counter, [lines[i].body for i in good]), strict=True):
         counts[i] = count
     context = counter.context_length
+    if endpoint == MESSAGES:  # each request its own concern: one refused for its model or length runs as a 400
+        refused = [i for i in good if lines[i].body.model not in names
+                   or context_error(lines[i].body, counts[i], context) is not None]
+        for i in refused:
+            counts[i] = 0
+        good = sorted(set(good) - set(refused))
     return counts, sum(output_bound(lines[i].body, counts[i], context) for i in good)
 
 

@@ -330,6 +330,13 @@ def _token_text(token) -> str | None:
     return token
 
 
+def context_length(model_dir: str | Path) -> int:
+    """The model's context as validation checks prompts against it (``PromptCounter.context_length``),
+    without loading the tokenizer: what the worker refuses a Message Batch request by."""
+    model_dir = Path(model_dir)
+    return _context_length(_read_json(model_dir / "config.json"), _read_json(model_dir / "tokenizer_config.json"))
+
+
 def _context_length(config: dict, tok_config: dict) -> int:
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         if isinstance(config.get(key), int):

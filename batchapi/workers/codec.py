@@ -74,7 +74,7 @@ class Codec:
         self.model_id = model_id
         self.system_fingerprint = system_fingerprint  # the engine's: which configuration made a result
         self.names = names  # what a request may call the model; empty: any name (run-batch runs what it is given)
-        self.context = context  # the engine's tokens per sequence, output included; None: unchecked
+        self.context = context  # validation's context of the model (prompt and max_tokens); None: unchecked
 
     def request(self, line: InputLine, request_id: str) -> GenerationRequest:
         """Raises ValueError for sampling settings the engine refuses; RequestError for an

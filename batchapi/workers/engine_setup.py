@@ -14,6 +14,7 @@ from batchapi.batches.context import Jobs
 from batchapi.config import Settings
 from batchapi.engine import EngineConfig, EngineFront
 from batchapi.model_store import CHAT, resolve_model, served_model
+from batchapi.validation.token_counts import context_length
 from batchapi.workers.codec import Codec
 from batchapi.workers.embedding_codec import EmbeddingCodec
 from batchapi.workers.shard_runner import ShardRunner
@@ -60,7 +61,7 @@ def start_runner(jobs: Jobs) -> ShardRunner:
     if chat:
         front = EngineFront(engine_config_from(settings, str(chat[0].path)), compute_turn=turn).start()
         codec = Codec(front.tokenizer, chat[0].id, front.system_fingerprint, chat[0].aliases,
-                      front.engine.max_model_len)
+                      context_length(chat[0].path))  # validation's: the worker refuses what it refused
     encoders = {m.id: start_encoder(settings, m.path, m.id, turn) for m in served if m.kind != CHAT}
     return ShardRunner(jobs, front, codec, worker_owner(), on_engine_death=stop_this_process,
                        encoders=encoders).start()

@@ -34,6 +34,7 @@ from batchapi.openai.embeddings import EMBEDDINGS
 from batchapi.openai.errors import ErrorCode, RequestError
 from batchapi.openai.lines import BOM, InputLine, is_blank, iter_lines, parse_line
 from batchapi.storage.streams import CHUNK
+from batchapi.validation.token_counts import context_length
 from batchapi.workers.codec import Codec
 
 WINDOW = 4  # lines waiting to be written, in multiples of the requests in flight
@@ -134,7 +135,7 @@ def run_batch(input_path: Path, output_path: Path, engine_config: EngineConfig |
     try:
         with open(output_path, "wb") as out, _progress(progress) as bar:
             codec = Codec(front.tokenizer, Path(front.config.model_path).name, front.system_fingerprint,
-                          context=front.engine.max_model_len)
+                          context=context_length(front.config.model_path))
             writer = _Writer(out, counts, codec)
             task = bar.add_task("run", total=counts.total, tps=0.0)
 

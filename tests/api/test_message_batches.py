@@ -7,6 +7,7 @@ against its input_schema, and a refused create that leaves no file."""
 
 from __future__ import annotations
 
+import json
 import time
 from decimal import Decimal
 
@@ -256,6 +257,22 @@ def test_a_deleted_batch_stays_billed_and_is_gone_from_every_route(server, clien
     with server.jobs.sessions() as session:
         assert session.scalar(select(func.count()).select_from(Shard).where(
             Shard.batch_id == "batch_" + batch.id.removeprefix("msgbatch_"))) == 0
+
+
+def test_a_deleted_batchs_idempotency_key_makes_a_new_batch(server, client, key, model):
+    http = httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {key}"})
+    line = {"custom_id": "k", "method": "POST", "url": "/v1/messages", "body": params(model)}
+    file_id = http.post("/v1/files", files={"file": ("m.jsonl", json.dumps(line).encode())},
+                        data={"purpose": "batch"}).json()["id"]
+    create = {"input_file_id": file_id, "endpoint": "/v1/messages", "completion_window": "24h"}
+    first = http.post("/v1/batches", json=create, headers={"Idempotency-Key": "nightly"}).json()["id"]
+    assert http.post("/v1/batches", json=create, headers={"Idempotency-Key": "nightly"}).json()["id"] == first
+    ended(client, "msgbatch_" + first.removeprefix("batch_"))
+    client.messages.batches.delete("msgbatch_" + first.removeprefix("batch_"))
+    file_id = http.post("/v1/files", files={"file": ("m.jsonl", json.dumps(line).encode())},
+                        data={"purpose": "batch"}).json()["id"]
+    again = http.post("/v1/batches", json={**create, "input_file_id": file_id}, headers={"Idempotency-Key": "nightly"})
+    assert again.status_code == 200 and again.json()["id"] != first
 
 
 def test_the_100001st_request_is_refused_in_anthropics_shape(client):

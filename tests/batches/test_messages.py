@@ -86,3 +86,15 @@ def test_a_refused_create_leaves_no_file(sqlite_jobs, project, monkeypatch):
         assert session.scalar(select(Batch).where(Batch.project_id == project)) is None
     assert gone.filename == "message_batch_requests.jsonl"
     assert not sqlite_jobs.storage.exists(gone.storage_key)
+
+
+def test_an_error_after_the_batch_is_in_keeps_its_input(sqlite_jobs, project, monkeypatch):
+    def gone_away(batch_id):
+        raise RuntimeError("the validation pool is shut down")
+
+    monkeypatch.setattr(sqlite_jobs, "on_batch_created", gone_away)  # after create_batch's commit
+    with pytest.raises(RuntimeError):
+        messages.create(sqlite_jobs, project, body(2, served_model_id(sqlite_jobs.settings)))
+    with sqlite_jobs.sessions() as session:
+        batch = session.scalar(select(Batch).where(Batch.project_id == project))
+    assert batch is not None and [f.id for f in live_files(sqlite_jobs, project)] == [batch.input_file_id]

@@ -27,6 +27,7 @@ from batchapi.validation.token_counts import counter_for
 from tests.utils.batch_service import jsonl, request_line
 
 CHAT = "/v1/chat/completions"
+MESSAGES = "/v1/messages"
 
 
 class RecordingDispatcher:
@@ -241,3 +242,33 @@ def test_a_batch_without_body_problems_has_no_request_errors(pg_jobs, project):
     assert validate_batch(pg_jobs, bid) == BatchStatus.IN_PROGRESS
     with pg_jobs.sessions() as session:  # SQL NULL, not a JSON null
         assert session.scalar(select(Batch.id).where(Batch.id == bid, Batch.request_errors.is_(None))) == bid
+
+
+def test_a_message_batch_refuses_a_request_for_its_model_or_length_alone_and_counts_it_nothing(pg_jobs, project):
+    pg_jobs.dispatcher = RecordingDispatcher(pg_jobs)
+    served = model(pg_jobs)
+
+    def line(i, name=served, text="Say hello.", max_tokens=7):
+        return {"custom_id": f"m{i}", "method": "POST", "url": MESSAGES, "body": {
+            "model": name, "max_tokens": max_tokens, "messages": [{"role": "user", "content": text}]}}
+
+    lines = [line(0, "claude-x"), line(1), line(2, text="word " * 600), line(3), line(4, max_tokens=600)]
+    f = upload_file(pg_jobs, project, "in.jsonl", "batch", io.BytesIO(jsonl(lines)))
+    batch = create_batch(pg_jobs, project, f.id, MESSAGES, "24h")
+    assert batch.model == served  # the first served model named, past a first request naming another
+    assert validate_batch(pg_jobs, batch.id) == BatchStatus.IN_PROGRESS
+    batch = get_batch(pg_jobs, project, batch.id)
+    assert batch.errors is None and batch.request_total == 5
+    assert [(e["line"], e["code"]) for e in batch.request_errors["data"]] == [
+        (1, "model_not_found"), (3, "context_length_exceeded"), (5, "context_length_exceeded")]
+    assert batch.estimated_output_tokens == 2 * 7
+
+    count_batch(pg_jobs, batch.id)  # the exact counts give the refused requests nothing either
+    counter = counter_for(served_model(pg_jobs.settings).path)
+    one = counter.count_texts([counter.render_chat(lines[1]["body"]["messages"])], add_special_tokens=False)[0]
+    with pg_jobs.sessions() as session:
+        counts = [c for s in session.scalars(select(Shard).where(Shard.batch_id == batch.id).order_by(Shard.index))
+                  for c in s.prompt_token_counts]
+    assert counts == [0, one, 0, one, 0]
+    batch = get_batch(pg_jobs, project, batch.id)
+    assert (batch.estimated_input_tokens, batch.estimated_output_tokens) == (2 * one, 14)
