@@ -159,7 +159,7 @@ def _hf_batches(model, tokenizer, prompts, max_tokens: int, batch: int, eos: set
 
 def matmul_roofline(engine: LLMEngine, tokens_per_step: int, repeats: int = 5) -> float:
     """Tokens/s if a step of ``tokens_per_step`` tokens ran only the model's matmuls, called
-    through the model's own linear layers (on CPU in bf16: with their weights packed for oneDNN)."""
+    through the model's own linear layers (on CPU: with their weights packed for oneDNN)."""
     model = engine.runner.model
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     weights = [m.weight for m in linears]
