@@ -6,21 +6,12 @@ from __future__ import annotations
 import pytest
 
 from batchapi.openai.body import MESSAGES, parse_body
-from batchapi.openai.errors import ErrorCode, RequestError
+from batchapi.openai.errors import ErrorCode
+from tests.openai.test_messages import body, refusal
 
 TOOL = {"name": "lookup", "description": "Look it up.",
         "input_schema": {"type": "object", "properties": {"q": {"type": "string"}, "n": {"type": "integer"}},
                          "required": ["q"]}}
-
-
-def body(**extra) -> dict:
-    return {"model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}], **extra}
-
-
-def refusal(value: dict) -> RequestError:
-    with pytest.raises(RequestError) as caught:
-        parse_body(MESSAGES, value)
-    return caught.value
 
 
 @pytest.mark.parametrize("prefill", ["The answer is", [{"type": "text", "text": "The "}, {"type": "text", "text": "answer"}]])
