@@ -101,11 +101,11 @@ def _count_shard(jobs: Jobs, counter: PromptCounter, endpoint: str, key: str, sh
         counts[i] = count
     context = counter.context_length
     if endpoint == MESSAGES:  # each request its own concern: one refused for its model or length runs as a 400
-        refused = [i for i in good if lines[i].body.model not in names
-                   or context_error(lines[i].body, counts[i], context) is not None]
+        refused = {i for i in good if lines[i].body.model not in names
+                   or context_error(lines[i].body, counts[i], context)}
         for i in refused:
             counts[i] = 0
-        good = sorted(set(good) - set(refused))
+        good = [i for i in good if i not in refused]
     return counts, sum(output_bound(lines[i].body, counts[i], context) for i in good)
 
 

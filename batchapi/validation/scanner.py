@@ -34,6 +34,7 @@ from batchapi.validation.token_counts import (
     context_error,
     embedding_counts,
     exact_counts,
+    model_error,
     output_bound,
     prompt_bound,
     prompt_floor,
@@ -226,12 +227,10 @@ class Scanner:
     def check_model(self, line: int, named: str) -> bool:
         model = self.limits.served_model if named in self.limits.model_aliases else named
         if self.limits.each_request:  # the batch runs the served model its first such request named
-            if model == self.limits.served_model:
-                return True
-            self.request_error(line, RequestError(
-                f"the model {named!r} is not served for this batch; its requests run on {self.limits.served_model!r}",
-                "model", ErrorCode.MODEL_NOT_FOUND))
-            return False
+            error = model_error(named, self.limits.model_aliases | {self.limits.served_model}, self.limits.served_model)
+            if error is not None:
+                self.request_error(line, error)
+            return error is None
         if self.first_model is None:
             self.first_model = (model, line)
         elif model != self.first_model[0]:

@@ -157,6 +157,15 @@ def output_bound(parsed: ParsedBody, prompt_tokens: int, context: int) -> int:
     return (parsed.max_tokens or max(context - prompt_tokens, 0)) * parsed.n
 
 
+def model_error(named: str | None, names: frozenset[str], served: str) -> RequestError | None:
+    """The refusal of a Message Batch request naming another model than the one its batch runs
+    (``served``, whose every name is in ``names``); None when it names that one."""
+    if named in names:
+        return None
+    return RequestError(f"the model {named!r} is not served for this batch; its requests run on {served!r}",
+                        "model", ErrorCode.MODEL_NOT_FOUND)
+
+
 def context_error(parsed: ParsedBody, prompt_tokens: int, context: int, at_least: bool = False) -> RequestError | None:
     """The refusal of a prompt that, with its max_tokens, cannot fit the model's context; None
     when it fits. ``at_least``: ``prompt_tokens`` is a lower bound (the prompt was not tokenized)."""

@@ -20,7 +20,7 @@ from batchapi.openai.lines import InputLine
 from batchapi.openai.message_results import message_body
 from batchapi.openai.responses import response_body
 from batchapi.openai.tools import output_constraint, template_input
-from batchapi.validation.token_counts import context_error
+from batchapi.validation.token_counts import context_error, model_error
 
 # the engine's reasons for refusing a request, as the wire format names them
 ENGINE_ERRORS = {
@@ -82,14 +82,12 @@ class Codec:
         reported as that request's (``Limits.each_request``) and which is refused again here."""
         body = line.body
         assert body is not None, f"line {line.line} did not parse: {line.error}"
-        if body.endpoint == MESSAGES and self.names and body.model not in self.names:
-            raise RequestError(f"the model {body.model!r} is not served for this batch; its requests run on "
-                               f"{self.model_id!r}", "model", ErrorCode.MODEL_NOT_FOUND)
+        each = body.endpoint == MESSAGES
+        if each and self.names and (error := model_error(body.model, self.names, self.model_id)):
+            raise error
         ids = prompt_token_ids(body, self.tokenizer)
-        if body.endpoint == MESSAGES and self.context is not None:
-            error = context_error(body, len(ids), self.context)
-            if error is not None:
-                raise error
+        if each and self.context is not None and (error := context_error(body, len(ids), self.context)):
+            raise error
         return GenerationRequest(request_id, ids, sampling_params(body))
 
     def line(self, line: InputLine, result: GenerationResult | None, not_run: ErrorCode) -> tuple[bytes, bool]:
