@@ -20,7 +20,7 @@ from transformers import AutoModel, AutoTokenizer
 
 from batchapi.config import DEFAULT_EMBEDDING_MODEL, Settings
 from batchapi.encoder import EmbeddingRequest, EncoderConfig, EncoderFront, mean_pool
-from batchapi.model_store import pull_model
+from batchapi.models.store import pull_model
 from batchapi.workers.embedding_codec import EmbeddingCodec
 
 WORDS = ("batch inference embeddings vector search the a of model token budget padding sort length worker "

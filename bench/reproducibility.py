@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_throughput import chat_prompts  # noqa: E402
 
 from batchapi.engine import EngineConfig, GenerationRequest, LLMEngine, SamplingParams  # noqa: E402
-from batchapi.model_store import resolve_model  # noqa: E402
+from batchapi.models.store import resolve_model  # noqa: E402
 
 PROBES = ["What is 12 plus 30?", "Name three primary colors.", "Write a haiku about rain.",
           "What is the capital of France?", "Give me a synonym for happy.", "Explain gravity in one sentence.",

@@ -174,7 +174,7 @@ def main() -> int:
                              "nothing before a shard ends, as before per-request durability)")
     args = parser.parse_args()
 
-    from batchapi.model_store import model_id
+    from batchapi.models.registry import model_id
 
     served = model_id(args.model)
     lines = request_lines(served, args.requests, args.max_tokens)

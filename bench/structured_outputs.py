@@ -25,7 +25,7 @@ import torch
 
 from batchapi.engine import EngineConfig, GenerationRequest, LLMEngine, SamplingParams
 from batchapi.grammar import GrammarCompiler, GrammarSpec
-from batchapi.model_store import resolve_model
+from batchapi.models.store import resolve_model
 
 LABELS = ["positive", "negative", "neutral", "mixed", "off_topic"]
 CLASSIFY = {

@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 from batchapi.config import load_settings
-from batchapi.model_store import model_id, resolve_model
+from batchapi.models.registry import model_id
+from batchapi.models.store import resolve_model
 from batchapi.openai.body import CHAT
 from batchapi.openai.lines import iter_lines, parse_line
 from batchapi.validation.scanner import Limits, Scanner

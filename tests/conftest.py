@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from batchapi.batches.context import open_jobs
 from batchapi.config import DEFAULT_EMBEDDING_MODEL, DEFAULT_MODEL
+from batchapi.context import open_context
 from batchapi.db.migrate import upgrade
 from tests.utils import services
 from tests.utils.batch_service import service_settings
@@ -25,7 +25,7 @@ def model_cache() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_dir(model_cache: Path) -> Path:
     """The real default model, converted once into the shared cache (`make install` pulls it)."""
-    from batchapi.model_store import pull_model
+    from batchapi.models.store import pull_model
 
     return pull_model(DEFAULT_MODEL, model_cache)
 
@@ -33,7 +33,7 @@ def smollm2_dir(model_cache: Path) -> Path:
 @pytest.fixture(scope="session")
 def minilm_dir(model_cache: Path) -> Path:
     """The default embedding model (all-MiniLM-L6-v2), unpacked once into the shared cache."""
-    from batchapi.model_store import pull_model
+    from batchapi.models.store import pull_model
 
     return pull_model(DEFAULT_EMBEDDING_MODEL, model_cache)
 
@@ -71,25 +71,25 @@ def s3(tmp_path_factory) -> services.S3Server:
 # the service's context on PostgreSQL + S3, or on SQLite + a local directory
 @pytest.fixture(scope="session")
 def pg_settings(tmp_path_factory, pg_url, s3, tiny_llama_dir):
-    settings = service_settings(tmp_path_factory.mktemp("jobs-pg"), tiny_llama_dir, pg_url=pg_url, s3=s3)
+    settings = service_settings(tmp_path_factory.mktemp("ctx-pg"), tiny_llama_dir, pg_url=pg_url, s3=s3)
     upgrade(settings)
     return settings
 
 
 @pytest.fixture
 def pg_jobs(pg_settings):
-    jobs = open_jobs(pg_settings)
-    yield jobs
-    jobs.close()
+    ctx = open_context(pg_settings)
+    yield ctx
+    ctx.close()
 
 
 @pytest.fixture
 def sqlite_jobs(tmp_path, tiny_llama_dir):
     settings = service_settings(tmp_path, tiny_llama_dir)
     upgrade(settings)
-    jobs = open_jobs(settings)
-    yield jobs
-    jobs.close()
+    ctx = open_context(settings)
+    yield ctx
+    ctx.close()
 
 
 @pytest.fixture(params=["postgresql", "sqlite"])

@@ -27,10 +27,15 @@ FORBIDDEN = {
     "batches": {"batchapi.api", "batchapi.validation", "batchapi.workers", "celery"} | TORCH,
     "validation": {"batchapi.api", "batchapi.workers", "celery"} | TORCH,
     "workers": {"batchapi.api", "fastapi"},
-    # batches.states calls webhooks.ended, so webhooks imports nothing of batches
+    # batches.ended calls webhooks.outbox, so webhooks imports nothing of batches
     "webhooks": {"batchapi.api", "batchapi.batches", "batchapi.storage", "batchapi.validation", "batchapi.workers",
                  "celery", "fastapi", "boto3"} | TORCH,
-    "uploads": {"batchapi.api", "batchapi.validation", "batchapi.workers", "celery", "fastapi"} | TORCH,
+    "context.py": {"batchapi.api", "batchapi.batches", "batchapi.validation", "batchapi.workers", "batchapi.webhooks",
+                   "batchapi.openai", "batchapi.models", "batchapi.cli", "celery", "fastapi"} | TORCH,
+    # the store converts GGUF files with transformers (lazily); the registry reads config.json only
+    "models": {"batchapi.api", "batchapi.batches", "batchapi.validation", "batchapi.workers", "batchapi.db",
+               "batchapi.storage", "batchapi.openai", "batchapi.cli", "sqlalchemy", "celery", "fastapi", "boto3",
+               "batchapi.engine", "batchapi.encoder", "batchapi.kernels"},
     "engine": SERVICE | {"batchapi.openai"},
     "encoder": SERVICE | {"batchapi.openai", "batchapi.engine", "batchapi.kernels", "batchapi.grammar"},
     "grammar": SERVICE | {"batchapi.openai", "batchapi.engine", "batchapi.kernels"},

@@ -4,14 +4,8 @@ import json
 
 import pytest
 
-from batchapi.model_store import (
-    ModelNotFound,
-    accepted_names,
-    list_models,
-    model_id,
-    pull_model,
-    resolve_model,
-)
+from batchapi.models.registry import accepted_names, model_id
+from batchapi.models.store import ModelNotFound, list_models, pull_model, resolve_model
 
 
 def test_converted_default_model_keeps_chat_template_and_vocabulary(smollm2_dir):
@@ -71,7 +65,8 @@ def test_names_resolve_to_directories(smollm2_dir, model_cache, tiny_llama_dir, 
 
 
 def test_the_embedding_model_is_pulled_as_its_hf_directory(minilm_dir, smollm2_dir, tiny_llama_dir):
-    from batchapi.model_store import CHAT, EMBEDDING, model_kind
+    from batchapi.models.registry import model_kind
+    from batchapi.models.store import CHAT, EMBEDDING
 
     assert minilm_dir.name == "all-minilm-l6-v2"
     assert {"config.json", "model.safetensors", "tokenizer.json", "sentence_bert_config.json"} <= {
@@ -82,7 +77,7 @@ def test_the_embedding_model_is_pulled_as_its_hf_directory(minilm_dir, smollm2_d
 
 def test_served_names_resolve_without_reading_disk(tmp_path):
     from batchapi.config import load_settings
-    from batchapi.model_store import served_id_for, served_ids
+    from batchapi.models.registry import served_id_for, served_ids
 
     settings = load_settings(data_dir=tmp_path, models=["smollm2-135m-instruct", "/m/all-minilm-l6-v2"])
     assert served_ids(settings) == ["smollm2-135m-instruct", "all-minilm-l6-v2"]
@@ -93,7 +88,8 @@ def test_served_names_resolve_without_reading_disk(tmp_path):
 
 def test_served_names_of_one_kind_as_far_as_it_is_known(tmp_path, minilm_dir, tiny_llama_dir):
     from batchapi.config import load_settings
-    from batchapi.model_store import CHAT, EMBEDDING, served_id_for
+    from batchapi.models.registry import served_id_for
+    from batchapi.models.store import CHAT, EMBEDDING
 
     settings = load_settings(data_dir=tmp_path, models=["all-minilm-l6-v2", str(minilm_dir), str(tiny_llama_dir),
                                                         "/not/here/model"])

@@ -7,60 +7,60 @@ from typing import Annotated
 from fastapi import Depends, Header, Request
 from fastapi.concurrency import run_in_threadpool
 
-from batchapi.batches.context import Jobs
+from batchapi.context import Context
 from batchapi.db.projects import Identity, KeyCache, authenticate, identify
 
 
-async def get_jobs(request: Request) -> Jobs:  # async: no threadpool round trip for a lookup
-    return request.app.state.jobs
+async def get_jobs(request: Request) -> Context:  # async: no threadpool round trip for a lookup
+    return request.app.state.ctx
 
 
-JobsDep = Annotated[Jobs, Depends(get_jobs)]
+JobsDep = Annotated[Context, Depends(get_jobs)]
 
 
-async def get_project_id(request: Request, jobs: JobsDep) -> str:
+async def get_project_id(request: Request, ctx: JobsDep) -> str:
     """The project of the request's API key (``Authorization: Bearer KEY``). Async, so that a key
     seen in the last BATCHAPI_AUTH_CACHE_SECONDS costs neither a thread nor a query."""
     scheme, _, key = (request.headers.get("authorization") or "").partition(" ")
-    return await _project_of(request, jobs, key.strip() if scheme.lower() == "bearer" else None)
+    return await _project_of(request, ctx, key.strip() if scheme.lower() == "bearer" else None)
 
 
-async def get_anthropic_project_id(request: Request, jobs: JobsDep) -> str:
+async def get_anthropic_project_id(request: Request, ctx: JobsDep) -> str:
     """As ``get_project_id``, for the Anthropic routes: the key in ``x-api-key`` (or a Bearer token).
     ``anthropic-version`` is accepted whatever it says."""
     key = (request.headers.get("x-api-key") or "").strip()
     if key:
-        return await _project_of(request, jobs, key)
-    return await get_project_id(request, jobs)
+        return await _project_of(request, ctx, key)
+    return await get_project_id(request, ctx)
 
 
-async def _project_of(request: Request, jobs: Jobs, key: str | None) -> str:
-    if not jobs.settings.auth_required:
+async def _project_of(request: Request, ctx: Context, key: str | None) -> str:
+    if not ctx.settings.auth_required:
         return request.app.state.default_project_id
     cache: KeyCache = request.app.state.key_cache
     project_id = cache.get(key) if key else None
     if project_id is None:
-        project_id = await run_in_threadpool(_authenticate, jobs, key)
+        project_id = await run_in_threadpool(_authenticate, ctx, key)
         cache.put(key, project_id)
     return project_id
 
 
-def _authenticate(jobs: Jobs, key: str | None) -> str:
-    with jobs.sessions() as session:
+def _authenticate(ctx: Context, key: str | None) -> str:
+    with ctx.sessions() as session:
         return authenticate(session, key)
 
 
-async def get_identity(request: Request, jobs: JobsDep) -> Identity:
+async def get_identity(request: Request, ctx: JobsDep) -> Identity:
     """The request's key with its admin flag (the organization reports; not cached: rarely called).
     With auth off (the embedded default), an admin of the default project."""
-    if not jobs.settings.auth_required:
+    if not ctx.settings.auth_required:
         return Identity("", request.app.state.default_project_id, True)
     scheme, _, key = (request.headers.get("authorization") or "").partition(" ")
-    return await run_in_threadpool(_identify, jobs, key.strip() if scheme.lower() == "bearer" else None)
+    return await run_in_threadpool(_identify, ctx, key.strip() if scheme.lower() == "bearer" else None)
 
 
-def _identify(jobs: Jobs, key: str | None) -> Identity:
-    with jobs.sessions() as session:
+def _identify(ctx: Context, key: str | None) -> Identity:
+    with ctx.sessions() as session:
         return identify(session, key)
 
 

@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from batchapi import metrics
 from batchapi.api import errors, openapi
 from batchapi.api.limits import BodyLimit, server_options
+from batchapi.api.multipart import FORM_OVERHEAD_BYTES, MAX_CONCURRENT_UPLOADS
 from batchapi.api.request_id import RequestIdMiddleware
 from batchapi.api.routes import (
     batches,
@@ -25,23 +26,21 @@ from batchapi.api.routes import (
     webhooks,
 )
 from batchapi.api.schemas import ModelObject
-from batchapi.api.uploads import FORM_OVERHEAD_BYTES, MAX_CONCURRENT_UPLOADS
 from batchapi.batches import messages
-from batchapi.batches.context import Jobs, open_jobs
-from batchapi.batches.dispatch import Dispatcher
 from batchapi.batches.sweeper import SweepLoop
 from batchapi.config import Settings
+from batchapi.context import Context, Dispatcher, open_context
 from batchapi.db.clock import now
 from batchapi.db.projects import DEFAULT_PROJECT, KeyCache, get_or_create_project
 from batchapi.db.reads import open_reads
 from batchapi.db.session import session_scope
-from batchapi.model_store import served_ids, served_model_id
+from batchapi.models.registry import served_ids, served_model_id
 from batchapi.storage import Storage
 from batchapi.validation.runner import ValidationRunner
 
 log = logging.getLogger(__name__)
 
-Hook = Callable[[Jobs], AbstractContextManager]
+Hook = Callable[[Context], AbstractContextManager]
 
 
 def create_app(
@@ -52,19 +51,19 @@ def create_app(
     hook: Hook | None = None,
     sweep_shards: bool = False,
 ) -> FastAPI:
-    """The API. ``dispatcher`` hears about validated and cancelled batches; ``hook(jobs)`` is a
+    """The API. ``dispatcher`` hears about validated and cancelled batches; ``hook(ctx)`` is a
     context manager entered for the app's lifetime (the embedded worker runs inside it). The API
     always sweeps for validations; ``sweep_shards`` adds the sweeper's shard steps, which are
     ``batchapi beat``'s in production and the embedded worker's host's without a broker."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        jobs = open_jobs(settings, dispatcher=dispatcher, storage=storage)
-        runner = ValidationRunner(jobs)
-        sweeper = SweepLoop(jobs, settings.sweep_seconds, runner, shards=sweep_shards)
-        jobs.on_batch_created = runner.submit
-        jobs.on_batch_cancelled = lambda _batch_id: sweeper.poke()
-        app.state.jobs = jobs
+        ctx = open_context(settings, dispatcher=dispatcher, storage=storage)
+        runner = ValidationRunner(ctx)
+        sweeper = SweepLoop(ctx, settings.sweep_seconds, runner, shards=sweep_shards)
+        ctx.on_batch_created = runner.submit
+        ctx.on_batch_cancelled = lambda _batch_id: sweeper.poke()
+        app.state.ctx = ctx
         app.state.model = ModelObject(id=served_model_id(settings), created=now())  # the chat model
         app.state.models = [ModelObject(id=model, created=app.state.model.created) for model in served_ids(settings)]
         app.state.key_cache = KeyCache(settings.auth_cache_seconds)
@@ -73,13 +72,13 @@ def create_app(
         if app.state.reads is not None:
             await app.state.reads.open()
         if not settings.auth_required:
-            with session_scope(jobs.sessions) as session:
+            with session_scope(ctx.sessions) as session:
                 app.state.default_project_id = get_or_create_project(session, DEFAULT_PROJECT).id
-        database_metrics = metrics.DatabaseCollector(jobs.sessions)
+        database_metrics = metrics.DatabaseCollector(ctx.sessions)
         registry.register(database_metrics)
         sweeper.start()
         try:
-            with hook(jobs) if hook else nullcontext():
+            with hook(ctx) if hook else nullcontext():
                 try:
                     yield
                 finally:
@@ -90,7 +89,7 @@ def create_app(
             runner.shutdown()
             if app.state.reads is not None:
                 await app.state.reads.close()
-            jobs.close()
+            ctx.close()
 
     # /docs with local assets: openapi.install serves it (FastAPI's own pulls Swagger UI from a CDN)
     app = FastAPI(title="batchapi", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)

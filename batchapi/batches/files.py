@@ -11,8 +11,8 @@ from typing import BinaryIO
 from sqlalchemy import delete, exists, or_, select
 from sqlalchemy.orm import Session
 
-from batchapi.batches.context import Jobs
 from batchapi.batches.states import ACTIVE
+from batchapi.context import Context
 from batchapi.db.clock import now
 from batchapi.db.ids import file_id
 from batchapi.db.models import Batch, File
@@ -32,7 +32,7 @@ REMOVE_PER_SWEEP = 500
 
 
 def upload_file(
-    jobs: Jobs, project_id: str, filename: str, purpose: str | Callable[[], str], stream: BinaryIO,
+    ctx: Context, project_id: str, filename: str, purpose: str | Callable[[], str], stream: BinaryIO,
     expires_after: int | None | Callable[[], int | None] = None, max_bytes: int | None = None,
 ) -> File:
     """Store ``stream`` as a new File. ``purpose`` and ``expires_after`` (seconds, already checked
@@ -44,8 +44,8 @@ def upload_file(
     check_filename(filename)
     fid = file_id()
     key = file_key(fid)
-    limit = jobs.settings.max_upload_bytes if max_bytes is None else max_bytes
-    size = jobs.storage.put_stream(key, LimitedReader(stream, limit))
+    limit = ctx.settings.max_upload_bytes if max_bytes is None else max_bytes
+    size = ctx.storage.put_stream(key, LimitedReader(stream, limit))
     try:
         if callable(purpose):
             purpose = purpose()
@@ -53,9 +53,9 @@ def upload_file(
         if callable(expires_after):
             expires_after = expires_after()
     except InvalidRequest:
-        jobs.storage.delete(key)
+        ctx.storage.delete(key)
         raise
-    with session_scope(jobs.sessions) as session:
+    with session_scope(ctx.sessions) as session:
         return add_file(session, project_id, filename, purpose, key, size, expires_after, fid)
 
 
@@ -135,16 +135,16 @@ def _expired(row: File, t: int) -> bool:
     return row.expires_at is not None and row.expires_at <= t
 
 
-def get_file(jobs: Jobs, project_id: str, fid: str) -> File:
-    with jobs.sessions() as session:
+def get_file(ctx: Context, project_id: str, fid: str) -> File:
+    with ctx.sessions() as session:
         return get_file_row(session, project_id, fid)
 
 
 def list_files(
-    jobs: Jobs, project_id: str, limit: int, after: str | None, order: str, purpose: str | None
+    ctx: Context, project_id: str, limit: int, after: str | None, order: str, purpose: str | None
 ) -> tuple[list[File], bool]:
     """Up to ``limit`` files after the cursor ``after`` (a file id), and whether more follow."""
-    with jobs.sessions() as session:
+    with ctx.sessions() as session:
         cursor = get_file_row(session, project_id, after) if after else None
         query = select(File).where(File.project_id == project_id, File.deleted_at.is_(None),
                                    or_(File.expires_at.is_(None), File.expires_at > now()))
@@ -153,14 +153,14 @@ def list_files(
         return page(session, query, File, cursor, limit, newest_first=order == "desc")
 
 
-def open_content(jobs: Jobs, project_id: str, fid: str) -> tuple[File, Iterator[bytes]]:
-    row = get_file(jobs, project_id, fid)
-    jobs.storage.size(row.storage_key)  # NotFound now, before a response has started
-    return row, jobs.storage.iter_chunks(row.storage_key)
+def open_content(ctx: Context, project_id: str, fid: str) -> tuple[File, Iterator[bytes]]:
+    row = get_file(ctx, project_id, fid)
+    ctx.storage.size(row.storage_key)  # NotFound now, before a response has started
+    return row, ctx.storage.iter_chunks(row.storage_key)
 
 
-def delete_file(jobs: Jobs, project_id: str, fid: str) -> str:
-    with session_scope(jobs.sessions) as session:
+def delete_file(ctx: Context, project_id: str, fid: str) -> str:
+    with session_scope(ctx.sessions) as session:
         row = get_file_row(session, project_id, fid)
         row.deleted_at = now()
         in_use = session.scalar(
@@ -168,18 +168,18 @@ def delete_file(jobs: Jobs, project_id: str, fid: str) -> str:
         )
         key = row.storage_key
     if in_use is None:  # a running batch still reads its input; the object stays until then
-        jobs.storage.delete(key)
+        ctx.storage.delete(key)
     return fid
 
 
-def remove_expired(jobs: Jobs, each: Callable[[list, str, Callable], None]) -> list[str]:
+def remove_expired(ctx: Context, each: Callable[[list, str, Callable], None]) -> list[str]:
     """The sweeper's step: files past ``expires_at``, and deleted ones whose object a running
     batch kept, lose their object and then their row, unless a batch still running reads them
     (they go once it ends). ``each(rows, what, act)`` runs ``act`` on every row alone."""
     t = now()
     in_use = exists().where(Batch.input_file_id == File.id, Batch.status.in_(sorted(ACTIVE)))
     gone = or_(File.expires_at <= t, File.deleted_at.is_not(None))
-    with jobs.sessions() as session:
+    with ctx.sessions() as session:
         rows = session.execute(
             select(File.id, File.storage_key).where(gone, ~in_use).order_by(File.expires_at).limit(REMOVE_PER_SWEEP)
         ).all()
@@ -187,7 +187,7 @@ def remove_expired(jobs: Jobs, each: Callable[[list, str, Callable], None]) -> l
 
     def remove(row) -> None:
         fid, key = row
-        with session_scope(jobs.sessions) as session:
+        with session_scope(ctx.sessions) as session:
             # the row goes first, uncommitted: that waits for (or blocks) a create_batch naming the
             # file, which locks the row after adding its batch; the check below then sees that batch
             if session.execute(delete(File).where(File.id == fid, gone)).rowcount != 1:
@@ -198,7 +198,7 @@ def remove_expired(jobs: Jobs, each: Callable[[list, str, Callable], None]) -> l
                 return
             shared = session.scalar(select(File.id).where(File.storage_key == key, File.id != fid).limit(1))
             if shared is None:  # no other file row names the same object
-                jobs.storage.delete(key)  # before the commit: a failed delete leaves the row to retry
+                ctx.storage.delete(key)  # before the commit: a failed delete leaves the row to retry
         removed.append(fid)
 
     each(rows, "removing the expired file", remove)

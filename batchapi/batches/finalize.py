@@ -15,9 +15,9 @@ from collections.abc import Iterator
 from sqlalchemy import func, select
 
 from batchapi.batches import request_results, states
-from batchapi.batches.context import Jobs
 from batchapi.batches.files import register_file
 from batchapi.batches.states import OPEN_SHARDS, BatchStatus
+from batchapi.context import Context
 from batchapi.db.models import Batch, Shard
 from batchapi.db.session import session_scope
 from batchapi.openai.errors import ErrorCode
@@ -36,11 +36,11 @@ FROM = {
 }
 
 
-def finalize_batch(jobs: Jobs, batch_id: str, *, resume: bool = False) -> str | None:
+def finalize_batch(ctx: Context, batch_id: str, *, resume: bool = False) -> str | None:
     """End ``batch_id`` if all its shards are done; returns the status it ended in, or None when
     it is not ready (or another finalizer holds it). ``resume`` takes over a batch left in
     ``finalizing`` by a finalizer that died."""
-    with jobs.sessions() as session:
+    with ctx.sessions() as session:
         batch = session.get(Batch, batch_id)
         if batch is None or batch.status in states.TERMINAL or batch.status == BatchStatus.VALIDATING:
             return None
@@ -57,12 +57,12 @@ def finalize_batch(jobs: Jobs, batch_id: str, *, resume: bool = False) -> str | 
         return None
     if target == BatchStatus.COMPLETED:
         if status == BatchStatus.IN_PROGRESS:
-            with session_scope(jobs.sessions) as session:
+            with session_scope(ctx.sessions) as session:
                 if not states.transition(session, batch_id, BatchStatus.FINALIZING, sources={BatchStatus.IN_PROGRESS}):
                     return None  # cancelled or finalized by someone else meanwhile
         elif not resume:
             return None
-    return _merge_and_end(jobs, batch_id, project_id, target)
+    return _merge_and_end(ctx, batch_id, project_id, target)
 
 
 def _target(status: str, reasons: set[str | None]) -> str | None:
@@ -73,15 +73,15 @@ def _target(status: str, reasons: set[str | None]) -> str | None:
     return BatchStatus.EXPIRED if ErrorCode.BATCH_EXPIRED in reasons else BatchStatus.COMPLETED
 
 
-def _merge_and_end(jobs: Jobs, batch_id: str, project_id: str, target: str) -> str | None:
-    with jobs.sessions() as session:
+def _merge_and_end(ctx: Context, batch_id: str, project_id: str, target: str) -> str | None:
+    with ctx.sessions() as session:
         shards = session.execute(
             select(Shard.id, Shard.output_key, Shard.error_key).where(Shard.batch_id == batch_id).order_by(Shard.index)
         ).all()
         with_rows = request_results.shards_with_rows(session, batch_id)
-    out_size = jobs.storage.put_chunks(batch_output_key(batch_id), _concat(jobs, shards, with_rows, True))
-    err_size = jobs.storage.put_chunks(batch_error_key(batch_id), _concat(jobs, shards, with_rows, False))
-    with session_scope(jobs.sessions) as session:
+    out_size = ctx.storage.put_chunks(batch_output_key(batch_id), _concat(ctx, shards, with_rows, True))
+    err_size = ctx.storage.put_chunks(batch_error_key(batch_id), _concat(ctx, shards, with_rows, False))
+    with session_scope(ctx.sessions) as session:
         files = {}
         for name, key, size in (("output", batch_output_key(batch_id), out_size), ("errors", batch_error_key(batch_id), err_size)):
             if size:
@@ -102,9 +102,9 @@ def _merge_and_end(jobs: Jobs, batch_id: str, project_id: str, target: str) -> s
     return target
 
 
-def _concat(jobs: Jobs, shards, with_rows: set[str], succeeded: bool) -> Iterator[bytes]:
+def _concat(ctx: Context, shards, with_rows: set[str], succeeded: bool) -> Iterator[bytes]:
     """The shards' output (``succeeded``) or error lines, in input order, their stored request
     results merged where the sweeper closed them."""
     for shard_id, output_key, error_key in shards:
         key = output_key if succeeded else error_key
-        yield from request_results.shard_lines(jobs, shard_id, key, succeeded, shard_id in with_rows)
+        yield from request_results.shard_lines(ctx, shard_id, key, succeeded, shard_id in with_rows)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 
-from batchapi.batches.context import Jobs
+from batchapi.context import Context
 from batchapi.errors import StorageError
 
 
@@ -21,15 +21,15 @@ class HealthReport:
         return self.database == "ok" and self.storage == "ok"
 
 
-def check_health(jobs: Jobs) -> HealthReport:
+def check_health(ctx: Context) -> HealthReport:
     try:
-        with jobs.engine.connect() as conn:
+        with ctx.engine.connect() as conn:
             conn.execute(text("SELECT 1"))
         database = "ok"
     except SQLAlchemyError as exc:
         database = f"error: {type(exc).__name__}"
     try:
-        jobs.storage.check()
+        ctx.storage.check()
         storage = "ok"
     except StorageError as exc:
         storage = f"error: {exc.message}"

@@ -18,8 +18,8 @@ from dataclasses import dataclass, replace
 from sqlalchemy import or_, select, update
 
 from batchapi.batches import request_results, states
-from batchapi.batches.context import Jobs
 from batchapi.batches.states import BatchStatus, ShardStatus
+from batchapi.context import Context
 from batchapi.db.clock import now
 from batchapi.db.models import Batch, File, Shard
 from batchapi.db.session import session_scope
@@ -72,16 +72,16 @@ def _of_models(query, models: list[str] | None):
     return query if models is None else query.where(Batch.model.in_(models))
 
 
-def claim(jobs: Jobs, shard_id: str, owner: str, models: list[str] | None = None) -> Claimed | None:
+def claim(ctx: Context, shard_id: str, owner: str, models: list[str] | None = None) -> Claimed | None:
     """Claim ``shard_id`` if it is queued, its batch still runs (and is of one of ``models``); None
     when someone else has it, it is done, or its batch was cancelled or expired."""
     t = now()
-    with session_scope(jobs.sessions) as session:
+    with session_scope(ctx.sessions) as session:
         result = session.execute(
             update(Shard)
             .where(Shard.id == shard_id, Shard.status == ShardStatus.QUEUED,
                    Shard.batch_id.in_(_of_models(_runnable_batches(t), models)))
-            .values(_lease_values(jobs, owner, t))
+            .values(_lease_values(ctx, owner, t))
             .execution_options(synchronize_session=False)
         )
         if result.rowcount != 1:
@@ -89,12 +89,12 @@ def claim(jobs: Jobs, shard_id: str, owner: str, models: list[str] | None = None
         return _load(session, shard_id)
 
 
-def claim_next(jobs: Jobs, owner: str, models: list[str] | None = None) -> Claimed | None:
+def claim_next(ctx: Context, owner: str, models: list[str] | None = None) -> Claimed | None:
     """Claim the oldest queued shard of any running batch (of one of ``models``; None: any)
     (``FOR UPDATE SKIP LOCKED`` on PostgreSQL, so workers polling together never wait on each other)."""
     t = now()
     for _ in range(3):  # on SQLite a concurrent claimer may win the row between select and update
-        with session_scope(jobs.sessions) as session:
+        with session_scope(ctx.sessions) as session:
             candidate = session.scalar(
                 _of_models(select(Shard.id).join(Batch, Batch.id == Shard.batch_id), models)
                 .where(Shard.status == ShardStatus.QUEUED, Batch.status == BatchStatus.IN_PROGRESS, Batch.expires_at > t)
@@ -107,7 +107,7 @@ def claim_next(jobs: Jobs, owner: str, models: list[str] | None = None) -> Claim
             result = session.execute(
                 update(Shard)
                 .where(Shard.id == candidate, Shard.status == ShardStatus.QUEUED)
-                .values(_lease_values(jobs, owner, t))
+                .values(_lease_values(ctx, owner, t))
                 .execution_options(synchronize_session=False)
             )
             if result.rowcount == 1:
@@ -115,18 +115,18 @@ def claim_next(jobs: Jobs, owner: str, models: list[str] | None = None) -> Claim
     return None
 
 
-def claim_for_closing(jobs: Jobs, shard_id: str, owner: str) -> Claimed | None:
+def claim_for_closing(ctx: Context, shard_id: str, owner: str) -> Claimed | None:
     """The sweeper takes a shard nobody is running (queued, or running on an expired lease)
     to close it without running it (cancelled, expired, or out of attempts)."""
     t = now()
-    with session_scope(jobs.sessions) as session:
+    with session_scope(ctx.sessions) as session:
         result = session.execute(
             update(Shard)
             .where(
                 Shard.id == shard_id,
                 (Shard.status == ShardStatus.QUEUED) | ((Shard.status == ShardStatus.RUNNING) & (Shard.lease_expires_at < t)),
             )
-            .values(lease_owner=owner, lease_expires_at=t + jobs.settings.lease_seconds, status=ShardStatus.RUNNING)
+            .values(lease_owner=owner, lease_expires_at=t + ctx.settings.lease_seconds, status=ShardStatus.RUNNING)
             .execution_options(synchronize_session=False)
         )
         if result.rowcount != 1:
@@ -134,10 +134,10 @@ def claim_for_closing(jobs: Jobs, shard_id: str, owner: str) -> Claimed | None:
         return replace(_load(session, shard_id), closing=True)
 
 
-def _lease_values(jobs: Jobs, owner: str, t: int) -> dict:
+def _lease_values(ctx: Context, owner: str, t: int) -> dict:
     return dict(
         status=ShardStatus.RUNNING, attempts=Shard.attempts + 1, lease_owner=owner,
-        lease_expires_at=t + jobs.settings.lease_seconds, started_at=t,
+        lease_expires_at=t + ctx.settings.lease_seconds, started_at=t,
     )
 
 
@@ -156,12 +156,12 @@ def _load(session, shard_id: str) -> Claimed:
     )
 
 
-def models_of(jobs: Jobs, shard_ids: list[str]) -> dict[str | None, list[str]]:
+def models_of(ctx: Context, shard_ids: list[str]) -> dict[str | None, list[str]]:
     """The shards grouped by their batch's model (to send each to its model's queue)."""
     out: dict[str | None, list[str]] = {}
     if not shard_ids:
         return out
-    with jobs.sessions() as session:
+    with ctx.sessions() as session:
         rows = session.execute(select(Shard.id, Batch.model).join(Batch, Batch.id == Shard.batch_id)
                                .where(Shard.id.in_(shard_ids)))
         for sid, model in rows:
@@ -169,16 +169,16 @@ def models_of(jobs: Jobs, shard_ids: list[str]) -> dict[str | None, list[str]]:
     return out
 
 
-def heartbeat(jobs: Jobs, shard_ids: list[str], owner: str) -> set[str]:
+def heartbeat(ctx: Context, shard_ids: list[str], owner: str) -> set[str]:
     """Extend the leases ``owner`` still holds; returns the ids it holds."""
     if not shard_ids:
         return set()
     t = now()
-    with session_scope(jobs.sessions) as session:
+    with session_scope(ctx.sessions) as session:
         session.execute(
             update(Shard)
             .where(Shard.id.in_(shard_ids), Shard.lease_owner == owner, Shard.status == ShardStatus.RUNNING)
-            .values(lease_expires_at=t + jobs.settings.lease_seconds)
+            .values(lease_expires_at=t + ctx.settings.lease_seconds)
             .execution_options(synchronize_session=False)
         )
         held = session.scalars(
@@ -187,11 +187,11 @@ def heartbeat(jobs: Jobs, shard_ids: list[str], owner: str) -> set[str]:
         return set(held)
 
 
-def release(jobs: Jobs, shard_ids: list[str], owner: str) -> int:
+def release(ctx: Context, shard_ids: list[str], owner: str) -> int:
     """Give shards back to the queue (a worker shutting down); returns how many went back."""
     if not shard_ids:
         return 0
-    with session_scope(jobs.sessions) as session:
+    with session_scope(ctx.sessions) as session:
         result = session.execute(
             update(Shard)
             .where(Shard.id.in_(shard_ids), Shard.lease_owner == owner, Shard.status == ShardStatus.RUNNING)
@@ -201,12 +201,12 @@ def release(jobs: Jobs, shard_ids: list[str], owner: str) -> int:
         return result.rowcount
 
 
-def complete(jobs: Jobs, claimed: Claimed, owner: str, outcome: Outcome, output_key: str, error_key: str) -> bool:
+def complete(ctx: Context, claimed: Claimed, owner: str, outcome: Outcome, output_key: str, error_key: str) -> bool:
     """Record a finished shard and add to the batch what its stored request results have not
     added yet, in one transaction, once: only the lease owner's UPDATE matches, so a shard is
     never counted twice. The worker's complete moves the stored results into the shard's objects
     (they are deleted); the sweeper's keeps them, merged into its lines by ``request_results``."""
-    with session_scope(jobs.sessions) as session:
+    with session_scope(ctx.sessions) as session:
         held = session.scalar(
             select(Shard.id)
             .where(Shard.id == claimed.id, Shard.lease_owner == owner, Shard.status == ShardStatus.RUNNING,
@@ -257,10 +257,10 @@ def _with_stored(claimed: Claimed, outcome: Outcome, stored: request_results.Cou
     )
 
 
-def requeue_expired(jobs: Jobs, shard_id: str) -> bool:
+def requeue_expired(ctx: Context, shard_id: str) -> bool:
     """Put a shard whose owner stopped heartbeating back in the queue."""
     t = now()
-    with session_scope(jobs.sessions) as session:
+    with session_scope(ctx.sessions) as session:
         result = session.execute(
             update(Shard)
             .where(Shard.id == shard_id, Shard.status == ShardStatus.RUNNING, Shard.lease_expires_at < t)
@@ -277,33 +277,33 @@ def _validation_lease_expired(t: int):
     return or_(Batch.validation_lease_expires_at.is_(None), Batch.validation_lease_expires_at < t)
 
 
-def claim_validation(jobs: Jobs, batch_id: str, *, stale_only: bool) -> bool:
+def claim_validation(ctx: Context, batch_id: str, *, stale_only: bool) -> bool:
     """Take the validation lease of ``batch_id``; with ``stale_only``, only an expired one."""
     t = now()
     query = update(Batch).where(Batch.id == batch_id, Batch.status == BatchStatus.VALIDATING)
     if stale_only:
         query = query.where(_validation_lease_expired(t))
-    with session_scope(jobs.sessions) as session:
-        result = session.execute(query.values(validation_lease_expires_at=t + jobs.settings.validation_lease_seconds))
+    with session_scope(ctx.sessions) as session:
+        result = session.execute(query.values(validation_lease_expires_at=t + ctx.settings.validation_lease_seconds))
         return result.rowcount == 1
 
 
-def renew_validation(jobs: Jobs, batch_id: str, **values) -> bool:
+def renew_validation(ctx: Context, batch_id: str, **values) -> bool:
     """Extend the validation lease (and set ``values``); False when the batch left ``validating``."""
-    with session_scope(jobs.sessions) as session:
+    with session_scope(ctx.sessions) as session:
         result = session.execute(
             update(Batch)
             .where(Batch.id == batch_id, Batch.status == BatchStatus.VALIDATING)
-            .values(validation_lease_expires_at=now() + jobs.settings.validation_lease_seconds, **values)
+            .values(validation_lease_expires_at=now() + ctx.settings.validation_lease_seconds, **values)
         )
         return result.rowcount == 1
 
 
-def stale_validations(jobs: Jobs) -> tuple[list[str], list[str]]:
+def stale_validations(ctx: Context) -> tuple[list[str], list[str]]:
     """Batches whose validator died: those still ``validating``, and those cancelled meanwhile."""
     t = now()
     stale = _validation_lease_expired(t)
-    with jobs.sessions() as session:
+    with ctx.sessions() as session:
         validating = list(session.scalars(select(Batch.id).where(Batch.status == BatchStatus.VALIDATING, stale)))
         cancelling = list(session.scalars(
             select(Batch.id).where(Batch.status == BatchStatus.CANCELLING, Batch.in_progress_at.is_(None), stale)
@@ -311,9 +311,9 @@ def stale_validations(jobs: Jobs) -> tuple[list[str], list[str]]:
     return validating, cancelling
 
 
-def settle_cancelled_validation(jobs: Jobs, batch_id: str) -> str:
+def settle_cancelled_validation(ctx: Context, batch_id: str) -> str:
     """A batch cancelled while it was validating: nothing ran, so it is cancelled now. Returns
     the status it is in."""
-    with session_scope(jobs.sessions) as session:
+    with session_scope(ctx.sessions) as session:
         states.transition(session, batch_id, BatchStatus.CANCELLED, validation_lease_expires_at=None)
         return session.scalar(select(Batch.status).where(Batch.id == batch_id)) or "missing"

@@ -24,9 +24,9 @@ from sqlalchemy import delete as sql_delete
 from sqlalchemy import select
 
 from batchapi.batches import service
-from batchapi.batches.context import Jobs
 from batchapi.batches.files import delete_file, upload_file
 from batchapi.batches.states import TERMINAL, BatchStatus
+from batchapi.context import Context
 from batchapi.db.clock import now
 from batchapi.db.models import Batch, File, RequestResult, Shard
 from batchapi.db.session import session_scope
@@ -60,7 +60,7 @@ def _not_found(message_batch_id: str) -> NotFound:
     return NotFound(f"No message batch found with id '{message_batch_id}'.", "message_batch_id")
 
 
-def input_lines(jobs: Jobs, body: object) -> tuple[bytes, int]:
+def input_lines(ctx: Context, body: object) -> tuple[bytes, int]:
     """The input file of a create request's body, and its number of requests. A malformed
     envelope (not custom_id and params, a custom_id repeated) refuses the whole request; a
     problem inside ``params`` is left to that request's result."""
@@ -75,7 +75,7 @@ def input_lines(jobs: Jobs, body: object) -> tuple[bytes, int]:
     seen: set[str] = set()
     out = io.BytesIO()
     for i, request in enumerate(requests):
-        out.write(_line(request, i, seen, jobs.settings.max_line_bytes))
+        out.write(_line(request, i, seen, ctx.settings.max_line_bytes))
     limit = max_file_bytes()
     if out.tell() > limit:  # a body within MAX_BODY_BYTES whose numbers grow when written again (1e9)
         raise TooLarge(f"requests: the {len(requests)} requests are {out.tell()} bytes as an input file; the "
@@ -120,22 +120,22 @@ def _encode(record: dict) -> bytes:
     return json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
 
 
-def create(jobs: Jobs, project_id: str, body: object) -> Batch:
+def create(ctx: Context, project_id: str, body: object) -> Batch:
     """A new batch over the requests, written as an input file; a refused create leaves no file."""
-    data, count = input_lines(jobs, body)
-    file = upload_file(jobs, project_id, "message_batch_requests.jsonl", "batch", io.BytesIO(data),
+    data, count = input_lines(ctx, body)
+    file = upload_file(ctx, project_id, "message_batch_requests.jsonl", "batch", io.BytesIO(data),
                        max_bytes=max_file_bytes())
     try:
-        return service.create_batch(jobs, project_id, file.id, MESSAGES, WINDOW, request_total=count)
+        return service.create_batch(ctx, project_id, file.id, MESSAGES, WINDOW, request_total=count)
     except Exception:  # refused, or the database away: the client retries with a new file
         with contextlib.suppress(NotFound, *TRANSIENT):  # gone already, or left for the file expiry
-            if not _has_batch(jobs, file.id):  # an error after the batch's commit leaves a live batch its input
-                delete_file(jobs, project_id, file.id)
+            if not _has_batch(ctx, file.id):  # an error after the batch's commit leaves a live batch its input
+                delete_file(ctx, project_id, file.id)
         raise
 
 
-def _has_batch(jobs: Jobs, file_id: str) -> bool:
-    with jobs.sessions() as session:
+def _has_batch(ctx: Context, file_id: str) -> bool:
+    with ctx.sessions() as session:
         return session.scalar(select(Batch.id).where(Batch.input_file_id == file_id).limit(1)) is not None
 
 
@@ -147,12 +147,12 @@ def _row(session, project_id: str, message_batch_id: str) -> Batch:
     return batch
 
 
-def get(jobs: Jobs, project_id: str, message_batch_id: str) -> Batch:
-    with jobs.sessions() as session:
+def get(ctx: Context, project_id: str, message_batch_id: str) -> Batch:
+    with ctx.sessions() as session:
         return _row(session, project_id, message_batch_id)
 
 
-def list_page(jobs: Jobs, project_id: str, limit: int, after_id: str | None,
+def list_page(ctx: Context, project_id: str, limit: int, after_id: str | None,
               before_id: str | None) -> tuple[list[Batch], bool]:
     """Newest first, as Anthropic lists: ``after_id`` pages to older batches, ``before_id`` to the
     ``limit`` newer ones just before it; whether more follow in that direction."""
@@ -160,25 +160,25 @@ def list_page(jobs: Jobs, project_id: str, limit: int, after_id: str | None,
         raise InvalidRequest("give at most one of before_id and after_id", "before_id")
     cursor = before_id or after_id
     if cursor is not None:
-        get(jobs, project_id, cursor)
+        get(ctx, project_id, cursor)
         cursor = _row_id(cursor)
-    rows, more = service.list_batches(jobs, project_id, limit, cursor, endpoint=MESSAGES,
+    rows, more = service.list_batches(ctx, project_id, limit, cursor, endpoint=MESSAGES,
                                       newest_first=before_id is None)  # deleted batches left out
     return (rows[::-1] if before_id is not None else rows), more
 
 
-def cancel(jobs: Jobs, project_id: str, message_batch_id: str) -> Batch:
+def cancel(ctx: Context, project_id: str, message_batch_id: str) -> Batch:
     """Cancel; a batch that already ended is returned as it is, as Anthropic does."""
-    batch = get(jobs, project_id, message_batch_id)
+    batch = get(ctx, project_id, message_batch_id)
     if batch.status in TERMINAL:
         return batch
-    return service.cancel_batch(jobs, project_id, batch.id)
+    return service.cancel_batch(ctx, project_id, batch.id)
 
 
-def delete(jobs: Jobs, project_id: str, message_batch_id: str) -> str:
+def delete(ctx: Context, project_id: str, message_batch_id: str) -> str:
     """Remove an ended batch: its files, shards and their objects. The row stays, marked
     ``deleted_at``, with its counts and usage: the reports still bill what it used."""
-    with session_scope(jobs.sessions) as session:
+    with session_scope(ctx.sessions) as session:
         batch = _row(session, project_id, message_batch_id)
         if batch.status not in TERMINAL:
             raise InvalidRequest(f"Message batch {message_batch_id} has not ended yet; cancel it first, and delete "
@@ -195,17 +195,17 @@ def delete(jobs: Jobs, project_id: str, message_batch_id: str) -> str:
         batch.deleted_at = now()
         batch.idempotency_key = None  # free for a new batch, as when the row went
     for key in keys:
-        jobs.storage.delete(key)
+        ctx.storage.delete(key)
     return message_batch_id
 
 
-def iter_results(jobs: Jobs, project_id: str, message_batch_id: str) -> Iterator[bytes]:
+def iter_results(ctx: Context, project_id: str, message_batch_id: str) -> Iterator[bytes]:
     """The results of an ended batch, one JSONL line per request: output lines, then error lines."""
-    batch = get(jobs, project_id, message_batch_id)
+    batch = get(ctx, project_id, message_batch_id)
     if batch.status not in TERMINAL:
         raise InvalidRequest(f"Message batch {message_batch_id} is still processing; its results are available "
                              "once processing_status is 'ended'.", "message_batch_id")
-    with jobs.sessions() as session:
+    with ctx.sessions() as session:
         ids = [f for f in (batch.output_file_id, batch.error_file_id) if f]
         live = select(File).where(File.id.in_(ids), File.deleted_at.is_(None))
         keys = {f.id: f.storage_key for f in session.scalars(live)}
@@ -215,20 +215,20 @@ def iter_results(jobs: Jobs, project_id: str, message_batch_id: str) -> Iterator
     if len(keys) < len(ids) or (not ids and input_key is None):
         raise gone  # before the stream starts: a 404, never a 200 cut short
     if not ids:
-        return _unrun_results(jobs, batch, input_key)
-    return _stored_results(jobs, [keys[f] for f in ids])
+        return _unrun_results(ctx, batch, input_key)
+    return _stored_results(ctx, [keys[f] for f in ids])
 
 
-def _stored_results(jobs: Jobs, keys: list[str]) -> Iterator[bytes]:
+def _stored_results(ctx: Context, keys: list[str]) -> Iterator[bytes]:
     for key in keys:
-        lines = (content for _, _, _, content in iter_lines(jobs.storage.iter_chunks(key)))
+        lines = (content for _, _, _, content in iter_lines(ctx.storage.iter_chunks(key)))
         yield from result_lines(lines)
 
 
-def _unrun_results(jobs: Jobs, batch: Batch, input_key: str) -> Iterator[bytes]:
+def _unrun_results(ctx: Context, batch: Batch, input_key: str) -> Iterator[bytes]:
     """Every request of a batch that ended before running any: ended with the batch's reason."""
     result = UNRUN.get(BatchStatus(batch.status)) or error_result(_failure(batch))
-    for _, _, _, content in iter_lines(jobs.storage.iter_chunks(input_key)):
+    for _, _, _, content in iter_lines(ctx.storage.iter_chunks(input_key)):
         if not is_blank(content):
             yield dump({"custom_id": json.loads(content)["custom_id"], "result": result})
 

@@ -24,8 +24,8 @@ from sqlalchemy import delete, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from batchapi.batches.context import Jobs
 from batchapi.batches.states import ShardStatus
+from batchapi.context import Context
 from batchapi.db.clock import now
 from batchapi.db.models import Batch, RequestResult, Shard
 from batchapi.db.session import session_scope
@@ -76,13 +76,13 @@ class Group:
     rows: list[Finished]
 
 
-def record(jobs: Jobs, groups: list[Group], owner: str) -> set[str]:
+def record(ctx: Context, groups: list[Group], owner: str) -> set[str]:
     """Write each group's rows and add them to their batch's counts, all in one transaction, for
     the shards ``owner`` still holds (which extends their leases); returns those shards' ids."""
     t = now()
     written: set[str] = set()
     per_batch: dict[str, list[Finished]] = {}
-    with session_scope(jobs.sessions) as session:
+    with session_scope(ctx.sessions) as session:
         for group in sorted(groups, key=lambda g: g.shard_id):  # one lock order for every writer
             if not group.rows:
                 continue
@@ -92,7 +92,7 @@ def record(jobs: Jobs, groups: list[Group], owner: str) -> set[str]:
                 # ran out while the engine stalled, and it claimed the shard again)
                 .where(Shard.id == group.shard_id, Shard.lease_owner == owner, Shard.status == ShardStatus.RUNNING,
                        Shard.attempts == group.attempt)
-                .values(lease_expires_at=t + jobs.settings.lease_seconds)
+                .values(lease_expires_at=t + ctx.settings.lease_seconds)
                 .execution_options(synchronize_session=False)
             ).rowcount
             if held != 1:
@@ -160,9 +160,9 @@ def _finished(row: RequestResult) -> Finished:
     return Finished(row.seq, row.succeeded, row.line, row.input_tokens, row.cached_tokens, row.output_tokens)
 
 
-def stored(jobs: Jobs, shard_id: str) -> dict[int, Finished]:
+def stored(ctx: Context, shard_id: str) -> dict[int, Finished]:
     """The shard's finished requests, by position."""
-    with jobs.sessions() as session:
+    with ctx.sessions() as session:
         rows = session.scalars(select(RequestResult).where(RequestResult.shard_id == shard_id))
         return {row.seq: _finished(row) for row in rows}
 
@@ -181,22 +181,22 @@ def running_lines(rows: dict[int, Finished], succeeded: bool) -> Iterator[bytes]
             yield rows[seq].line
 
 
-def shard_lines(jobs: Jobs, shard_id: str, key: str | None, succeeded: bool, has_rows: bool) -> Iterator[bytes]:
+def shard_lines(ctx: Context, shard_id: str, key: str | None, succeeded: bool, has_rows: bool) -> Iterator[bytes]:
     """A done shard's output (``succeeded``) or error lines, in input order: its object at ``key``,
     merged with its rows when it has some (the sweeper closed it: its objects name every request
     as never run, and a row says how that request really ended)."""
     if not has_rows:
         if key:
-            yield from jobs.storage.iter_chunks(key)
+            yield from ctx.storage.iter_chunks(key)
         return
-    rows = stored(jobs, shard_id)
+    rows = stored(ctx, shard_id)
     if succeeded:  # the sweeper's output object is empty: the rows are the output
         if key:
-            yield from jobs.storage.iter_chunks(key)
+            yield from ctx.storage.iter_chunks(key)
         yield from (rows[seq].line for seq in sorted(rows) if rows[seq].succeeded)
         return
     seen = 0
-    for seen, content in enumerate(_object_lines(jobs, key), start=1):
+    for seen, content in enumerate(_object_lines(ctx, key), start=1):
         row = rows.get(seen - 1)
         if row is None:
             yield content
@@ -205,11 +205,11 @@ def shard_lines(jobs: Jobs, shard_id: str, key: str | None, succeeded: bool, has
     yield from (rows[seq].line for seq in sorted(rows) if seq >= seen and not rows[seq].succeeded)
 
 
-def _object_lines(jobs: Jobs, key: str | None) -> Iterator[bytes]:
+def _object_lines(ctx: Context, key: str | None) -> Iterator[bytes]:
     if not key:
         return
     try:
-        for _, _, _, content in iter_lines(jobs.storage.iter_chunks(key)):
+        for _, _, _, content in iter_lines(ctx.storage.iter_chunks(key)):
             yield content + b"\n"
     except NotFound:
         return

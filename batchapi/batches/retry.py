@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from sqlalchemy import select
 
 from batchapi.batches import messages, request_results, service
-from batchapi.batches.context import Jobs
 from batchapi.batches.files import delete_file, get_file_row, upload_file
 from batchapi.batches.states import DONE_SHARDS, TERMINAL, BatchStatus
+from batchapi.context import Context
 from batchapi.db.models import Batch, Shard
 from batchapi.errors import Conflict, InvalidRequest, NotFound
 from batchapi.openai.body import MESSAGES
@@ -35,36 +35,36 @@ log = logging.getLogger(__name__)
 SPOOL_BYTES = 16 * 1024 * 1024  # a retry's input is built in memory up to this, then on disk
 
 
-def retry_batch(jobs: Jobs, project_id: str, bid: str, idempotency_key: str | None = None) -> Batch:
+def retry_batch(ctx: Context, project_id: str, bid: str, idempotency_key: str | None = None) -> Batch:
     check_text(idempotency_key, "Idempotency-Key")
-    original = service.get_batch(jobs, project_id, bid)
+    original = service.get_batch(ctx, project_id, bid)
     if original.status not in TERMINAL:
         raise Conflict(f"Cannot retry a batch with status '{original.status}': only a batch that has ended "
                        "(completed, failed, expired or cancelled) can be retried.", "batch_id", code="invalid_state")
     if idempotency_key is not None:
-        existing = service.by_idempotency_key(jobs, project_id, idempotency_key, service.retry_fingerprint(bid))
+        existing = service.by_idempotency_key(ctx, project_id, idempotency_key, service.retry_fingerprint(bid))
         if existing is not None:
             return existing
     with tempfile.SpooledTemporaryFile(SPOOL_BYTES) as spool:
-        count = _write_input(jobs, original, spool)
+        count = _write_input(ctx, original, spool)
         if not count:
             raise InvalidRequest(f"Batch {bid} has no failed, expired or cancelled requests to retry.", "batch_id",
                                  code="nothing_to_retry")
         spool.seek(0)
         # a Message Batch's input may be larger than an upload (messages.max_file_bytes)
         limit = messages.max_file_bytes() if original.endpoint == MESSAGES else None
-        file = upload_file(jobs, project_id, f"{bid}_retry.jsonl", "batch", spool, max_bytes=limit)
+        file = upload_file(ctx, project_id, f"{bid}_retry.jsonl", "batch", spool, max_bytes=limit)
     keep = original.output_expires_after  # its output files expire as the original's do
-    batch = service.create_batch(jobs, project_id, file.id, original.endpoint, original.completion_window,
+    batch = service.create_batch(ctx, project_id, file.id, original.endpoint, original.completion_window,
                                  original.metadata_, idempotency_key, retry_of=bid,
                                  output_expires_after={"anchor": "created_at", "seconds": keep} if keep else None)
     if batch.input_file_id != file.id:  # the same key raced us and won: its batch, and no second file
-        delete_file(jobs, project_id, file.id)
+        delete_file(ctx, project_id, file.id)
     log.info("batch %s retries %d requests of %s", batch.id, count, bid)
     return batch
 
 
-def _write_input(jobs: Jobs, original: Batch, out) -> int:
+def _write_input(ctx: Context, original: Batch, out) -> int:
     """Write the original's input lines to retry to ``out``; returns how many."""
     if original.status == BatchStatus.FAILED and original.error_file_id is None:
         raise InvalidRequest(f"Batch {original.id} failed validation and ran no request; fix its input file and "
@@ -72,9 +72,9 @@ def _write_input(jobs: Jobs, original: Batch, out) -> int:
     ran = original.output_file_id is not None or original.in_progress_at is not None
     if ran and original.error_file_id is None:
         return 0  # every request succeeded
-    shards = _shard_outcomes(jobs, original) if ran else None
+    shards = _shard_outcomes(ctx, original) if ran else None
     count = 0
-    for number, content in _input_lines(jobs, original):
+    for number, content in _input_lines(ctx, original):
         if shards is None or shards.unfinished(number, content):
             out.write(content + b"\n")
             count += 1
@@ -108,8 +108,8 @@ class _ShardOutcomes:
         return shard.failed and (not shard.succeeded or _custom_id(content) not in shard.succeeded)
 
 
-def _shard_outcomes(jobs: Jobs, original: Batch) -> _ShardOutcomes:
-    with jobs.sessions() as session:
+def _shard_outcomes(ctx: Context, original: Batch) -> _ShardOutcomes:
+    with ctx.sessions() as session:
         rows = session.execute(
             select(Shard.id, Shard.first_line, Shard.last_line, Shard.status, Shard.completed_count,
                    Shard.failed_count, Shard.output_key)
@@ -123,7 +123,7 @@ def _shard_outcomes(jobs: Jobs, original: Batch) -> _ShardOutcomes:
         elif not failed:
             shards.append(_Shard(first, last, False))
         else:
-            output = request_results.shard_lines(jobs, sid, output_key, True, sid in with_rows)
+            output = request_results.shard_lines(ctx, sid, output_key, True, sid in with_rows)
             shards.append(_Shard(first, last, True, frozenset(_result_ids(output))))
     return _ShardOutcomes(shards)
 
@@ -134,9 +134,9 @@ def _result_ids(chunks: Iterator[bytes]) -> Iterator[str | None]:
             yield json.loads(content).get("custom_id")
 
 
-def _input_lines(jobs: Jobs, original: Batch) -> Iterator[tuple[int, bytes]]:
-    chunks = _content(jobs, original, original.input_file_id, "input")
-    for number, _, _, content in iter_lines(chunks, jobs.settings.max_line_bytes):
+def _input_lines(ctx: Context, original: Batch) -> Iterator[tuple[int, bytes]]:
+    chunks = _content(ctx, original, original.input_file_id, "input")
+    for number, _, _, content in iter_lines(chunks, ctx.settings.max_line_bytes):
         if isinstance(content, LongLine) or is_blank(content):
             continue  # a line validation refused as a whole never reaches the error file
         yield number, content.removeprefix(BOM.encode()) if number == 1 else content
@@ -150,11 +150,11 @@ def _custom_id(content: bytes) -> str | None:
     return record.get("custom_id") if isinstance(record, dict) else None
 
 
-def _content(jobs: Jobs, original: Batch, file_id: str, what: str) -> Iterator[bytes]:
+def _content(ctx: Context, original: Batch, file_id: str, what: str) -> Iterator[bytes]:
     try:
-        with jobs.sessions() as session:
+        with ctx.sessions() as session:
             key = get_file_row(session, original.project_id, file_id).storage_key
     except NotFound:
         raise NotFound(f"The {what} file {file_id} of batch {original.id} was deleted or has expired; its "
                        "requests cannot be retried.", "batch_id") from None
-    return jobs.storage.iter_chunks(key)
+    return ctx.storage.iter_chunks(key)

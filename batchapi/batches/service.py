@@ -14,16 +14,17 @@ from sqlalchemy.orm import Session
 
 from batchapi.batches import request_results, states
 from batchapi.batches.billing import price_for
-from batchapi.batches.context import Jobs
 from batchapi.batches.files import expiry_seconds, get_file_row
 from batchapi.batches.states import DONE_SHARDS, BatchStatus
+from batchapi.context import Context
 from batchapi.db.clock import now
 from batchapi.db.ids import batch_id as new_batch_id
 from batchapi.db.models import Batch, Shard
 from batchapi.db.paging import page
 from batchapi.db.session import session_scope
 from batchapi.errors import Conflict, InvalidRequest, NotFound
-from batchapi.model_store import CHAT, served_id_for, served_ids, served_model_id
+from batchapi.models.registry import served_id_for, served_ids, served_model_id
+from batchapi.models.store import CHAT
 from batchapi.openai.body import ENDPOINTS, MESSAGES
 from batchapi.openai.lines import BOM, LongLine, is_blank, iter_lines
 from batchapi.openai.text import check_text
@@ -68,7 +69,7 @@ def _fingerprint(input_file_id: str, endpoint: str, window: str, metadata: dict 
 
 
 def create_batch(
-    jobs: Jobs,
+    ctx: Context,
     project_id: str,
     input_file_id: str,
     endpoint: str,
@@ -94,21 +95,21 @@ def create_batch(
     fingerprint = retry_fingerprint(retry_of) if retry_of else _fingerprint(input_file_id, endpoint, completion_window,
                                                                             metadata)
     if idempotency_key is not None:
-        existing = by_idempotency_key(jobs, project_id, idempotency_key, fingerprint)
+        existing = by_idempotency_key(ctx, project_id, idempotency_key, fingerprint)
         if existing is not None:
             return _same_expiry(existing, output_expiry, retry_of)
-    model = batch_model(jobs, project_id, input_file_id, each_request=endpoint == MESSAGES)
-    price = price_for(jobs.settings, model or served_model_id(jobs.settings))
+    model = batch_model(ctx, project_id, input_file_id, each_request=endpoint == MESSAGES)
+    price = price_for(ctx.settings, model or served_model_id(ctx.settings))
     t = now()
     try:
-        with session_scope(jobs.sessions) as session:
+        with session_scope(ctx.sessions) as session:
             batch = Batch(
                 id=new_batch_id(), project_id=project_id, endpoint=endpoint, input_file_id=input_file_id,
                 completion_window=completion_window, status=BatchStatus.VALIDATING, metadata_=metadata,
                 idempotency_key=idempotency_key, request_fingerprint=fingerprint, created_at=t,
-                expires_at=t + seconds, validation_lease_expires_at=t + jobs.settings.validation_lease_seconds,
+                expires_at=t + seconds, validation_lease_expires_at=t + ctx.settings.validation_lease_seconds,
                 currency=price.currency, price_input=price.input, price_cached_input=price.cached_input,
-                price_output=price.output, discount_percent=jobs.settings.batch_discount_percent,
+                price_output=price.output, discount_percent=ctx.settings.batch_discount_percent,
                 request_total=request_total, model=model, retry_of=retry_of, output_expires_after=output_expiry,
             )
             session.add(batch)
@@ -120,43 +121,43 @@ def create_batch(
             if file.purpose != "batch":
                 raise InvalidRequest(f"file {input_file_id} has purpose {file.purpose!r}, not 'batch'", "input_file_id")
     except IntegrityError:  # the same key raced us and won
-        existing = by_idempotency_key(jobs, project_id, idempotency_key, fingerprint)
+        existing = by_idempotency_key(ctx, project_id, idempotency_key, fingerprint)
         if existing is None:
             raise
         return _same_expiry(existing, output_expiry, retry_of)
-    if jobs.on_batch_created is not None:
-        jobs.on_batch_created(batch.id)
+    if ctx.on_batch_created is not None:
+        ctx.on_batch_created(batch.id)
     return batch
 
 
-def batch_model(jobs: Jobs, project_id: str, input_file_id: str, each_request: bool = False) -> str | None:
+def batch_model(ctx: Context, project_id: str, input_file_id: str, each_request: bool = False) -> str | None:
     """The served model the file's first request names: the batch's model, priced at create and
     the one whose workers run it. InvalidRequest (``model_not_found``) when no worker serves it;
     None when the first line names no model (validation reports what is wrong with it).
     ``each_request`` (a Message Batch: Anthropic validates each request alone): the first served
     chat model any request names, a request naming another being only that request's error;
     None when none does (the default model's workers then refuse each request)."""
-    with jobs.sessions() as session:
+    with ctx.sessions() as session:
         storage_key = get_file_row(session, project_id, input_file_id).storage_key
     if each_request:
-        served = (served_id_for(jobs.settings, named, CHAT) for named in _models(jobs, storage_key) if named)
+        served = (served_id_for(ctx.settings, named, CHAT) for named in _models(ctx, storage_key) if named)
         return next(filter(None, served), None)
-    named = next(_models(jobs, storage_key), None)
+    named = next(_models(ctx, storage_key), None)
     if named is None:
         return None
-    model = served_id_for(jobs.settings, named)
+    model = served_id_for(ctx.settings, named)
     if model is None:
         raise InvalidRequest(f"the model {named!r} of the file's first request is not served here; served: "
-                             f"{', '.join(served_ids(jobs.settings))}", "input_file_id", code="model_not_found")
+                             f"{', '.join(served_ids(ctx.settings))}", "input_file_id", code="model_not_found")
     return model
 
 
-def _models(jobs: Jobs, storage_key: str) -> Iterator[str | None]:
+def _models(ctx: Context, storage_key: str) -> Iterator[str | None]:
     """The model each request line names, in order (None for a line that names none); stops at a
     line that is not JSON, or with no content: validation says what is wrong there."""
     try:
-        for number, _start, _end, content in iter_lines(jobs.storage.iter_chunks(storage_key),
-                                                        jobs.settings.max_line_bytes):
+        for number, _start, _end, content in iter_lines(ctx.storage.iter_chunks(storage_key),
+                                                        ctx.settings.max_line_bytes):
             if isinstance(content, LongLine) or is_blank(content):
                 continue
             text = content.decode("utf-8", errors="replace")
@@ -172,9 +173,9 @@ def retry_fingerprint(original_id: str) -> str:
     return hashlib.sha256(json.dumps(["retry", original_id]).encode()).hexdigest()
 
 
-def by_idempotency_key(jobs: Jobs, project_id: str, key: str | None, fingerprint: str) -> Batch | None:
+def by_idempotency_key(ctx: Context, project_id: str, key: str | None, fingerprint: str) -> Batch | None:
     """The batch created with ``key``; Conflict if it was created with other parameters."""
-    with jobs.sessions() as session:
+    with ctx.sessions() as session:
         batch = session.scalar(select(Batch).where(Batch.project_id == project_id, Batch.idempotency_key == key))
     if batch is not None and batch.request_fingerprint != fingerprint:
         raise _key_reused()
@@ -207,16 +208,16 @@ def batch_not_found(bid: str) -> NotFound:
     return NotFound(f"No batch found with id '{bid}'.", "batch_id")
 
 
-def get_batch(jobs: Jobs, project_id: str, bid: str) -> Batch:
-    with jobs.sessions() as session:
+def get_batch(ctx: Context, project_id: str, bid: str) -> Batch:
+    with ctx.sessions() as session:
         return get_batch_row(session, project_id, bid)
 
 
-def list_batches(jobs: Jobs, project_id: str, limit: int, after: str | None, *, endpoint: str | None = None,
+def list_batches(ctx: Context, project_id: str, limit: int, after: str | None, *, endpoint: str | None = None,
                  newest_first: bool = True) -> tuple[list[Batch], bool]:
     """Newest first; up to ``limit`` batches after the cursor ``after``, and whether more follow.
     ``endpoint`` keeps that endpoint's batches only; ``newest_first`` False pages oldest first."""
-    with jobs.sessions() as session:
+    with ctx.sessions() as session:
         cursor = get_batch_row(session, project_id, after) if after else None
         query = select(Batch).where(Batch.project_id == project_id, Batch.deleted_at.is_(None))
         if endpoint is not None:
@@ -224,30 +225,30 @@ def list_batches(jobs: Jobs, project_id: str, limit: int, after: str | None, *, 
         return page(session, query, Batch, cursor, limit, newest_first=newest_first)
 
 
-def cancel_batch(jobs: Jobs, project_id: str, bid: str) -> Batch:
+def cancel_batch(ctx: Context, project_id: str, bid: str) -> Batch:
     """Move the batch to ``cancelling``; the workers (or the validator) finish the cancel."""
-    with session_scope(jobs.sessions) as session:
+    with session_scope(ctx.sessions) as session:
         batch = get_batch_row(session, project_id, bid)
         status = batch.status
         moved = states.transition(session, bid, BatchStatus.CANCELLING)
     if not moved and status not in (BatchStatus.CANCELLING, BatchStatus.CANCELLED):
-        with jobs.sessions() as session:
+        with ctx.sessions() as session:
             status = get_batch_row(session, project_id, bid).status
         if status not in (BatchStatus.CANCELLING, BatchStatus.CANCELLED):
             raise Conflict(f"Cannot cancel a batch with status '{status}'.", "batch_id", code="invalid_state")
     if moved:
-        jobs.dispatcher.batch_cancelled(bid)
-        if jobs.on_batch_cancelled is not None:
-            jobs.on_batch_cancelled(bid)
-    return get_batch(jobs, project_id, bid)
+        ctx.dispatcher.batch_cancelled(bid)
+        if ctx.on_batch_cancelled is not None:
+            ctx.on_batch_cancelled(bid)
+    return get_batch(ctx, project_id, bid)
 
 
-def iter_partial_results(jobs: Jobs, project_id: str, bid: str, kind: str = "output") -> Iterator[bytes]:
+def iter_partial_results(ctx: Context, project_id: str, bid: str, kind: str = "output") -> Iterator[bytes]:
     """The result lines of every request finished so far (the output or the error lines), in
     input order; the rest of the batch may still be running."""
     if kind not in PARTIAL_KINDS:
         raise InvalidRequest(f"kind must be one of {list(PARTIAL_KINDS)}", "kind")
-    with jobs.sessions() as session:
+    with ctx.sessions() as session:
         get_batch_row(session, project_id, bid)
         # rows first: a shard that completes between the two reads (its rows deleted as its
         # objects are recorded) is then seen done and read from its objects, not missed
@@ -256,30 +257,30 @@ def iter_partial_results(jobs: Jobs, project_id: str, bid: str, kind: str = "out
             select(Shard.id, Shard.status, Shard.output_key, Shard.error_key)
             .where(Shard.batch_id == bid).order_by(Shard.index)
         ).all()
-    return _partial(jobs, shards, with_rows, kind == "output")
+    return _partial(ctx, shards, with_rows, kind == "output")
 
 
-def _partial(jobs: Jobs, shards, with_rows: set[str], succeeded: bool) -> Iterator[bytes]:
+def _partial(ctx: Context, shards, with_rows: set[str], succeeded: bool) -> Iterator[bytes]:
     for shard_id, status, output_key, error_key in shards:
         key = output_key if succeeded else error_key
         try:
             if status in DONE_SHARDS:
-                yield from request_results.shard_lines(jobs, shard_id, key, succeeded, shard_id in with_rows)
+                yield from request_results.shard_lines(ctx, shard_id, key, succeeded, shard_id in with_rows)
             elif shard_id in with_rows:
-                yield from _running(jobs, shard_id, succeeded)
+                yield from _running(ctx, shard_id, succeeded)
         except NotFound:  # raised before any byte of it: a shard object not written yet
             log.warning("partial results: %s is missing", key)
 
 
-def _running(jobs: Jobs, shard_id: str, succeeded: bool) -> Iterator[bytes]:
+def _running(ctx: Context, shard_id: str, succeeded: bool) -> Iterator[bytes]:
     """A running shard's finished lines; if it completed since (its rows moved into its
     objects), its objects."""
-    rows = request_results.stored(jobs, shard_id)
+    rows = request_results.stored(ctx, shard_id)
     if rows:
         yield from request_results.running_lines(rows, succeeded)
         return
-    with jobs.sessions() as session:
+    with ctx.sessions() as session:
         shard = session.get(Shard, shard_id)
         if shard is not None and shard.status in DONE_SHARDS:
             key = shard.output_key if succeeded else shard.error_key
-            yield from request_results.shard_lines(jobs, shard_id, key, succeeded, False)
+            yield from request_results.shard_lines(ctx, shard_id, key, succeeded, False)

@@ -15,9 +15,9 @@ from typing import Any
 from sqlalchemy import update
 from sqlalchemy.orm import Session
 
+from batchapi.batches.ended import batch_ended
 from batchapi.db.clock import now
 from batchapi.db.models import Batch
-from batchapi.webhooks.ended import batch_ended
 
 
 class BatchStatus(StrEnum):

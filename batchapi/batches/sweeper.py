@@ -32,11 +32,12 @@ from typing import Protocol, TypeVar
 from sqlalchemy import exists, select
 
 from batchapi.batches import files, leases
-from batchapi.batches.context import Jobs
 from batchapi.batches.finalize import finalize_batch
 from batchapi.batches.leases import CUT_OFF, Outcome
 from batchapi.batches.shard_input import read_custom_ids
 from batchapi.batches.states import OPEN_SHARDS, BatchStatus, ShardStatus
+from batchapi.batches.uploads import expire_uploads
+from batchapi.context import Context
 from batchapi.db.clock import now
 from batchapi.db.models import Batch, Shard
 from batchapi.errors import TRANSIENT, NotFound
@@ -44,7 +45,6 @@ from batchapi.openai import render
 from batchapi.openai.errors import ErrorCode
 from batchapi.storage import discard, remove_partial_writes
 from batchapi.storage.keys import shard_error_key, shard_output_key, superseded_shard_keys
-from batchapi.uploads.service import expire_uploads
 from batchapi.webhooks.delivery import deliver_due
 
 log = logging.getLogger(__name__)
@@ -75,14 +75,14 @@ class SweepReport:
     webhooks_delivered: int = 0
 
 
-def sweep(jobs: Jobs, validator: Validator | None = None, *, shards: bool = True) -> SweepReport:
+def sweep(ctx: Context, validator: Validator | None = None, *, shards: bool = True) -> SweepReport:
     """One pass over everything stale; ``shards`` False leaves the shard steps to another
     process (``batchapi beat`` in production). Each row is acted on alone (``_each``): one that
     raises is logged and skipped, and the rest of the sweep goes on."""
     report = SweepReport()
     steps = [_validations, _backfill] + ([_end_batches, _expired_leases, _finalize_leftovers, _expire_files,
                                           _deliver_webhooks] if shards else [])
-    _each(steps, "the sweep step", lambda step: _timed(step, jobs, report, validator))
+    _each(steps, "the sweep step", lambda step: _timed(step, ctx, report, validator))
     if report.resumed or report.requeued or report.closed or report.finalized:
         log.info("sweep: %d validations resumed, %d requeued, %d closed, %d finalized", len(report.resumed),
                  len(report.requeued), len(report.closed), len(report.finalized))
@@ -95,9 +95,9 @@ def sweep(jobs: Jobs, validator: Validator | None = None, *, shards: bool = True
 SLOW_STEP_SECONDS = 5.0
 
 
-def _timed(step, jobs: Jobs, report: SweepReport, validator: Validator | None) -> None:
+def _timed(step, ctx: Context, report: SweepReport, validator: Validator | None) -> None:
     start = time.monotonic()
-    step(jobs, report, validator)
+    step(ctx, report, validator)
     if (took := time.monotonic() - start) > SLOW_STEP_SECONDS:
         log.warning("sweep step %s took %.1f s", step.__name__.lstrip("_"), took)
 
@@ -118,10 +118,10 @@ def _name(row: object) -> object:
     return getattr(row, "__name__", row)
 
 
-def _validations(jobs: Jobs, report: SweepReport, validator: Validator | None) -> None:
-    validating, cancelling = leases.stale_validations(jobs)
+def _validations(ctx: Context, report: SweepReport, validator: Validator | None) -> None:
+    validating, cancelling = leases.stale_validations(ctx)
     _each(cancelling, "settling the cancelled validation of", lambda batch_id: leases.settle_cancelled_validation(
-        jobs, batch_id))
+        ctx, batch_id))
     if validator is None:
         return
 
@@ -132,14 +132,14 @@ def _validations(jobs: Jobs, report: SweepReport, validator: Validator | None) -
     _each(validating, "resuming the validation of", resume)
 
 
-def _backfill(jobs: Jobs, report: SweepReport, validator: Validator | None) -> None:
+def _backfill(ctx: Context, report: SweepReport, validator: Validator | None) -> None:
     if validator is not None:
         validator.backfill()
 
 
-def _end_batches(jobs: Jobs, report: SweepReport, validator: Validator | None) -> None:
+def _end_batches(ctx: Context, report: SweepReport, validator: Validator | None) -> None:
     t = now()
-    with jobs.sessions() as session:
+    with ctx.sessions() as session:
         ending = session.execute(
             select(Batch.id, Batch.status).where(
                 ((Batch.status == BatchStatus.CANCELLING) & Batch.in_progress_at.is_not(None))
@@ -150,23 +150,23 @@ def _end_batches(jobs: Jobs, report: SweepReport, validator: Validator | None) -
     def end(row) -> None:
         batch_id, status = row
         reason = ErrorCode.BATCH_CANCELLED if status == BatchStatus.CANCELLING else ErrorCode.BATCH_EXPIRED
-        with jobs.sessions() as session:
+        with ctx.sessions() as session:
             unowned = list(session.scalars(
                 select(Shard.id).where(
                     Shard.batch_id == batch_id,
                     (Shard.status == ShardStatus.QUEUED) | ((Shard.status == ShardStatus.RUNNING) & (Shard.lease_expires_at < t)),
                 )
             ))
-        _each(unowned, f"closing ({reason}) shard", lambda shard_id: _close(jobs, report, shard_id, reason))
-        if finalize_batch(jobs, batch_id):
+        _each(unowned, f"closing ({reason}) shard", lambda shard_id: _close(ctx, report, shard_id, reason))
+        if finalize_batch(ctx, batch_id):
             report.finalized.append(batch_id)
 
     _each(ending, "ending batch", end)
 
 
-def _expired_leases(jobs: Jobs, report: SweepReport, validator: Validator | None) -> None:
+def _expired_leases(ctx: Context, report: SweepReport, validator: Validator | None) -> None:
     t = now()
-    with jobs.sessions() as session:
+    with ctx.sessions() as session:
         stale = session.execute(
             select(Shard.id, Shard.attempts)
             .join(Batch, Batch.id == Shard.batch_id)
@@ -175,74 +175,74 @@ def _expired_leases(jobs: Jobs, report: SweepReport, validator: Validator | None
 
     def recover(row) -> None:
         shard_id, attempts = row
-        if attempts >= jobs.settings.max_shard_attempts:
+        if attempts >= ctx.settings.max_shard_attempts:
             log.warning("shard %s failed %d times; closing it", shard_id, attempts)
-            _close(jobs, report, shard_id, ErrorCode.SHARD_FAILED)
-        elif leases.requeue_expired(jobs, shard_id):
+            _close(ctx, report, shard_id, ErrorCode.SHARD_FAILED)
+        elif leases.requeue_expired(ctx, shard_id):
             log.warning("shard %s lost its worker (attempt %d); re-queued", shard_id, attempts)
             report.requeued.append(shard_id)
 
     _each(stale, "recovering the expired lease of shard", recover)
 
 
-def _finalize_leftovers(jobs: Jobs, report: SweepReport, validator: Validator | None) -> None:
+def _finalize_leftovers(ctx: Context, report: SweepReport, validator: Validator | None) -> None:
     t = now()
     any_open = exists().where(Shard.batch_id == Batch.id, Shard.status.in_(OPEN_SHARDS))
-    with jobs.sessions() as session:
+    with ctx.sessions() as session:
         done = list(session.scalars(select(Batch.id).where(Batch.status == BatchStatus.IN_PROGRESS, ~any_open)))
         stuck = list(session.scalars(
             select(Batch.id).where(
-                Batch.status == BatchStatus.FINALIZING, Batch.finalizing_at < t - jobs.settings.lease_seconds
+                Batch.status == BatchStatus.FINALIZING, Batch.finalizing_at < t - ctx.settings.lease_seconds
             )
         ))
 
     def finalize(batch_id: str, resume: bool) -> None:
-        if finalize_batch(jobs, batch_id, resume=resume):
+        if finalize_batch(ctx, batch_id, resume=resume):
             report.finalized.append(batch_id)
 
     _each(done, "finalizing batch", lambda batch_id: finalize(batch_id, False))
     _each(stuck, "finalizing the stuck batch", lambda batch_id: finalize(batch_id, True))
 
 
-def _expire_files(jobs: Jobs, report: SweepReport, validator: Validator | None) -> None:
-    report.removed_files.extend(files.remove_expired(jobs, _each))
-    report.expired_uploads.extend(expire_uploads(jobs, _each))
+def _expire_files(ctx: Context, report: SweepReport, validator: Validator | None) -> None:
+    report.removed_files.extend(files.remove_expired(ctx, _each))
+    report.expired_uploads.extend(expire_uploads(ctx, _each))
 
 
-def _deliver_webhooks(jobs: Jobs, report: SweepReport, validator: Validator | None) -> None:
-    report.webhooks_delivered += deliver_due(jobs.sessions, jobs.settings)
+def _deliver_webhooks(ctx: Context, report: SweepReport, validator: Validator | None) -> None:
+    report.webhooks_delivered += deliver_due(ctx.sessions, ctx.settings)
 
 
-def _close(jobs: Jobs, report: SweepReport, shard_id: str, reason: ErrorCode) -> None:
-    if close_shard(jobs, shard_id, reason):
+def _close(ctx: Context, report: SweepReport, shard_id: str, reason: ErrorCode) -> None:
+    if close_shard(ctx, shard_id, reason):
         report.closed.append(shard_id)
 
 
-def close_shard(jobs: Jobs, shard_id: str, reason: ErrorCode) -> bool:
+def close_shard(ctx: Context, shard_id: str, reason: ErrorCode) -> bool:
     """Close a shard nobody runs: every request goes to its error object with ``reason``."""
-    claimed = leases.claim_for_closing(jobs, shard_id, OWNER)
+    claimed = leases.claim_for_closing(ctx, shard_id, OWNER)
     if claimed is None:
         return False
-    custom_ids = _custom_ids(jobs, claimed)
+    custom_ids = _custom_ids(ctx, claimed)
     # keys of their own: a stalled worker of the shard's last attempt may still write that attempt's
     out_key = shard_output_key(claimed.batch_id, claimed.index, claimed.attempts, closing=True)
     err_key = shard_error_key(claimed.batch_id, claimed.index, claimed.attempts, closing=True)
-    jobs.storage.put_chunks(out_key, [b""])
-    jobs.storage.put_chunks(err_key, (render.never_ran(cid, reason) for cid in custom_ids))
+    ctx.storage.put_chunks(out_key, [b""])
+    ctx.storage.put_chunks(err_key, (render.never_ran(cid, reason) for cid in custom_ids))
     unrun = len(custom_ids) if reason in CUT_OFF else 0
     # a closer that loses its lease keeps its objects: the next closer of the attempt writes the same keys
-    if not leases.complete(jobs, claimed, OWNER, Outcome(0, len(custom_ids), reason=reason, unrun=unrun), out_key,
+    if not leases.complete(ctx, claimed, OWNER, Outcome(0, len(custom_ids), reason=reason, unrun=unrun), out_key,
                            err_key):
         return False
-    discard(jobs.storage, superseded_shard_keys(claimed.batch_id, claimed.index, claimed.attempts, closing=True))
+    discard(ctx.storage, superseded_shard_keys(claimed.batch_id, claimed.index, claimed.attempts, closing=True))
     return True
 
 
-def _custom_ids(jobs: Jobs, claimed: leases.Claimed) -> list[str | None]:
+def _custom_ids(ctx: Context, claimed: leases.Claimed) -> list[str | None]:
     """The ids to name in the closed shard's error lines. Closing must always end: input that
     cannot be read back as validation saw it still gives one error line per request, unnamed."""
     try:
-        return read_custom_ids(jobs.storage, claimed, jobs.settings.max_line_bytes)
+        return read_custom_ids(ctx.storage, claimed, ctx.settings.max_line_bytes)
     except NotFound:  # the input object is gone: nothing left to name in the error file
         log.error("the input of shard %s is gone from storage; closing it empty", claimed.id)
         return []
@@ -259,8 +259,8 @@ class SweepLoop:
     ``poke`` (a cancel: its queued shards are closed now rather than at the next tick). At start
     and then hourly it also removes what writers killed mid-write left in storage."""
 
-    def __init__(self, jobs: Jobs, interval: float, validator: Validator | None = None, *, shards: bool = True):
-        self.jobs = jobs
+    def __init__(self, ctx: Context, interval: float, validator: Validator | None = None, *, shards: bool = True):
+        self.ctx = ctx
         self.interval = interval
         self.validator = validator
         self.shards = shards
@@ -284,13 +284,13 @@ class SweepLoop:
         cleaned = None  # when partial writes were last looked for (monotonic seconds)
         while not self._stop.is_set():
             try:
-                sweep(self.jobs, self.validator, shards=self.shards)
+                sweep(self.ctx, self.validator, shards=self.shards)
             except TRANSIENT:
                 log.warning("sweep failed; the next one retries", exc_info=True)
             except Exception:  # a bug in one sweep must not end every later one
                 log.exception("sweep crashed; the next one retries")
             if cleaned is None or time.monotonic() - cleaned >= PARTIAL_WRITES_EVERY:
                 cleaned = time.monotonic()
-                remove_partial_writes(self.jobs.storage)
+                remove_partial_writes(self.ctx.storage)
             self._poked.wait(self.interval)
             self._poked.clear()

@@ -15,12 +15,12 @@ from collections.abc import Callable
 from sqlalchemy import func, select, update
 
 from batchapi.batches import states
-from batchapi.batches.context import Jobs
 from batchapi.batches.states import BatchStatus
+from batchapi.context import Context
 from batchapi.db.models import Batch, File, Shard
 from batchapi.db.session import session_scope
 from batchapi.errors import TRANSIENT
-from batchapi.model_store import served_model
+from batchapi.models.registry import served_model
 from batchapi.openai.body import MESSAGES
 from batchapi.openai.lines import is_blank, iter_lines, parse_line
 from batchapi.validation.token_counts import (
@@ -34,8 +34,8 @@ from batchapi.validation.token_counts import (
 log = logging.getLogger(__name__)
 
 
-def batches_to_count(jobs: Jobs) -> list[str]:
-    with jobs.sessions() as session:
+def batches_to_count(ctx: Context) -> list[str]:
+    with ctx.sessions() as session:
         query = (
             select(Shard.batch_id).join(Batch, Batch.id == Shard.batch_id)
             .where(Shard.tokens_counted.is_(False), Batch.status.in_(sorted(states.ACTIVE)))
@@ -45,11 +45,11 @@ def batches_to_count(jobs: Jobs) -> list[str]:
 
 
 def count_batch(
-    jobs: Jobs, batch_id: str, counter: PromptCounter | None = None, stop: Callable[[], bool] = lambda: False
+    ctx: Context, batch_id: str, counter: PromptCounter | None = None, stop: Callable[[], bool] = lambda: False
 ) -> int:
     """Count the prompts of every uncounted shard of ``batch_id``; returns shards counted.
     ``stop()`` is asked between shards, so a shutting-down process leaves the rest to a sweep."""
-    with jobs.sessions() as session:
+    with ctx.sessions() as session:
         batch = session.get(Batch, batch_id)
         if batch is None or batch.status not in states.ACTIVE:
             return 0
@@ -57,41 +57,41 @@ def count_batch(
         shards = list(session.scalars(
             select(Shard).where(Shard.batch_id == batch_id, Shard.tokens_counted.is_(False)).order_by(Shard.index)
         ))
-    served = served_model(jobs.settings, batch.model)
+    served = served_model(ctx.settings, batch.model)
     counter = counter or counter_for(served.path)
     done = 0
     for shard in shards:
-        if stop() or not _still_wanted(jobs, batch_id):
+        if stop() or not _still_wanted(ctx, batch_id):
             break
         try:
-            counts, outputs = _count_shard(jobs, counter, batch.endpoint, file.storage_key, shard, served.aliases)
+            counts, outputs = _count_shard(ctx, counter, batch.endpoint, file.storage_key, shard, served.aliases)
         except TRANSIENT:
             raise
         except Exception:  # it would fail on every sweep: keep validation's bounds, count the other shards
             log.exception("counting the prompts of shard %s failed; its estimate stays an upper bound", shard.id)
             counts, outputs = None, shard.estimated_output_tokens
         values = {"prompt_token_counts": counts, "prompt_tokens": sum(counts)} if counts is not None else {}
-        with session_scope(jobs.sessions) as session:
+        with session_scope(ctx.sessions) as session:
             done += session.execute(
                 update(Shard).where(Shard.id == shard.id, Shard.tokens_counted.is_(False)).values(
                     estimated_output_tokens=outputs, tokens_counted=True, **values,
                 )
             ).rowcount
-    _refresh_estimate(jobs, batch_id)
+    _refresh_estimate(ctx, batch_id)
     return done
 
 
-def _still_wanted(jobs: Jobs, batch_id: str) -> bool:
-    with jobs.sessions() as session:
+def _still_wanted(ctx: Context, batch_id: str) -> bool:
+    with ctx.sessions() as session:
         status = session.scalar(select(Batch.status).where(Batch.id == batch_id))
     return status in (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS)
 
 
-def _count_shard(jobs: Jobs, counter: PromptCounter, endpoint: str, key: str, shard: Shard,
+def _count_shard(ctx: Context, counter: PromptCounter, endpoint: str, key: str, shard: Shard,
                  names: frozenset[str]) -> tuple[list[int], int]:
-    chunks = jobs.storage.iter_chunks(key, shard.start_byte, shard.end_byte)
+    chunks = ctx.storage.iter_chunks(key, shard.start_byte, shard.end_byte)
     lines = [parse_line(content, shard.first_line + number - 1, endpoint)
-             for number, _, _, content in iter_lines(chunks, jobs.settings.max_line_bytes) if not is_blank(content)]
+             for number, _, _, content in iter_lines(chunks, ctx.settings.max_line_bytes) if not is_blank(content)]
     assert len(lines) == shard.request_count, f"shard {shard.id}: {len(lines)} lines, {shard.request_count} expected"
     # a line whose body is refused (found by validation, or a rule or limit changed since) is a 400
     # when its shard runs: it keeps its place in the counts with 0 tokens and generates nothing
@@ -109,8 +109,8 @@ def _count_shard(jobs: Jobs, counter: PromptCounter, endpoint: str, key: str, sh
     return counts, sum(output_bound(lines[i].body, counts[i], context) for i in good)
 
 
-def _refresh_estimate(jobs: Jobs, batch_id: str) -> None:
-    with session_scope(jobs.sessions) as session:
+def _refresh_estimate(ctx: Context, batch_id: str) -> None:
+    with session_scope(ctx.sessions) as session:
         prompt, output = session.execute(
             select(func.sum(Shard.prompt_tokens), func.sum(Shard.estimated_output_tokens)).where(
                 Shard.batch_id == batch_id)

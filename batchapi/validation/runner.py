@@ -19,14 +19,15 @@ from sqlalchemy import delete
 from sqlalchemy.exc import OperationalError
 
 from batchapi.batches import leases, messages, states
-from batchapi.batches.context import Jobs
 from batchapi.batches.states import BatchStatus, ShardStatus
+from batchapi.context import Context
 from batchapi.db.clock import now
 from batchapi.db.ids import shard_id
 from batchapi.db.models import Batch, File, Shard
 from batchapi.db.session import session_scope
 from batchapi.errors import NotFound, StorageError
-from batchapi.model_store import CHAT, EMBEDDING, default_model_for, served_model
+from batchapi.models.registry import default_model_for, served_model
+from batchapi.models.store import CHAT, EMBEDDING
 from batchapi.openai.body import MESSAGES
 from batchapi.openai.embeddings import EMBEDDINGS
 from batchapi.openai.errors import ErrorCode
@@ -37,9 +38,9 @@ from batchapi.validation.token_counts import counter_for
 log = logging.getLogger(__name__)
 
 
-def validate_batch(jobs: Jobs, batch_id: str) -> str:
+def validate_batch(ctx: Context, batch_id: str) -> str:
     """Validate a batch whose lease this process holds; returns the status it ends in."""
-    with jobs.sessions() as session:
+    with ctx.sessions() as session:
         batch = session.get(Batch, batch_id)
         if batch is None or batch.status != BatchStatus.VALIDATING:
             return batch.status if batch else "missing"
@@ -47,65 +48,65 @@ def validate_batch(jobs: Jobs, batch_id: str) -> str:
         endpoint = batch.endpoint
         model = batch.model  # the first request's, found at create (None: it names none)
     if file is None or file.deleted_at is not None:
-        return _fail(jobs, batch_id, [LineError(ErrorCode.FILE_NOT_FOUND, f"the input file {batch.input_file_id} is gone")])
+        return _fail(ctx, batch_id, [LineError(ErrorCode.FILE_NOT_FOUND, f"the input file {batch.input_file_id} is gone")])
     try:
-        size = jobs.storage.size(file.storage_key)
+        size = ctx.storage.size(file.storage_key)
     except NotFound:
-        return _fail(jobs, batch_id, [LineError(ErrorCode.FILE_NOT_FOUND, "the input file's content is missing")])
+        return _fail(ctx, batch_id, [LineError(ErrorCode.FILE_NOT_FOUND, "the input file's content is missing")])
     if endpoint == MESSAGES:  # written from a create body, within Anthropic's limits, not the upload's
         limit, max_lines = messages.max_file_bytes(), messages.MAX_REQUESTS
     else:
-        limit, max_lines = jobs.settings.max_file_bytes, jobs.settings.max_file_lines
+        limit, max_lines = ctx.settings.max_file_bytes, ctx.settings.max_file_lines
     if size > limit:
-        return _fail(jobs, batch_id, [LineError(ErrorCode.FILE_TOO_LARGE, f"the file is {size} bytes; the limit is {limit}")])
+        return _fail(ctx, batch_id, [LineError(ErrorCode.FILE_TOO_LARGE, f"the file is {size} bytes; the limit is {limit}")])
     if size == 0:
-        return _fail(jobs, batch_id, [LineError(ErrorCode.EMPTY_FILE, "the file is empty")])
+        return _fail(ctx, batch_id, [LineError(ErrorCode.EMPTY_FILE, "the file is empty")])
 
     kind = EMBEDDING if endpoint == EMBEDDINGS else CHAT
     try:
-        served = served_model(jobs.settings, model or default_model_for(jobs.settings, kind))
+        served = served_model(ctx.settings, model or default_model_for(ctx.settings, kind))
     except LookupError as exc:  # the operator has not pulled the model: say so on the batch
-        return _fail(jobs, batch_id, [LineError(ErrorCode.MODEL_NOT_AVAILABLE, f"the served model is not available: {exc}")])
+        return _fail(ctx, batch_id, [LineError(ErrorCode.MODEL_NOT_AVAILABLE, f"the served model is not available: {exc}")])
     if served.kind != kind:
-        return _fail(jobs, batch_id, [LineError(
+        return _fail(ctx, batch_id, [LineError(
             ErrorCode.MODEL_NOT_FOUND, f"the model {served.id!r} is {_a(served.kind)} model; {endpoint} needs "
             f"{_a(kind)} model", None, "body.model")])
     limits = Limits(
         endpoint=endpoint, served_model=served.id, model_aliases=served.aliases,
-        max_lines=max_lines, shard_size=jobs.settings.shard_size,
-        max_line_bytes=jobs.settings.max_line_bytes, max_inputs=jobs.settings.max_embedding_inputs,
+        max_lines=max_lines, shard_size=ctx.settings.shard_size,
+        max_line_bytes=ctx.settings.max_line_bytes, max_inputs=ctx.settings.max_embedding_inputs,
     )
     scanner = Scanner(limits, counter_for(served.path))
-    result = scanner.scan(jobs.storage.iter_chunks(file.storage_key), lambda scan: _renew(jobs, batch_id, scan))
+    result = scanner.scan(ctx.storage.iter_chunks(file.storage_key), lambda scan: _renew(ctx, batch_id, scan))
     if result.errors:
-        return _fail(jobs, batch_id, result.errors, result.request_report)
-    return _start(jobs, batch_id, result)
+        return _fail(ctx, batch_id, result.errors, result.request_report)
+    return _start(ctx, batch_id, result)
 
 
 def _a(kind: str) -> str:
     return f"an {kind}" if kind == EMBEDDING else f"a {kind}"
 
 
-def _renew(jobs: Jobs, batch_id: str, scanner: Scanner) -> bool:
+def _renew(ctx: Context, batch_id: str, scanner: Scanner) -> bool:
     """Extend the lease while the scan runs and show the estimate so far; False when the batch
     left ``validating``."""
-    return leases.renew_validation(jobs, batch_id, estimated_input_tokens=scanner.prompt_tokens,
+    return leases.renew_validation(ctx, batch_id, estimated_input_tokens=scanner.prompt_tokens,
                                    estimated_output_tokens=scanner.output_tokens)
 
 
-def _fail(jobs: Jobs, batch_id: str, errors: list[LineError], request_errors: dict | None = None) -> str:
+def _fail(ctx: Context, batch_id: str, errors: list[LineError], request_errors: dict | None = None) -> str:
     body = {"object": "list", "data": [e.as_dict() for e in errors]}
-    with session_scope(jobs.sessions) as session:
+    with session_scope(ctx.sessions) as session:
         if states.transition(session, batch_id, BatchStatus.FAILED, sources={BatchStatus.VALIDATING}, errors=body,
                              request_errors=request_errors, validation_lease_expires_at=None):
             return BatchStatus.FAILED
-    return leases.settle_cancelled_validation(jobs, batch_id)
+    return leases.settle_cancelled_validation(ctx, batch_id)
 
 
-def _start(jobs: Jobs, batch_id: str, result: ScanResult) -> str:
+def _start(ctx: Context, batch_id: str, result: ScanResult) -> str:
     t = now()
     shard_ids = [shard_id(batch_id, plan.index) for plan in result.shards]
-    with session_scope(jobs.sessions) as session:
+    with session_scope(ctx.sessions) as session:
         moved = states.transition(
             session, batch_id, BatchStatus.IN_PROGRESS, sources={BatchStatus.VALIDATING},
             model=result.model, request_total=result.request_count, validation_lease_expires_at=None,
@@ -124,32 +125,32 @@ def _start(jobs: Jobs, batch_id: str, result: ScanResult) -> str:
                 for sid, plan in zip(shard_ids, result.shards, strict=True)
             )
     if not moved:
-        return leases.settle_cancelled_validation(jobs, batch_id)
+        return leases.settle_cancelled_validation(ctx, batch_id)
     log.info("batch %s valid: %d requests (%d refused for their body) in %d shards", batch_id, result.request_count,
              result.request_error_total, len(shard_ids))
-    jobs.dispatcher.batch_ready(batch_id, shard_ids, model=result.model)
+    ctx.dispatcher.batch_ready(batch_id, shard_ids, model=result.model)
     return BatchStatus.IN_PROGRESS
 
 
-def resume(jobs: Jobs, batch_id: str) -> bool:
+def resume(ctx: Context, batch_id: str) -> bool:
     """Take over the validation of a batch whose validator died; False if another live one has it."""
-    if not leases.claim_validation(jobs, batch_id, stale_only=True):
+    if not leases.claim_validation(ctx, batch_id, stale_only=True):
         return False
     log.warning("resuming the validation of batch %s", batch_id)
-    run_claimed(jobs, batch_id)
+    run_claimed(ctx, batch_id)
     return True
 
 
-def run_claimed(jobs: Jobs, batch_id: str) -> str:
+def run_claimed(ctx: Context, batch_id: str) -> str:
     """Validate, and never let one batch's surprise kill the validator thread."""
     try:
-        return validate_batch(jobs, batch_id)
+        return validate_batch(ctx, batch_id)
     except (StorageError, OperationalError) as exc:  # transient: the lease runs out, a sweep retries
         log.warning("validation of batch %s interrupted, will retry: %s", batch_id, exc)
         return BatchStatus.VALIDATING
     except Exception:  # an unexpected bug: the batch fails with a message rather than hanging
         log.exception("validation of batch %s crashed", batch_id)
-        return _fail(jobs, batch_id, [LineError(ErrorCode.VALIDATION_ERROR, "the file could not be validated (internal error)")])
+        return _fail(ctx, batch_id, [LineError(ErrorCode.VALIDATION_ERROR, "the file could not be validated (internal error)")])
 
 
 class ValidationRunner:
@@ -158,8 +159,8 @@ class ValidationRunner:
     It is the sweeper's ``Validator``: the sweep hands it batches whose validator died and asks
     it to count what is left uncounted."""
 
-    def __init__(self, jobs: Jobs):
-        self.jobs = jobs
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchapi-validate")
         self._counting = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchapi-count")
         self._counting_now: set[str] = set()
@@ -176,15 +177,15 @@ class ValidationRunner:
 
     def backfill(self) -> None:
         """Count the prompts of every started batch not counted yet."""
-        for batch_id in batches_to_count(self.jobs):
+        for batch_id in batches_to_count(self.ctx):
             self._count(batch_id)
 
     def _validate(self, batch_id: str) -> None:
-        if run_claimed(self.jobs, batch_id) == BatchStatus.IN_PROGRESS:
+        if run_claimed(self.ctx, batch_id) == BatchStatus.IN_PROGRESS:
             self._count(batch_id)
 
     def _resume(self, batch_id: str) -> None:
-        if not self._stop.is_set() and resume(self.jobs, batch_id):
+        if not self._stop.is_set() and resume(self.ctx, batch_id):
             self._count(batch_id)
 
     def _count(self, batch_id: str) -> None:
@@ -196,7 +197,7 @@ class ValidationRunner:
 
     def _count_now(self, batch_id: str) -> None:
         try:
-            count_batch(self.jobs, batch_id, stop=self._stop.is_set)
+            count_batch(self.ctx, batch_id, stop=self._stop.is_set)
         except Exception:  # the sweep tries again; counts are an estimate, never a gate
             log.exception("counting the prompt tokens of batch %s failed", batch_id)
         finally:

@@ -17,10 +17,10 @@ from celery.beat import EmbeddedService
 from kombu.exceptions import OperationalError as BrokerError
 from sqlalchemy.exc import OperationalError
 
-from batchapi.batches.context import Jobs
 from batchapi.batches.leases import models_of
 from batchapi.batches.sweeper import sweep
 from batchapi.config import Settings
+from batchapi.context import Context
 from batchapi.errors import StorageError
 from batchapi.workers.celery_app import SWEEP, send_shards, shard_queue
 
@@ -30,14 +30,14 @@ log = logging.getLogger(__name__)
 IN_MEMORY_SCHEDULER = "celery.beat:Scheduler"
 
 
-def register(app: Celery, jobs: Jobs) -> None:
-    settings = jobs.settings
+def register(app: Celery, ctx: Context) -> None:
+    settings = ctx.settings
 
     @app.task(name=SWEEP)
     def sweep_task() -> None:
         try:
-            report = sweep(jobs)
-            for model, shard_ids in models_of(jobs, report.requeued).items():
+            report = sweep(ctx)
+            for model, shard_ids in models_of(ctx, report.requeued).items():
                 send_shards(app, shard_queue(settings, model), shard_ids)
         except (OperationalError, BrokerError, StorageError, OSError):
             log.warning("sweep failed; the next one retries", exc_info=True)

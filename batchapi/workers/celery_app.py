@@ -24,7 +24,7 @@ from kombu import Queue
 from kombu.exceptions import OperationalError as BrokerError
 
 from batchapi.config import Settings
-from batchapi.model_store import served_ids
+from batchapi.models.registry import served_ids
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from batchapi import metrics
-from batchapi.batches.context import Jobs
+from batchapi.context import Context
 from batchapi.openai.errors import ErrorCode
 from batchapi.workers.engine_setup import start_runner
 from batchapi.workers.shard_runner import ShardRunner
@@ -42,8 +42,8 @@ class EmbeddedWorker:
     # lifetime
 
     @contextmanager
-    def run(self, jobs: Jobs) -> Iterator[EmbeddedWorker]:
-        self.runner = start_runner(jobs)
+    def run(self, ctx: Context) -> Iterator[EmbeddedWorker]:
+        self.runner = start_runner(ctx)
         metrics.attach_runner(self.runner)  # the engine's gauges on the API's /metrics
         try:
             yield self

@@ -10,10 +10,11 @@ import uuid
 
 import torch
 
-from batchapi.batches.context import Jobs
 from batchapi.config import Settings
+from batchapi.context import Context
 from batchapi.engine import EngineConfig, EngineFront
-from batchapi.model_store import CHAT, resolve_model, served_model
+from batchapi.models.registry import served_model
+from batchapi.models.store import CHAT, resolve_model
 from batchapi.validation.token_counts import context_length
 from batchapi.workers.codec import Codec
 from batchapi.workers.embedding_codec import EmbeddingCodec
@@ -45,11 +46,11 @@ def worker_owner() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
 
-def start_runner(jobs: Jobs) -> ShardRunner:
+def start_runner(ctx: Context) -> ShardRunner:
     """Load the served models (``Settings.served_models``: one engine for the chat model, one
     encoder per embedding model), start their threads and the runner's. Should an engine or
     encoder thread die, the runner gives its shards back and this process stops (``stop_this_process``)."""
-    settings = jobs.settings
+    settings = ctx.settings
     served = [served_model(settings, name) for name in settings.served_models]
     chat = [m for m in served if m.kind == CHAT]
     if len(chat) > 1:
@@ -63,7 +64,7 @@ def start_runner(jobs: Jobs) -> ShardRunner:
         codec = Codec(front.tokenizer, chat[0].id, front.system_fingerprint, chat[0].aliases,
                       context_length(chat[0].path))  # validation's: the worker refuses what it refused
     encoders = {m.id: start_encoder(settings, m.path, m.id, turn) for m in served if m.kind != CHAT}
-    return ShardRunner(jobs, front, codec, worker_owner(), on_engine_death=stop_this_process,
+    return ShardRunner(ctx, front, codec, worker_owner(), on_engine_death=stop_this_process,
                        encoders=encoders).start()
 
 

@@ -6,8 +6,8 @@ import logging
 import os
 
 from batchapi import metrics
-from batchapi.batches.context import open_jobs
 from batchapi.config import Settings
+from batchapi.context import open_context
 from batchapi.workers import beat
 from batchapi.workers.celery_app import make_celery, worker_queues
 
@@ -28,8 +28,8 @@ def run_worker(settings: Settings, name: str | None = None) -> None:
     from batchapi.workers import tasks  # the engine's imports: only a worker process pays for them
     from batchapi.workers.engine_setup import start_runner
 
-    jobs = open_jobs(settings)
-    runner = start_runner(jobs)
+    ctx = open_context(settings)
+    runner = start_runner(ctx)
     metrics.attach_runner(runner)
     if settings.metrics_port:  # the engine's gauges; the job tables' numbers are on the API's /metrics
         metrics.serve_engine_metrics(settings.metrics_port)
@@ -45,7 +45,7 @@ def run_worker(settings: Settings, name: str | None = None) -> None:
     finally:
         tasks.install(None)
         runner.shutdown()
-        jobs.close()
+        ctx.close()
     if runner.engine_dead.is_set():
         raise SystemExit("batchapi worker: the engine thread died; exiting so that the supervisor restarts it")
 
@@ -53,9 +53,9 @@ def run_worker(settings: Settings, name: str | None = None) -> None:
 def run_beat(settings: Settings) -> None:
     """The sweeper as Celery beat: the scheduler sends a ``sweep`` task every ``sweep_seconds``
     to the sweep queue, and this process's solo worker, consuming only that queue, runs it."""
-    jobs = open_jobs(settings)
+    ctx = open_context(settings)
     app = make_celery(settings)
-    beat.register(app, jobs)
+    beat.register(app, ctx)
     beat.schedule(app, settings)
     # a sweep's own log says what it did; Celery's lines for each send, receipt and success
     # would repeat every few seconds
@@ -70,4 +70,4 @@ def run_beat(settings: Settings) -> None:
         ])
     finally:
         scheduler.stop()
-        jobs.close()
+        ctx.close()

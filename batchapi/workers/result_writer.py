@@ -19,7 +19,7 @@ from collections.abc import Callable
 from sqlalchemy.exc import OperationalError
 
 from batchapi.batches import request_results
-from batchapi.batches.context import Jobs
+from batchapi.context import Context
 from batchapi.workers.codec import Codec
 from batchapi.workers.shard_work import ShardWork
 
@@ -27,10 +27,10 @@ log = logging.getLogger(__name__)
 
 
 class ResultWriter:
-    def __init__(self, jobs: Jobs, owner: str, held: Callable[[], list[ShardWork]],
+    def __init__(self, ctx: Context, owner: str, held: Callable[[], list[ShardWork]],
                  codec_of: Callable[[ShardWork], Codec]):
-        self.jobs, self.owner, self.held, self.codec_of = jobs, owner, held, codec_of
-        self.settings = jobs.settings
+        self.ctx, self.owner, self.held, self.codec_of = ctx, owner, held, codec_of
+        self.settings = ctx.settings
         self.lock = threading.Lock()
         self.rows_written = 0  # since start: the write load, for logs and the benchmark
         self.writes = 0
@@ -82,7 +82,7 @@ class ResultWriter:
             ]
             started = time.perf_counter()
             try:
-                written = request_results.record(self.jobs, groups, self.owner)
+                written = request_results.record(self.ctx, groups, self.owner)
             except (OperationalError, OSError):
                 for work, seqs in taken:
                     work.put_back(seqs)

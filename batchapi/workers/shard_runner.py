@@ -35,11 +35,11 @@ from sqlalchemy import select
 from sqlalchemy.exc import OperationalError
 
 from batchapi.batches import leases, request_results
-from batchapi.batches.context import Jobs
 from batchapi.batches.finalize import finalize_batch
 from batchapi.batches.leases import Claimed
 from batchapi.batches.shard_input import read_shard
 from batchapi.batches.states import BatchStatus
+from batchapi.context import Context
 from batchapi.db.clock import now
 from batchapi.db.models import Batch
 from batchapi.engine import EngineFront, GenerationResult
@@ -66,12 +66,12 @@ def engine_failure(request_id: str, exc: BaseException) -> GenerationResult:
 
 
 class ShardRunner:
-    def __init__(self, jobs: Jobs, front: EngineFront | None, codec: Codec | None, owner: str,
+    def __init__(self, ctx: Context, front: EngineFront | None, codec: Codec | None, owner: str,
                  on_engine_death: Callable[[], None] | None = None, encoders: dict[str, tuple] | None = None):
         """``front``/``codec``: the chat model's engine (None on a worker of embedding models only);
         ``encoders``: model id -> (``encoder.EncoderFront``, ``EmbeddingCodec``) of its embedding models."""
-        self.jobs = jobs
-        self.settings = jobs.settings
+        self.ctx = ctx
+        self.settings = ctx.settings
         self.front = front
         self.codec = codec
         # model id -> (front, codec); a shard runs on its batch's model's
@@ -92,7 +92,7 @@ class ShardRunner:
         self._last_progress = time.monotonic()  # when the engine's state last moved (or work arrived)
         self._engine_state: tuple = ()
         self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchapi-finish")
-        self._writer = ResultWriter(jobs, owner, self._unstored, lambda work: self._backend(work)[1])
+        self._writer = ResultWriter(ctx, owner, self._unstored, lambda work: self._backend(work)[1])
         self._threads = [
             threading.Thread(target=self._feed_loop, name="batchapi-feeder", daemon=True),
             threading.Thread(target=self._monitor_loop, name="batchapi-monitor", daemon=True),
@@ -117,7 +117,7 @@ class ShardRunner:
             time.sleep(0.1)  # the feeder may claim this very shard meanwhile: then it is skipped
         if self.engine_dead.is_set():
             return "skipped"  # left queued: a live worker's feeder finds it
-        claimed = leases.claim(self.jobs, shard_id, self.owner, self.models)
+        claimed = leases.claim(self.ctx, shard_id, self.owner, self.models)
         if claimed is None:
             self.wake()
             return "skipped"
@@ -149,7 +149,7 @@ class ShardRunner:
             work.stored.set()
         with self._lock:
             kept, self._kept = list(self._kept.values()), {}
-        released = leases.release(self.jobs, [w.shard.id for w in works + kept], self.owner)
+        released = leases.release(self.ctx, [w.shard.id for w in works + kept], self.owner)
         if released:
             log.info("gave %d shards back to the queue", released)
         self._finisher.shutdown(wait=True)
@@ -211,7 +211,7 @@ class ShardRunner:
                 self._wake.clear()
                 continue
             try:
-                claimed = leases.claim_next(self.jobs, self.owner, self.models)
+                claimed = leases.claim_next(self.ctx, self.owner, self.models)
             except OperationalError:
                 log.warning("database unavailable while claiming; retrying", exc_info=True)
                 claimed = None
@@ -223,11 +223,11 @@ class ShardRunner:
 
     def _start(self, claimed: Claimed) -> ShardWork | None:
         try:
-            lines = read_shard(self.jobs.storage, claimed, self.settings.max_line_bytes)
-            earlier = request_results.stored(self.jobs, claimed.id)
+            lines = read_shard(self.ctx.storage, claimed, self.settings.max_line_bytes)
+            earlier = request_results.stored(self.ctx, claimed.id)
         except TRANSIENT:
             log.warning("could not read shard %s; giving it back", claimed.id, exc_info=True)
-            leases.release(self.jobs, [claimed.id], self.owner)
+            leases.release(self.ctx, [claimed.id], self.owner)
             return None
         except NotFound:
             # never renewed, so the lease runs out and the attempts run up to shard_failed
@@ -261,7 +261,7 @@ class ShardRunner:
                     earlier_work.lost = True
                 self._inflight[claimed.id] = work
         if dead:  # claimed while the engine died: straight back
-            leases.release(self.jobs, [claimed.id], self.owner)
+            leases.release(self.ctx, [claimed.id], self.owner)
             return None
         log.info("shard %s (attempt %d): %d requests to run, %d finished by an earlier attempt", claimed.id,
                  claimed.attempts, len(requests), len(earlier))
@@ -338,28 +338,28 @@ class ShardRunner:
         rendered = work.render(self._backend(work)[1])
         out_key = shard_output_key(shard.batch_id, shard.index, shard.attempts)
         err_key = shard_error_key(shard.batch_id, shard.index, shard.attempts)
-        if shard.id not in leases.heartbeat(self.jobs, [shard.id], self.owner):
+        if shard.id not in leases.heartbeat(self.ctx, [shard.id], self.owner):
             log.warning("lost the lease of shard %s before writing; dropping its results", shard.id)
             return
         # objects of this attempt only: if the lease runs out while they are written and someone
         # else completes the shard, these are never read (the completed attempt's keys are)
-        self.jobs.storage.put_chunks(out_key, [rendered.output])
-        self.jobs.storage.put_chunks(err_key, [rendered.errors])
+        self.ctx.storage.put_chunks(out_key, [rendered.output])
+        self.ctx.storage.put_chunks(err_key, [rendered.errors])
         with self._writer.lock:  # no rows of this shard are being written meanwhile
-            completed = leases.complete(self.jobs, shard, self.owner, rendered.outcome, out_key, err_key)
+            completed = leases.complete(self.ctx, shard, self.owner, rendered.outcome, out_key, err_key)
             if completed:
                 work.take_unsaved()  # in the objects now: nothing left for the writer
         if not completed:
             log.warning("lost the lease of shard %s while writing; its retry counts", shard.id)
-            discard(self.jobs.storage, [out_key, err_key])  # this attempt's alone: nobody reads them
+            discard(self.ctx.storage, [out_key, err_key])  # this attempt's alone: nobody reads them
             return
-        discard(self.jobs.storage, superseded_shard_keys(shard.batch_id, shard.index, shard.attempts))
+        discard(self.ctx.storage, superseded_shard_keys(shard.batch_id, shard.index, shard.attempts))
         writer = self._writer
         log.info("shard %s done: %d ok, %d failed%s; request results written so far: %d rows in %d writes (%.3f s)",
                  shard.id, rendered.outcome.completed, rendered.outcome.failed,
                  f" ({work.reason})" if work.reason else "", writer.rows_written, writer.writes, writer.write_seconds)
         try:
-            finalize_batch(self.jobs, shard.batch_id)
+            finalize_batch(self.ctx, shard.batch_id)
         except TRANSIENT:
             log.warning("could not finalize batch %s now; the sweeper will", shard.batch_id, exc_info=True)
 
@@ -393,7 +393,7 @@ class ShardRunner:
         works = self._held()
         if not works:
             return
-        with self.jobs.sessions() as session:
+        with self.ctx.sessions() as session:
             rows = {
                 batch_id: (status, expires_at)
                 for batch_id, status, expires_at in session.execute(
@@ -415,7 +415,7 @@ class ShardRunner:
             log.error("the engine returned nothing for %ds; leaving %d shards' leases to run out",
                       self.settings.lease_seconds, len(works))
             return
-        held = leases.heartbeat(self.jobs, [w.shard.id for w in works], self.owner)
+        held = leases.heartbeat(self.ctx, [w.shard.id for w in works], self.owner)
         for work in works:
             if work.shard.id not in held and not work.done.is_set():
                 log.warning("lease of shard %s was taken away; dropping it", work.shard.id)
@@ -431,7 +431,7 @@ class ShardRunner:
         unfinished = [w for w in works if w.close(None, lost=True)]  # lost: this worker writes no objects
         self._save_results()  # while the leases are still ours
         try:
-            released = leases.release(self.jobs, [w.shard.id for w in unfinished], self.owner)
+            released = leases.release(self.ctx, [w.shard.id for w in unfinished], self.owner)
         except OperationalError:
             released = 0  # no longer renewed, so they come back when their leases run out
             log.warning("database unavailable while giving shards back", exc_info=True)

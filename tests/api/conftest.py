@@ -27,7 +27,7 @@ def sqlite_server(tmp_path_factory, tiny_llama_dir):
 
 
 def new_key(server, project: str) -> str:
-    with session_scope(server.jobs.sessions) as session:
+    with session_scope(server.ctx.sessions) as session:
         return create_api_key(session, project)
 
 

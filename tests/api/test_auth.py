@@ -37,9 +37,9 @@ def test_a_revoked_key_gets_401(pg_server):
     key = new_key(pg_server, "revoked-key-project")
     with httpx.Client(base_url=pg_server.base_url, headers={"Authorization": f"Bearer {key}"}) as http:
         assert http.get("/v1/files").status_code == 200
-        [info] = list_keys(pg_server.jobs.settings, "revoked-key-project")
-        assert revoke_key(pg_server.jobs.settings, info.id)
-        time.sleep(pg_server.jobs.settings.auth_cache_seconds)  # a known key is cached this long
+        [info] = list_keys(pg_server.ctx.settings, "revoked-key-project")
+        assert revoke_key(pg_server.ctx.settings, info.id)
+        time.sleep(pg_server.ctx.settings.auth_cache_seconds)  # a known key is cached this long
         response = http.get("/v1/files")
     assert response.status_code == 401
     assert response.headers["www-authenticate"] == "Bearer"

@@ -54,7 +54,7 @@ def data_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(data_dir, tiny_llama_dir):
     with embedded_stack(data_dir, tiny_llama_dir, None, **SETTINGS) as server:
-        assert server.jobs.settings.sqlalchemy_url.startswith("sqlite")
+        assert server.ctx.settings.sqlalchemy_url.startswith("sqlite")
         yield server
 
 

@@ -56,7 +56,7 @@ def project(stack):
 
 def hold_running_batch(stack, key: str, file_id: str, model: str) -> str:
     t = now()
-    with session_scope(stack.jobs.sessions) as session:
+    with session_scope(stack.ctx.sessions) as session:
         project_id = session.query(ApiKey).filter_by(key_hash=hash_key(key)).one().project_id
         batch = Batch(id=f"batch_{uuid.uuid4().hex}", project_id=project_id, endpoint=CHAT, model=model,
                       input_file_id=file_id, completion_window="24h", status="in_progress", created_at=t - 20,
@@ -76,7 +76,7 @@ def hold_running_batch(stack, key: str, file_id: str, model: str) -> str:
 
 
 def set_completed(stack, batch_id: str, completed: int) -> None:
-    with session_scope(stack.jobs.sessions) as session:
+    with session_scope(stack.ctx.sessions) as session:
         session.get(Batch, batch_id).request_completed = completed
 
 

@@ -23,7 +23,7 @@ SETTINGS = dict(shard_size=2, max_num_seqs=8, kv_cache_gb=0.05, auth_required=Fa
 def server(tmp_path_factory, tiny_llama_dir, minilm_dir):
     with embedded_stack(tmp_path_factory.mktemp("embedded-endpoints"), tiny_llama_dir, None,
                         models=[str(tiny_llama_dir), str(minilm_dir)], **SETTINGS) as server:
-        assert server.jobs.settings.sqlalchemy_url.startswith("sqlite")
+        assert server.ctx.settings.sqlalchemy_url.startswith("sqlite")
         yield server
 
 

@@ -26,17 +26,17 @@ def upload(client, model_id, **kwargs):
 
 
 def expire(server, file_id: str) -> None:
-    with session_scope(server.jobs.sessions) as session:
+    with session_scope(server.ctx.sessions) as session:
         session.execute(update(File).where(File.id == file_id).values(expires_at=File.created_at))
 
 
 def row_count(server, file_id: str) -> int:
-    with server.jobs.sessions() as session:
+    with server.ctx.sessions() as session:
         return session.scalar(select(func.count()).select_from(File).where(File.id == file_id))
 
 
 def storage_key(server, file_id: str) -> str:
-    with server.jobs.sessions() as session:
+    with server.ctx.sessions() as session:
         return session.get(File, file_id).storage_key
 
 
@@ -59,13 +59,13 @@ def test_files_get_expires_at_from_expires_after_or_30_days(client, model_id):
     ({"anchor": "last_active_at", "seconds": 3600}, "expires_after.anchor"),
 ])
 def test_bad_expires_after_on_a_file_is_refused_naming_the_param(client, model_id, pg_server, expires_after, param):
-    with pg_server.jobs.sessions() as session:
+    with pg_server.ctx.sessions() as session:
         before = session.scalar(select(func.count()).select_from(File))
     with pytest.raises(openai.BadRequestError) as refused:
         upload(client, model_id, expires_after=expires_after)
     error = refused.value.response.json()["error"]
     assert (error["type"], error["param"]) == ("invalid_request_error", param)
-    with pg_server.jobs.sessions() as session:
+    with pg_server.ctx.sessions() as session:
         assert session.scalar(select(func.count()).select_from(File)) == before
 
 
@@ -99,13 +99,13 @@ def test_bad_output_expires_after_is_refused_naming_the_param(client, model_id, 
 def test_an_expired_file_is_gone_at_once_and_the_sweeper_deletes_it(client, model_id, pg_server):
     f = upload(client, model_id)
     key = storage_key(pg_server, f.id)
-    assert pg_server.jobs.storage.exists(key)
+    assert pg_server.ctx.storage.exists(key)
     expire(pg_server, f.id)
     with pytest.raises(openai.NotFoundError):  # gone for the API before any sweep
         client.files.retrieve(f.id)
     assert f.id not in {x.id for x in client.files.list()}
-    assert f.id in sweep(pg_server.jobs).removed_files
-    assert not pg_server.jobs.storage.exists(key)
+    assert f.id in sweep(pg_server.ctx).removed_files
+    assert not pg_server.ctx.storage.exists(key)
     assert row_count(pg_server, f.id) == 0
 
 
@@ -115,12 +115,12 @@ def test_an_expired_file_a_running_batch_reads_is_removed_once_the_batch_ends(cl
     batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
     wait_until(lambda: client.batches.retrieve(batch.id).status == "in_progress")
     expire(pg_server, f.id)
-    sweep(pg_server.jobs, shards=True)  # the batch still reads its input (no worker runs it here)
-    assert pg_server.jobs.storage.exists(key) and row_count(pg_server, f.id) == 1
+    sweep(pg_server.ctx, shards=True)  # the batch still reads its input (no worker runs it here)
+    assert pg_server.ctx.storage.exists(key) and row_count(pg_server, f.id) == 1
     client.batches.cancel(batch.id)
-    wait_until(lambda: f.id in sweep(pg_server.jobs).removed_files or row_count(pg_server, f.id) == 0)
+    wait_until(lambda: f.id in sweep(pg_server.ctx).removed_files or row_count(pg_server, f.id) == 0)
     assert client.batches.retrieve(batch.id).status == "cancelled"
-    assert not pg_server.jobs.storage.exists(key) and row_count(pg_server, f.id) == 0
+    assert not pg_server.ctx.storage.exists(key) and row_count(pg_server, f.id) == 0
 
 
 def test_a_deleted_file_a_running_batch_kept_is_removed_once_the_batch_ends(client, model_id, pg_server):
@@ -129,8 +129,8 @@ def test_a_deleted_file_a_running_batch_kept_is_removed_once_the_batch_ends(clie
     batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
     wait_until(lambda: client.batches.retrieve(batch.id).status == "in_progress")
     assert client.files.delete(f.id).deleted
-    sweep(pg_server.jobs)
-    assert pg_server.jobs.storage.exists(key)  # the batch still reads it
+    sweep(pg_server.ctx)
+    assert pg_server.ctx.storage.exists(key)  # the batch still reads it
     client.batches.cancel(batch.id)
-    wait_until(lambda: f.id in sweep(pg_server.jobs).removed_files or row_count(pg_server, f.id) == 0)
-    assert not pg_server.jobs.storage.exists(key) and row_count(pg_server, f.id) == 0
+    wait_until(lambda: f.id in sweep(pg_server.ctx).removed_files or row_count(pg_server, f.id) == 0)
+    assert not pg_server.ctx.storage.exists(key) and row_count(pg_server, f.id) == 0

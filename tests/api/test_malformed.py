@@ -106,9 +106,9 @@ def test_an_output_file_cannot_be_a_batch_input(pg_server, objects):
     from batchapi.db.session import session_scope
 
     key, _, _ = objects
-    jobs = pg_server.jobs
-    jobs.storage.put_chunks("outputs/x.jsonl", [b"{}\n"])
-    with session_scope(jobs.sessions) as session:
+    ctx = pg_server.ctx
+    ctx.storage.put_chunks("outputs/x.jsonl", [b"{}\n"])
+    with session_scope(ctx.sessions) as session:
         project_id = session.query(ApiKey).filter_by(key_hash=hash_key(key)).one().project_id
         fid = register_file(session, project_id, "out.jsonl", "batch_output", "outputs/x.jsonl", 3).id
     with httpx.Client(base_url=pg_server.base_url, headers={"Authorization": f"Bearer {key}"}) as http:

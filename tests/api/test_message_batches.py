@@ -96,7 +96,7 @@ def test_create_retrieve_and_results_with_one_errored_request(client, model, ser
 
     # one engine, two wire formats: the underlying batch's usage and cost are the messages' sums
     row_id = "batch_" + batch.id.removeprefix("msgbatch_")
-    with server.jobs.sessions() as session:
+    with server.ctx.sessions() as session:
         row = session.get(Batch, row_id)
     messages = [got[c].message for c in got if c != "bad"]
     prompt = sum(m.usage.input_tokens + m.usage.cache_read_input_tokens for m in messages)
@@ -112,7 +112,7 @@ def test_create_retrieve_and_results_with_one_errored_request(client, model, ser
 def test_results_url_is_on_the_public_url_when_one_is_set(client, model, server, monkeypatch):
     batch = ended(client, client.messages.batches.create(requests=[{"custom_id": "a", "params": params(model)}]).id)
     assert batch.results_url.startswith(server.base_url)  # the request's own host by default
-    monkeypatch.setattr(server.jobs.settings, "public_url", "https://batch.example.com/api")
+    monkeypatch.setattr(server.ctx.settings, "public_url", "https://batch.example.com/api")
     again = client.messages.batches.retrieve(batch.id)
     assert again.results_url == f"https://batch.example.com/api/v1/messages/batches/{batch.id}/results"
     assert {b.results_url for b in client.messages.batches.list() if b.id == batch.id} == {again.results_url}
@@ -254,7 +254,7 @@ def test_a_deleted_batch_stays_billed_and_is_gone_from_every_route(server, clien
     for path in (f"/v1/batches/{row_id}", f"/v1/batches/{row_id}/partial_results"):  # nor on OpenAI's routes
         assert http.get(path).status_code == 404, path
     assert row_id not in [b["id"] for b in http.get("/v1/batches").json()["data"]]
-    with server.jobs.sessions() as session:
+    with server.ctx.sessions() as session:
         assert session.scalar(select(func.count()).select_from(Shard).where(
             Shard.batch_id == "batch_" + batch.id.removeprefix("msgbatch_"))) == 0
 

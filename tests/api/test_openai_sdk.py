@@ -60,7 +60,7 @@ def test_shards_are_recorded(client, model_id, pg_server):
         input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h").id)
 
     def counted_shards():
-        with pg_server.jobs.sessions() as session:
+        with pg_server.ctx.sessions() as session:
             shards = session.query(Shard).filter_by(batch_id=batch.id).order_by(Shard.index).all()
         return all(s.tokens_counted for s in shards) and shards
 
@@ -109,16 +109,16 @@ def test_validation_errors_come_back_with_line_numbers(client, model_id):
 
 def test_cancel_while_validating_ends_cancelled(client, model_id, pg_server):
     f = upload(client, [request_line(f"r{i}", model_id) for i in range(3)])
-    runner_paused = pg_server.jobs.on_batch_created
-    pg_server.jobs.on_batch_created = None  # leave it in validating, as if the validator died
+    runner_paused = pg_server.ctx.on_batch_created
+    pg_server.ctx.on_batch_created = None  # leave it in validating, as if the validator died
     try:
         batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="1h")
     finally:
-        pg_server.jobs.on_batch_created = runner_paused
+        pg_server.ctx.on_batch_created = runner_paused
     assert client.batches.cancel(batch.id).status == "cancelling"
     from batchapi.batches.leases import settle_cancelled_validation
 
-    assert settle_cancelled_validation(pg_server.jobs, batch.id) == "cancelled"
+    assert settle_cancelled_validation(pg_server.ctx, batch.id) == "cancelled"
     assert client.batches.retrieve(batch.id).cancelled_at is not None
 
 
@@ -128,7 +128,7 @@ def test_a_finished_batch_cannot_be_cancelled(client, model_id, pg_server):
     f = upload(client, [request_line("z", model_id)])
     batch = validated(client, client.batches.create(
         input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h").id)
-    with session_scope(pg_server.jobs.sessions) as session:
+    with session_scope(pg_server.ctx.sessions) as session:
         assert states.transition(session, batch.id, BatchStatus.FINALIZING)
         assert states.transition(session, batch.id, BatchStatus.COMPLETED)
     with pytest.raises(openai.ConflictError) as err:
@@ -163,11 +163,11 @@ def test_partial_results_stream_finished_shards(client, model_id, pg_server, api
     f = upload(client, [request_line(f"r{i}", model_id) for i in range(10)])
     batch = validated(client, client.batches.create(
         input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h").id)
-    jobs = pg_server.jobs
+    ctx = pg_server.ctx
     for index, status in ((1, "succeeded"), (0, "succeeded"), (2, "running")):
         key = f"batches/{batch.id}/shards/{index:05d}.output.jsonl"
-        jobs.storage.put_chunks(key, [f'{{"custom_id": "shard{index}"}}\n'.encode()])
-        with session_scope(jobs.sessions) as session:
+        ctx.storage.put_chunks(key, [f'{{"custom_id": "shard{index}"}}\n'.encode()])
+        with session_scope(ctx.sessions) as session:
             shard = session.query(Shard).filter_by(batch_id=batch.id, index=index).one()
             shard.status, shard.output_key = status, key
     response = httpx.get(f"{pg_server.base_url}/v1/batches/{batch.id}/partial_results",
@@ -214,5 +214,5 @@ def test_large_file_streams_through_s3_multipart_and_validates(big_shard_server,
     assert (batch.status, batch.request_counts.total) == ("in_progress", 50_000), batch.errors
     client.batches.cancel(batch.id)  # stop the background count from running on
     # and end it (no worker runs here): its 49 shards close in a second or two
-    wait_until(lambda: sweep(big_shard_server.jobs).finalized or client.batches.retrieve(batch.id).status == "cancelled",
+    wait_until(lambda: sweep(big_shard_server.ctx).finalized or client.batches.retrieve(batch.id).status == "cancelled",
                timeout=120)

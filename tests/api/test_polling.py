@@ -24,13 +24,13 @@ BIN = Path(sys.executable).parent / "batchapi"
 
 
 def test_a_revoked_key_is_refused_once_the_cache_seconds_pass(pg_server):
-    bound = pg_server.jobs.settings.auth_cache_seconds
+    bound = pg_server.ctx.settings.auth_cache_seconds
     assert bound > 0, "the live server runs with the key cache on"
     key = new_key(pg_server, "poll-revoked-project")
     with httpx.Client(base_url=pg_server.base_url, headers={"Authorization": f"Bearer {key}"}) as http:
         assert http.get("/v1/batches").status_code == 200  # the key is cached from here
-        [info] = list_keys(pg_server.jobs.settings, "poll-revoked-project")
-        assert revoke_key(pg_server.jobs.settings, info.id)
+        [info] = list_keys(pg_server.ctx.settings, "poll-revoked-project")
+        assert revoke_key(pg_server.ctx.settings, info.id)
         revoked = time.monotonic()
         time.sleep(max(0.0, revoked + bound - time.monotonic()))
         responses = [http.get("/v1/batches") for _ in range(3)]
@@ -44,8 +44,8 @@ def test_unknown_keys_are_not_cached(pg_server):
 
 
 def test_a_poll_answers_the_batch_as_the_schema_says(pg_server):
-    batch_id, _ = make_batch(pg_server.jobs, shards=3)
-    with pg_server.jobs.sessions() as session:
+    batch_id, _ = make_batch(pg_server.ctx, shards=3)
+    with pg_server.ctx.sessions() as session:
         batch = session.get(Batch, batch_id)
         project = session.get(Project, batch.project_id)
     key = new_key(pg_server, project.name)

@@ -25,7 +25,7 @@ def test_sdk_flow_on_sqlite(sqlite_server):
     assert (batch.status, batch.request_counts.total) == ("in_progress", 6)
     assert [b.id for b in client.batches.list(limit=1)] == [batch.id]
     assert client.batches.cancel(batch.id).status == "cancelling"
-    assert (sqlite_server.jobs.settings.data_dir / "storage" / "files" / f.id).is_file()
+    assert (sqlite_server.ctx.settings.data_dir / "storage" / "files" / f.id).is_file()
     bad = client.files.create(file=("bad.jsonl", io.BytesIO(b"\xff\n")), purpose="batch")
     failed = client.batches.create(input_file_id=bad.id, endpoint="/v1/chat/completions", completion_window="24h")
     failed = wait_until(lambda: (b := client.batches.retrieve(failed.id)).status != "validating" and b)
@@ -44,24 +44,24 @@ def test_auth_off_uses_one_default_project(tmp_path, tiny_llama_dir):
 def test_a_batch_left_validating_is_picked_up_at_start_up(tmp_path, tiny_llama_dir):
     from sqlalchemy import update
 
-    from batchapi.batches.context import open_jobs
     from batchapi.batches.files import upload_file
     from batchapi.batches.service import create_batch
+    from batchapi.context import open_context
     from batchapi.db.models import Batch
     from batchapi.db.projects import get_or_create_project
     from batchapi.db.session import session_scope
-    from batchapi.model_store import served_model_id
+    from batchapi.models.registry import served_model_id
 
     settings = load_settings(data_dir=tmp_path, model=str(tiny_llama_dir), auth_required=False)
     upgrade(settings)
-    jobs = open_jobs(settings)  # a process that dies right after creating the batch
-    with session_scope(jobs.sessions) as session:
+    ctx = open_context(settings)  # a process that dies right after creating the batch
+    with session_scope(ctx.sessions) as session:
         project = get_or_create_project(session, "default").id
-    f = upload_file(jobs, project, "in.jsonl", "batch", io.BytesIO(jsonl([request_line("a", served_model_id(settings))])))
-    bid = create_batch(jobs, project, f.id, "/v1/chat/completions", "24h").id
-    with session_scope(jobs.sessions) as session:  # its validation lease has run out
+    f = upload_file(ctx, project, "in.jsonl", "batch", io.BytesIO(jsonl([request_line("a", served_model_id(settings))])))
+    bid = create_batch(ctx, project, f.id, "/v1/chat/completions", "24h").id
+    with session_scope(ctx.sessions) as session:  # its validation lease has run out
         session.execute(update(Batch).where(Batch.id == bid).values(validation_lease_expires_at=1))
-    jobs.close()
+    ctx.close()
     with live_server(settings) as server, httpx.Client(base_url=server.base_url) as http:
         batch = wait_until(lambda: (b := http.get(f"/v1/batches/{bid}").json())["status"] != "validating" and b)
     assert batch["status"] == "in_progress" and batch["request_counts"]["total"] == 1

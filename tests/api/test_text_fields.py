@@ -76,11 +76,11 @@ def test_a_file_name_that_is_not_utf8_is_stored_readable(http):
 
 
 def test_the_files_service_refuses_a_name_with_a_lone_surrogate(pg_server):
-    jobs = pg_server.jobs
-    with jobs.sessions() as session:
+    ctx = pg_server.ctx
+    with ctx.sessions() as session:
         before = session.scalar(select(func.count()).select_from(File))
     with pytest.raises(InvalidRequest) as raised:
-        upload_file(jobs, "proj_text_fields", "a\ud800.jsonl", "batch", io.BytesIO(b"{}\n"))
+        upload_file(ctx, "proj_text_fields", "a\ud800.jsonl", "batch", io.BytesIO(b"{}\n"))
     assert (raised.value.param, raised.value.code) == ("file", "invalid_encoding")
-    with jobs.sessions() as session:
+    with ctx.sessions() as session:
         assert session.scalar(select(func.count()).select_from(File)) == before

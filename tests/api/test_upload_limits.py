@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy import select
 
 from batchapi.api.limits import MAX_JSON_BODY_BYTES
-from batchapi.api.uploads import FORM_OVERHEAD_BYTES
+from batchapi.api.multipart import FORM_OVERHEAD_BYTES
 from batchapi.db.migrate import upgrade
 from batchapi.db.models import File
 from batchapi.storage.s3 import S3Storage
@@ -52,7 +52,7 @@ def upload_head(key: str | None, length: int | None) -> bytes:
 
 def uploaded(server) -> list[str]:
     """Every uploaded object, open multipart upload and temp file of the server's storage."""
-    storage = server.jobs.storage
+    storage = server.ctx.storage
     if isinstance(storage, S3Storage):
         pages = storage.client.get_paginator("list_objects_v2").paginate(
             Bucket=storage.bucket, Prefix=storage.prefix + "files/")
@@ -111,8 +111,8 @@ def test_an_unauthenticated_upload_is_refused_before_its_body_is_read(pg_server,
 
 
 def test_a_declared_size_over_the_limit_is_refused_before_the_body_is_read(pg_server, api_key, own_tempdir):
-    limit = pg_server.jobs.settings.max_upload_bytes
-    assert limit == pg_server.jobs.settings.max_file_bytes == 200 * 1024 * 1024  # one limit by default
+    limit = pg_server.ctx.settings.max_upload_bytes
+    assert limit == pg_server.ctx.settings.max_file_bytes == 200 * 1024 * 1024  # one limit by default
     before = uploaded(pg_server)
     answer = send_until_answered(pg_server.base_url, upload_head(api_key, limit + FORM_OVERHEAD_BYTES + 1),
                                  endless_form())
@@ -141,7 +141,7 @@ def test_a_chunked_upload_is_refused_as_it_passes_the_limit_and_nothing_is_kept(
 
 
 def big_files(server) -> set[str]:
-    with server.jobs.sessions() as session:
+    with server.ctx.sessions() as session:
         return set(session.scalars(select(File.id).where(File.bytes > LIMIT)))
 
 

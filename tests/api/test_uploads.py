@@ -14,11 +14,11 @@ import pytest
 from openai import OpenAI
 from sqlalchemy import select, update
 
-from batchapi.api.uploads import FORM_OVERHEAD_BYTES
+from batchapi.api.multipart import FORM_OVERHEAD_BYTES
+from batchapi.batches.uploads import MAX_PART_BYTES, expire_uploads
 from batchapi.db.models import Upload, UploadPart
 from batchapi.db.session import session_scope
 from batchapi.storage.s3 import MIN_COPY_PART, S3Storage
-from batchapi.uploads.service import MAX_PART_BYTES, expire_uploads
 from tests.api.conftest import new_key
 from tests.api.raw_http import chunked, request_head, send_until_answered
 from tests.utils.batch_service import jsonl, request_line, wait_until
@@ -78,9 +78,9 @@ def test_a_chunked_upload_is_byte_identical_and_a_batch_input(server, sdk, tmp_p
     assert sdk.files.retrieve(f.id).bytes == len(data)
     assert sdk.files.content(f.id).content == data
 
-    with server.jobs.sessions() as session:  # the parts are gone once the file is made
+    with server.ctx.sessions() as session:  # the parts are gone once the file is made
         assert session.scalars(select(UploadPart).where(UploadPart.upload_id == upload.id)).all() == []
-    assert objects_under(server.jobs.storage, f"uploads/{upload.id}/") == []
+    assert objects_under(server.ctx.storage, f"uploads/{upload.id}/") == []
 
     batch = sdk.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
     batch = wait_until(lambda: (b := sdk.batches.retrieve(batch.id)).status != "validating" and b)
@@ -140,11 +140,11 @@ def test_part_ids_must_name_each_part_once_and_add_up(server, sdk):
 def test_cancel_ends_an_upload_and_removes_its_parts(server, sdk):
     upload = sdk.uploads.create(bytes=4, filename="c.jsonl", mime_type="text/jsonl", purpose="batch")
     part = sdk.uploads.parts.create(upload.id, data=b"abcd")
-    with server.jobs.sessions() as session:
+    with server.ctx.sessions() as session:
         key = session.get(UploadPart, part.id).storage_key
-    assert server.jobs.storage.exists(key)
+    assert server.ctx.storage.exists(key)
     assert sdk.uploads.cancel(upload.id).status == "cancelled"
-    assert not server.jobs.storage.exists(key)
+    assert not server.ctx.storage.exists(key)
     for call in (lambda: sdk.uploads.parts.create(upload.id, data=b"e"),
                  lambda: sdk.uploads.complete(upload.id, part_ids=[part.id])):
         with pytest.raises(openai.BadRequestError) as refused:
@@ -155,7 +155,7 @@ def test_cancel_ends_an_upload_and_removes_its_parts(server, sdk):
 def test_an_upload_not_completed_within_the_hour_expires(server, sdk):
     upload = sdk.uploads.create(bytes=4, filename="late.jsonl", mime_type="text/jsonl", purpose="batch")
     part = sdk.uploads.parts.create(upload.id, data=b"abcd")
-    with session_scope(server.jobs.sessions) as session:  # an hour and a second later
+    with session_scope(server.ctx.sessions) as session:  # an hour and a second later
         session.execute(update(Upload).where(Upload.id == upload.id).values(expires_at=Upload.created_at - 1))
         key = session.get(UploadPart, part.id).storage_key
     with pytest.raises(openai.BadRequestError) as refused:
@@ -165,10 +165,10 @@ def test_an_upload_not_completed_within_the_hour_expires(server, sdk):
         sdk.uploads.parts.create(upload.id, data=b"e")
     # the sweeper's upload step alone: a whole sweep of this shared server would also end other
     # tests' batches (minutes of error files for their big ones)
-    assert upload.id in expire_uploads(server.jobs, lambda rows, what, act: [act(row) for row in rows])
-    with server.jobs.sessions() as session:
+    assert upload.id in expire_uploads(server.ctx, lambda rows, what, act: [act(row) for row in rows])
+    with server.ctx.sessions() as session:
         assert session.get(Upload, upload.id).status == "expired"
-    assert not server.jobs.storage.exists(key)
+    assert not server.ctx.storage.exists(key)
 
 
 def test_unknown_uploads_and_bad_creates_are_refused(server, sdk, key):
@@ -213,7 +213,7 @@ def test_a_part_over_64_mb_is_refused(pg_server, api_key):
                                  "Transfer-Encoding": "chunked"}), chunked(endless))
     assert answer.status == 413, answer.body  # the part's limit or the body's, whichever trips first
     assert answer.json()["error"]["code"] in ("file_too_large", "request_too_large")
-    with pg_server.jobs.sessions() as session:
+    with pg_server.ctx.sessions() as session:
         assert session.scalars(select(UploadPart).where(UploadPart.upload_id == upload.id)).all() == []
     response = httpx.post(pg_server.base_url + path, headers={"Authorization": f"Bearer {api_key}"},
                           files={"wrong": ("blob", b"abc")})

@@ -32,12 +32,12 @@ def stack(tmp_path_factory, tiny_llama_dir):
 
 
 def key_for(stack, project: str, admin: bool = False) -> str:
-    with session_scope(stack.jobs.sessions) as session:
+    with session_scope(stack.ctx.sessions) as session:
         return create_api_key(session, project, admin=admin)
 
 
 def project_id(stack, name: str) -> str:
-    with stack.jobs.sessions() as session:
+    with stack.ctx.sessions() as session:
         return session.query(Project).filter_by(name=name).one().id
 
 
@@ -150,7 +150,7 @@ def test_a_project_key_sees_its_own_project_only(stack, ran):
 
 def add_ended_batch(stack, project: str, ended: int, endpoint: str = CHAT, tokens=(100, 20, 30)) -> Decimal:
     """A finished batch row at a chosen time (the reports only read rows); its own cost."""
-    with session_scope(stack.jobs.sessions) as session:
+    with session_scope(stack.ctx.sessions) as session:
         pid = get_or_create_project(session, project).id
         batch = Batch(id=f"batch_{uuid.uuid4().hex}", project_id=pid, endpoint=endpoint,
                           model="all-minilm-l6-v2" if endpoint == "/v1/embeddings" else "crafted-model",

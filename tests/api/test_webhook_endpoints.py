@@ -72,7 +72,7 @@ def test_deliveries_show_what_was_sent(client, pg_server, api_key, model_id):
         batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
         wait_until(lambda: client.batches.retrieve(batch.id).status == "in_progress")
         client.batches.cancel(batch.id)
-        wait_until(lambda: sweep(pg_server.jobs) and client.batches.retrieve(batch.id).status == "cancelled")
+        wait_until(lambda: sweep(pg_server.ctx) and client.batches.retrieve(batch.id).status == "cancelled")
         url = f"{pg_server.base_url}/v1/webhook_endpoints/{endpoint.id}/deliveries"
         headers = {"Authorization": f"Bearer {api_key}"}
 
@@ -82,7 +82,7 @@ def test_deliveries_show_what_was_sent(client, pg_server, api_key, model_id):
         [first] = listed()
         assert first["event_type"] == "batch.cancelled" and first["batch_id"] == batch.id
         if first["status"] == "pending" and first["attempts"] == 0:  # the sweep above may have sent it already
-            deliver_due(pg_server.jobs.sessions, pg_server.jobs.settings)
+            deliver_due(pg_server.ctx.sessions, pg_server.ctx.settings)
         [failed_once] = listed()
         assert (failed_once["status"], failed_once["attempts"], failed_once["last_status_code"]) == ("pending", 1, 500)
         assert failed_once["next_attempt_at"] >= failed_once["last_attempt_at"]
@@ -93,8 +93,8 @@ def test_deliveries_show_what_was_sent(client, pg_server, api_key, model_id):
 def strict(pg_server, monkeypatch):
     """The live server as deployed: private webhook addresses refused (the suite's settings allow
     them, for its receivers on 127.0.0.1)."""
-    jobs = pg_server.jobs
-    monkeypatch.setattr(jobs, "settings", jobs.settings.model_copy(update={"webhook_allow_private": False}))
+    ctx = pg_server.ctx
+    monkeypatch.setattr(ctx, "settings", ctx.settings.model_copy(update={"webhook_allow_private": False}))
 
 
 @pytest.mark.parametrize("url,refused", [
@@ -129,8 +129,8 @@ def test_a_public_endpoint_is_taken_and_cannot_be_moved_inside(client, strict):
 def test_a_test_event_is_not_sent_to_an_endpoint_now_refused(client, pg_server, monkeypatch):
     with Receiver() as receiver:
         created = client.webhooks.create(url=receiver.url, event_types=["batch.completed"], name="local")
-        jobs = pg_server.jobs
-        monkeypatch.setattr(jobs, "settings", jobs.settings.model_copy(update={"webhook_allow_private": False}))
+        ctx = pg_server.ctx
+        monkeypatch.setattr(ctx, "settings", ctx.settings.model_copy(update={"webhook_allow_private": False}))
         with pytest.raises(openai.BadRequestError) as error:
             client.webhooks.test(created.id, event_type="batch.completed")
         assert receiver.received == []

@@ -19,7 +19,7 @@ from batchapi.db.models import Batch, File
 from batchapi.db.projects import get_or_create_project
 from batchapi.db.session import session_scope
 from batchapi.errors import NotFound
-from batchapi.model_store import served_model_id
+from batchapi.models.registry import served_model_id
 from tests.utils.batch_service import jsonl, request_line, wait_until
 
 CHAT = "/v1/chat/completions"
@@ -31,17 +31,17 @@ def project(any_jobs, request) -> str:
         return get_or_create_project(session, f"expiry-{request.node.name}-{id(any_jobs)}").id
 
 
-def expiring_file(jobs, project: str, seconds: int) -> str:
-    data = jsonl([request_line("a", served_model_id(jobs.settings), max_tokens=3)])
-    f = upload_file(jobs, project, "in.jsonl", "batch", io.BytesIO(data))
-    with session_scope(jobs.sessions) as session:
+def expiring_file(ctx, project: str, seconds: int) -> str:
+    data = jsonl([request_line("a", served_model_id(ctx.settings), max_tokens=3)])
+    f = upload_file(ctx, project, "in.jsonl", "batch", io.BytesIO(data))
+    with session_scope(ctx.sessions) as session:
         session.get(File, f.id).expires_at = now() + seconds
     return f.id
 
 
-def waiting_on_a_lock(jobs) -> bool:
+def waiting_on_a_lock(ctx) -> bool:
     """Some other connection of this database waits for a row lock (PostgreSQL)."""
-    with jobs.engine.connect() as conn:
+    with ctx.engine.connect() as conn:
         return bool(conn.execute(text(
             "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
         )).scalar())
@@ -50,11 +50,11 @@ def waiting_on_a_lock(jobs) -> bool:
 def test_a_file_expiring_while_a_batch_is_created_from_it_stays_for_the_batch(any_jobs, project):
     """The create has checked the file and is about to commit when the file expires and the
     sweeper's expiry runs: the expiry waits for the create and then leaves the file to the batch."""
-    jobs = any_jobs
-    fid = expiring_file(jobs, project, 2)
-    key = files.get_file(jobs, project, fid).storage_key
+    ctx = any_jobs
+    fid = expiring_file(ctx, project, 2)
+    key = files.get_file(ctx, project, fid).storage_key
     swept: list[list[str]] = []
-    sweeper = threading.Thread(target=lambda: swept.append(files.remove_expired(jobs, _each)))
+    sweeper = threading.Thread(target=lambda: swept.append(files.remove_expired(ctx, _each)))
     creating = threading.get_ident()
 
     def before_commit(session) -> None:
@@ -63,43 +63,43 @@ def test_a_file_expiring_while_a_batch_is_created_from_it_stays_for_the_batch(an
             return
         wait_until(lambda: now() >= expires_at, timeout=10)
         sweeper.start()  # the file has expired: the sweeper removes it now, if it can
-        if jobs.engine.dialect.name == "postgresql":
-            wait_until(lambda: swept or waiting_on_a_lock(jobs), timeout=30)
+        if ctx.engine.dialect.name == "postgresql":
+            wait_until(lambda: swept or waiting_on_a_lock(ctx), timeout=30)
         else:  # one writer at a time: give it a moment to get as far as it can
             sweeper.join(1.0)
 
-    with jobs.sessions() as session:
+    with ctx.sessions() as session:
         expires_at = session.get(File, fid).expires_at
-    event.listen(jobs.sessions, "before_commit", before_commit)
+    event.listen(ctx.sessions, "before_commit", before_commit)
     try:
-        batch = service.create_batch(jobs, project, fid, CHAT, "24h")
+        batch = service.create_batch(ctx, project, fid, CHAT, "24h")
     finally:
-        event.remove(jobs.sessions, "before_commit", before_commit)
+        event.remove(ctx.sessions, "before_commit", before_commit)
     sweeper.join(30)
     assert swept == [[]], "the expiry removed a file a batch was being created from"
     assert batch.status == BatchStatus.VALIDATING
-    with jobs.sessions() as session:
+    with ctx.sessions() as session:
         assert session.get(File, fid) is not None
-    assert b"".join(jobs.storage.iter_chunks(key))  # the batch can still read its input
+    assert b"".join(ctx.storage.iter_chunks(key))  # the batch can still read its input
 
 
 def test_a_create_after_the_expiry_removed_the_file_fails_cleanly(any_jobs, project):
     """The expiry holds the file's row (it is deleting the object) when a create gets to it: the
     create fails with NotFound (the API's 404 error) and leaves no batch behind."""
-    jobs = any_jobs
-    fid = expiring_file(jobs, project, 1)
+    ctx = any_jobs
+    fid = expiring_file(ctx, project, 1)
     time.sleep(1.1)
     gate, inside = threading.Event(), threading.Event()
-    real_delete = jobs.storage.delete
+    real_delete = ctx.storage.delete
 
     def slow_delete(key: str) -> None:
         inside.set()
         assert gate.wait(30)
         real_delete(key)
 
-    jobs.storage.delete = slow_delete  # the test's trick: hold the sweeper mid-removal
+    ctx.storage.delete = slow_delete  # the test's trick: hold the sweeper mid-removal
     swept: list[list[str]] = []
-    sweeper = threading.Thread(target=lambda: swept.append(files.remove_expired(jobs, _each)))
+    sweeper = threading.Thread(target=lambda: swept.append(files.remove_expired(ctx, _each)))
     sweeper.start()
     try:
         assert inside.wait(30)
@@ -107,7 +107,7 @@ def test_a_create_after_the_expiry_removed_the_file_fails_cleanly(any_jobs, proj
 
         def create() -> None:
             try:
-                service.create_batch(jobs, project, fid, CHAT, "24h")
+                service.create_batch(ctx, project, fid, CHAT, "24h")
             except NotFound as exc:
                 failed.append(exc)
 
@@ -119,7 +119,7 @@ def test_a_create_after_the_expiry_removed_the_file_fails_cleanly(any_jobs, proj
         sweeper.join(30)
     finally:
         gate.set()
-        jobs.storage.delete = real_delete
+        ctx.storage.delete = real_delete
     assert swept == [[fid]] and len(failed) == 1 and failed[0].param == "id"
-    with jobs.sessions() as session:
+    with ctx.sessions() as session:
         assert session.query(Batch).filter(Batch.input_file_id == fid).count() == 0

@@ -15,7 +15,7 @@ from batchapi.db.models import Batch, File
 from batchapi.db.projects import get_or_create_project
 from batchapi.db.session import session_scope
 from batchapi.errors import InvalidRequest
-from batchapi.model_store import served_model_id
+from batchapi.models.registry import served_model_id
 from batchapi.storage.streams import TooLarge
 
 
@@ -30,8 +30,8 @@ def body(n: int, model: str = "m", **params) -> dict:
                          for i in range(n)]}
 
 
-def live_files(jobs, project: str) -> list[File]:
-    with jobs.sessions() as session:
+def live_files(ctx, project: str) -> list[File]:
+    with ctx.sessions() as session:
         return list(session.scalars(select(File).where(File.project_id == project, File.deleted_at.is_(None))))
 
 
@@ -67,9 +67,9 @@ def test_a_body_within_the_body_limit_becomes_a_file_within_the_file_limit(sqlit
 
 
 def test_the_input_file_may_be_larger_than_an_upload(sqlite_jobs, project):
-    jobs = dataclasses.replace(sqlite_jobs, settings=sqlite_jobs.settings.model_copy(update={"max_upload_bytes": 64}))
-    batch = messages.create(jobs, project, body(3, served_model_id(jobs.settings)))
-    with jobs.sessions() as session:
+    ctx = dataclasses.replace(sqlite_jobs, settings=sqlite_jobs.settings.model_copy(update={"max_upload_bytes": 64}))
+    batch = messages.create(ctx, project, body(3, served_model_id(ctx.settings)))
+    with ctx.sessions() as session:
         assert session.get(File, batch.input_file_id).bytes > 64
 
 

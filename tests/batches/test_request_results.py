@@ -22,13 +22,13 @@ from tests.utils.job_rows import make_batch
 IDS = ["r0", "r1", "r2", "r3"]
 
 
-def running_batch(jobs) -> tuple[str, str, str]:
+def running_batch(ctx) -> tuple[str, str, str]:
     """A started batch of one 4-request shard over a real input object; (batch, shard, project)."""
-    batch_id, [shard_id] = make_batch(jobs, 1)
+    batch_id, [shard_id] = make_batch(ctx, 1)
     data = jsonl([request_line(cid, "m") for cid in IDS])
     key = f"files/{batch_id}.jsonl"
-    jobs.storage.put_chunks(key, [data])
-    with session_scope(jobs.sessions) as session:
+    ctx.storage.put_chunks(key, [data])
+    with session_scope(ctx.sessions) as session:
         batch = session.get(Batch, batch_id)
         batch.in_progress_at, batch.request_total = 1, len(IDS)
         session.get(File, batch.input_file_id).storage_key = key
@@ -47,110 +47,110 @@ def refused(seq: int) -> Finished:
     return Finished(seq, False, json.dumps({"custom_id": IDS[seq], "response": {"status_code": 400}}).encode() + b"\n")
 
 
-def batch_row(jobs, batch_id: str) -> Batch:
-    with jobs.sessions() as session:
+def batch_row(ctx, batch_id: str) -> Batch:
+    with ctx.sessions() as session:
         return session.get(Batch, batch_id)
 
 
-def rows_of(jobs, shard_id: str) -> int:
-    with jobs.sessions() as session:
+def rows_of(ctx, shard_id: str) -> int:
+    with ctx.sessions() as session:
         return session.scalar(select(func.count()).select_from(RequestResult).where(RequestResult.shard_id == shard_id))
 
 
-def lines_of(jobs, file_id: str | None) -> list[dict]:
+def lines_of(ctx, file_id: str | None) -> list[dict]:
     if file_id is None:
         return []
-    with jobs.sessions() as session:
+    with ctx.sessions() as session:
         key = session.get(File, file_id).storage_key
-    return [json.loads(line) for line in b"".join(jobs.storage.iter_chunks(key)).splitlines()]
+    return [json.loads(line) for line in b"".join(ctx.storage.iter_chunks(key)).splitlines()]
 
 
 def test_rows_are_counted_at_once_and_only_by_the_lease_owner(any_jobs):
-    jobs = any_jobs
-    batch_id, shard_id, project_id = running_batch(jobs)
-    claimed = leases.claim(jobs, shard_id, "w1")
-    assert request_results.record(jobs, [Group(shard_id, batch_id, 1, [ok(0, 5), refused(2)])], "w1") == {shard_id}
-    batch = batch_row(jobs, batch_id)
+    ctx = any_jobs
+    batch_id, shard_id, project_id = running_batch(ctx)
+    claimed = leases.claim(ctx, shard_id, "w1")
+    assert request_results.record(ctx, [Group(shard_id, batch_id, 1, [ok(0, 5), refused(2)])], "w1") == {shard_id}
+    batch = batch_row(ctx, batch_id)
     assert (batch.request_completed, batch.request_failed, batch.input_tokens, batch.output_tokens) == (1, 1, 5, 5)
     # someone whose lease is gone writes nothing and counts nothing
-    assert request_results.record(jobs, [Group(shard_id, batch_id, 1, [ok(1)])], "w2") == set()
-    assert rows_of(jobs, shard_id) == 2 and batch_row(jobs, batch_id).request_completed == 1
-    assert set(request_results.stored(jobs, shard_id)) == {0, 2}
-    partial = b"".join(iter_partial_results(jobs, project_id, batch_id, "output")).splitlines()
+    assert request_results.record(ctx, [Group(shard_id, batch_id, 1, [ok(1)])], "w2") == set()
+    assert rows_of(ctx, shard_id) == 2 and batch_row(ctx, batch_id).request_completed == 1
+    assert set(request_results.stored(ctx, shard_id)) == {0, 2}
+    partial = b"".join(iter_partial_results(ctx, project_id, batch_id, "output")).splitlines()
     assert [json.loads(line)["custom_id"] for line in partial] == ["r0"]
-    errors = b"".join(iter_partial_results(jobs, project_id, batch_id, "error")).splitlines()
+    errors = b"".join(iter_partial_results(ctx, project_id, batch_id, "error")).splitlines()
     assert [json.loads(line)["custom_id"] for line in errors] == ["r2"]
 
     # the worker completes the shard: its render holds all four; only the rest is added
     outcome = Outcome(completed=3, failed=1, input_tokens=11, cached_tokens=3, output_tokens=11)
-    assert leases.complete(jobs, claimed, "w1", outcome, "out", "err")
-    batch = batch_row(jobs, batch_id)
+    assert leases.complete(ctx, claimed, "w1", outcome, "out", "err")
+    batch = batch_row(ctx, batch_id)
     assert (batch.request_completed, batch.request_failed, batch.input_tokens, batch.output_tokens) == (3, 1, 11, 11)
-    assert rows_of(jobs, shard_id) == 0  # in the shard's objects now
+    assert rows_of(ctx, shard_id) == 0  # in the shard's objects now
 
 
 def test_the_sweeper_keeps_finished_requests_of_a_shard_it_closes(any_jobs):
     """A worker died holding the shard after two of its requests were durable; the batch is then
     cancelled: the sweeper's close keeps both, and only the other two end batch_cancelled."""
-    jobs = any_jobs
-    batch_id, shard_id, project_id = running_batch(jobs)
-    leases.claim(jobs, shard_id, "dead-worker")
-    request_results.record(jobs, [Group(shard_id, batch_id, 1, [ok(1, 4), refused(3)])], "dead-worker")
-    with session_scope(jobs.sessions) as session:  # its lease runs out; the user cancels
+    ctx = any_jobs
+    batch_id, shard_id, project_id = running_batch(ctx)
+    leases.claim(ctx, shard_id, "dead-worker")
+    request_results.record(ctx, [Group(shard_id, batch_id, 1, [ok(1, 4), refused(3)])], "dead-worker")
+    with session_scope(ctx.sessions) as session:  # its lease runs out; the user cancels
         session.get(Shard, shard_id).lease_expires_at = 1
         session.get(Batch, batch_id).status = BatchStatus.CANCELLING
 
-    report = sweep(jobs)
+    report = sweep(ctx)
     assert report.closed == [shard_id] and report.finalized == [batch_id]
-    batch = batch_row(jobs, batch_id)
+    batch = batch_row(ctx, batch_id)
     assert batch.status == BatchStatus.CANCELLED
     assert (batch.request_completed, batch.request_failed, batch.request_unrun) == (1, 3, 2)
     assert (batch.input_tokens, batch.cached_tokens, batch.output_tokens) == (4, 1, 4)
-    output, errors = lines_of(jobs, batch.output_file_id), lines_of(jobs, batch.error_file_id)
+    output, errors = lines_of(ctx, batch.output_file_id), lines_of(ctx, batch.error_file_id)
     assert [line["custom_id"] for line in output] == ["r1"]
     assert [(e["custom_id"], (e.get("error") or {}).get("code")) for e in errors] == [
         ("r0", "batch_cancelled"), ("r2", "batch_cancelled"), ("r3", None)]
-    with jobs.sessions() as session:
+    with ctx.sessions() as session:
         closed = session.get(Shard, shard_id)
         assert (closed.status, closed.completed_count, closed.failed_count, closed.unrun_count) == (
             ShardStatus.FAILED, 1, 3, 2)
-    partial = b"".join(iter_partial_results(jobs, project_id, batch_id, "error")).splitlines()
+    partial = b"".join(iter_partial_results(ctx, project_id, batch_id, "error")).splitlines()
     assert [json.loads(line)["custom_id"] for line in partial] == ["r0", "r2", "r3"]
-    assert finalize_batch(jobs, batch_id) is None  # ended once
+    assert finalize_batch(ctx, batch_id) is None  # ended once
 
 
 def test_a_shard_taken_over_sees_the_rows_of_the_attempt_before(any_jobs):
-    jobs = any_jobs
-    batch_id, shard_id, _ = running_batch(jobs)
-    leases.claim(jobs, shard_id, "w1")
-    request_results.record(jobs, [Group(shard_id, batch_id, 1, [ok(0), ok(2)])], "w1")
-    with session_scope(jobs.sessions) as session:
+    ctx = any_jobs
+    batch_id, shard_id, _ = running_batch(ctx)
+    leases.claim(ctx, shard_id, "w1")
+    request_results.record(ctx, [Group(shard_id, batch_id, 1, [ok(0), ok(2)])], "w1")
+    with session_scope(ctx.sessions) as session:
         session.get(Shard, shard_id).lease_expires_at = 1
-    assert leases.requeue_expired(jobs, shard_id)
-    again = leases.claim(jobs, shard_id, "w2")
+    assert leases.requeue_expired(ctx, shard_id)
+    again = leases.claim(ctx, shard_id, "w2")
     assert again.attempts == 2
-    assert sorted(request_results.stored(jobs, shard_id)) == [0, 2]
+    assert sorted(request_results.stored(ctx, shard_id)) == [0, 2]
 
 
 def test_a_group_written_twice_counts_once_and_an_earlier_attempt_writes_nothing(any_jobs):
-    jobs = any_jobs
-    batch_id, shard_id, _ = running_batch(jobs)
-    leases.claim(jobs, shard_id, "w1")
+    ctx = any_jobs
+    batch_id, shard_id, _ = running_batch(ctx)
+    leases.claim(ctx, shard_id, "w1")
     group = Group(shard_id, batch_id, 1, [ok(0, 5), refused(2)])
-    assert request_results.record(jobs, [group], "w1") == {shard_id}
+    assert request_results.record(ctx, [group], "w1") == {shard_id}
     # the writer put the group back (its commit's answer was lost) and writes it again, with one more row
     again = Group(shard_id, batch_id, 1, [*group.rows, ok(1, 2)])
-    assert request_results.record(jobs, [again], "w1") == {shard_id}
-    batch = batch_row(jobs, batch_id)
+    assert request_results.record(ctx, [again], "w1") == {shard_id}
+    batch = batch_row(ctx, batch_id)
     assert (batch.request_completed, batch.request_failed, batch.input_tokens) == (2, 1, 7)
-    assert rows_of(jobs, shard_id) == 3
+    assert rows_of(ctx, shard_id) == 3
     # the same worker's lease ran out and it claimed the shard again: attempt 1's rows are fenced off
-    with session_scope(jobs.sessions) as session:
+    with session_scope(ctx.sessions) as session:
         session.get(Shard, shard_id).lease_expires_at = 0
-    assert leases.requeue_expired(jobs, shard_id)
-    second = leases.claim(jobs, shard_id, "w1")
+    assert leases.requeue_expired(ctx, shard_id)
+    second = leases.claim(ctx, shard_id, "w1")
     assert second is not None and second.attempts == 2
-    assert request_results.record(jobs, [Group(shard_id, batch_id, 1, [ok(3)])], "w1") == set()
-    assert rows_of(jobs, shard_id) == 3
-    assert request_results.record(jobs, [Group(shard_id, batch_id, 2, [ok(3)])], "w1") == {shard_id}
-    assert rows_of(jobs, shard_id) == 4
+    assert request_results.record(ctx, [Group(shard_id, batch_id, 1, [ok(3)])], "w1") == set()
+    assert rows_of(ctx, shard_id) == 3
+    assert request_results.record(ctx, [Group(shard_id, batch_id, 2, [ok(3)])], "w1") == {shard_id}
+    assert rows_of(ctx, shard_id) == 4

@@ -16,9 +16,9 @@ from batchapi.db.projects import get_or_create_project
 from batchapi.db.session import session_scope
 
 
-def make_batch(jobs, status: str = BatchStatus.VALIDATING) -> str:
+def make_batch(ctx, status: str = BatchStatus.VALIDATING) -> str:
     bid = batch_id()
-    with session_scope(jobs.sessions) as session:
+    with session_scope(ctx.sessions) as session:
         project = get_or_create_project(session, "states-test")
         session.add(Batch(
             id=bid, project_id=project.id, endpoint="/v1/chat/completions", input_file_id="file-x",
@@ -29,8 +29,8 @@ def make_batch(jobs, status: str = BatchStatus.VALIDATING) -> str:
     return bid
 
 
-def status_of(jobs, bid: str) -> Batch:
-    with jobs.sessions() as session:
+def status_of(ctx, bid: str) -> Batch:
+    with ctx.sessions() as session:
         return session.get(Batch, bid)
 
 

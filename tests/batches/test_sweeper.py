@@ -33,8 +33,8 @@ class RecordingValidator:
         self.swept.set()
 
 
-def stale(jobs, batch_id):
-    with session_scope(jobs.sessions) as session:
+def stale(ctx, batch_id):
+    with session_scope(ctx.sessions) as session:
         session.execute(update(Batch).where(Batch.id == batch_id).values(validation_lease_expires_at=1))
 
 
@@ -76,14 +76,14 @@ def test_the_loop_sweeps_at_start_and_when_poked(sqlite_jobs):
         loop.stop()
 
 
-def cancelling_batch(jobs, custom_ids: list[str], request_count: int = 1) -> tuple[str, str]:
+def cancelling_batch(ctx, custom_ids: list[str], request_count: int = 1) -> tuple[str, str]:
     """A started batch being cancelled: one queued shard over an input object of ``custom_ids``'
     lines, said to hold ``request_count`` requests."""
-    batch_id, [shard_id] = make_batch(jobs, 1, status=BatchStatus.CANCELLING)
+    batch_id, [shard_id] = make_batch(ctx, 1, status=BatchStatus.CANCELLING)
     data = jsonl([request_line(cid, "m") for cid in custom_ids])
     key = f"files/{batch_id}.jsonl"
-    jobs.storage.put_chunks(key, [data])
-    with session_scope(jobs.sessions) as session:
+    ctx.storage.put_chunks(key, [data])
+    with session_scope(ctx.sessions) as session:
         batch = session.get(Batch, batch_id)
         batch.in_progress_at, batch.request_total = 1, request_count
         session.get(File, batch.input_file_id).storage_key = key
@@ -92,67 +92,67 @@ def cancelling_batch(jobs, custom_ids: list[str], request_count: int = 1) -> tup
     return batch_id, shard_id
 
 
-def ended(jobs, batch_id: str) -> tuple[str, int, list[dict]]:
+def ended(ctx, batch_id: str) -> tuple[str, int, list[dict]]:
     """The batch's status, failed count and error-file lines."""
-    with jobs.sessions() as session:
+    with ctx.sessions() as session:
         batch = session.get(Batch, batch_id)
         key = session.get(File, batch.error_file_id).storage_key if batch.error_file_id else None
         status, failed = batch.status, batch.request_failed
-    lines = b"".join(jobs.storage.iter_chunks(key)).splitlines() if key else []
+    lines = b"".join(ctx.storage.iter_chunks(key)).splitlines() if key else []
     return status, failed, [json.loads(line) for line in lines]
 
 
 def test_a_shard_that_raises_does_not_stop_the_sweep_of_the_others(sqlite_jobs):
-    jobs = sqlite_jobs
-    stuck, stuck_shard = cancelling_batch(jobs, ["s1"])
-    healthy, healthy_shard = cancelling_batch(jobs, ["h1"])
+    ctx = sqlite_jobs
+    stuck, stuck_shard = cancelling_batch(ctx, ["s1"])
+    healthy, healthy_shard = cancelling_batch(ctx, ["h1"])
     # a directory where the stuck shard's error object goes: writing it fails on every try
-    blocker = Path(jobs.settings.data_dir) / "storage" / shard_error_key(stuck, 0, 0, closing=True)
+    blocker = Path(ctx.settings.data_dir) / "storage" / shard_error_key(stuck, 0, 0, closing=True)
     (blocker / "inside").mkdir(parents=True)
-    report = sweep(jobs)
+    report = sweep(ctx)
     assert report.closed == [healthy_shard] and report.finalized == [healthy]
-    status, failed, lines = ended(jobs, healthy)
+    status, failed, lines = ended(ctx, healthy)
     assert (status, failed) == (BatchStatus.CANCELLED, 1)
     assert [(line["custom_id"], line["error"]["code"]) for line in lines] == [("h1", "batch_cancelled")]
-    assert ended(jobs, stuck)[:2] == (BatchStatus.CANCELLING, 0)
-    assert shard(jobs, stuck_shard).status == ShardStatus.RUNNING  # the sweeper's claim, to be retried
+    assert ended(ctx, stuck)[:2] == (BatchStatus.CANCELLING, 0)
+    assert shard(ctx, stuck_shard).status == ShardStatus.RUNNING  # the sweeper's claim, to be retried
 
     (blocker / "inside").rmdir()
     blocker.rmdir()
-    with session_scope(jobs.sessions) as session:  # the sweeper's lease on it runs out
+    with session_scope(ctx.sessions) as session:  # the sweeper's lease on it runs out
         session.execute(update(Shard).where(Shard.id == stuck_shard).values(lease_expires_at=1))
-    assert sweep(jobs).finalized == [stuck]
-    status, failed, lines = ended(jobs, stuck)
+    assert sweep(ctx).finalized == [stuck]
+    status, failed, lines = ended(ctx, stuck)
     assert (status, failed, [line["custom_id"] for line in lines]) == (BatchStatus.CANCELLED, 1, ["s1"])
 
 
 def test_closing_a_shard_deletes_the_objects_its_earlier_writers_left(sqlite_jobs):
-    jobs = sqlite_jobs
-    batch_id, shard_id = cancelling_batch(jobs, ["c1"])
-    with session_scope(jobs.sessions) as session:  # two attempts ran before; neither completed it
+    ctx = sqlite_jobs
+    batch_id, shard_id = cancelling_batch(ctx, ["c1"])
+    with session_scope(ctx.sessions) as session:  # two attempts ran before; neither completed it
         session.execute(update(Shard).where(Shard.id == shard_id).values(attempts=2))
     left = [make(batch_id, 0, attempt, closing) for attempt, closing in ((1, False), (1, True), (2, False))
             for make in (shard_output_key, shard_error_key)]
     for key in left:
-        jobs.storage.put_chunks(key, [b"an attempt's objects\n"])
-    assert sweep(jobs).finalized == [batch_id]
-    assert [key for key in left if jobs.storage.exists(key)] == []
-    row = shard(jobs, shard_id)
+        ctx.storage.put_chunks(key, [b"an attempt's objects\n"])
+    assert sweep(ctx).finalized == [batch_id]
+    assert [key for key in left if ctx.storage.exists(key)] == []
+    row = shard(ctx, shard_id)
     assert row.error_key == shard_error_key(batch_id, 0, 2, closing=True)
-    assert [line["custom_id"] for line in ended(jobs, batch_id)[2]] == ["c1"]
+    assert [line["custom_id"] for line in ended(ctx, batch_id)[2]] == ["c1"]
 
 
 def test_a_shard_whose_input_cannot_be_read_back_is_closed_unnamed(sqlite_jobs):
-    jobs = sqlite_jobs
+    ctx = sqlite_jobs
     # two lines where validation counted one: reading the shard back fails, and always would
-    broken, _ = cancelling_batch(jobs, ["b1", "b2"], request_count=1)
-    healthy, _ = cancelling_batch(jobs, ["h1"])
-    assert sorted(sweep(jobs).finalized) == sorted([broken, healthy])
-    status, failed, lines = ended(jobs, broken)
+    broken, _ = cancelling_batch(ctx, ["b1", "b2"], request_count=1)
+    healthy, _ = cancelling_batch(ctx, ["h1"])
+    assert sorted(sweep(ctx).finalized) == sorted([broken, healthy])
+    status, failed, lines = ended(ctx, broken)
     assert (status, failed) == (BatchStatus.CANCELLED, 1)
     assert [(line["custom_id"], line["response"], line["error"]["code"]) for line in lines] == [
         (None, None, "batch_cancelled")]
-    assert ended(jobs, healthy)[0] == BatchStatus.CANCELLED
+    assert ended(ctx, healthy)[0] == BatchStatus.CANCELLED
 
 
 def test_the_loop_removes_partial_writes_at_start_and_again_later(sqlite_jobs, monkeypatch):

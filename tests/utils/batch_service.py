@@ -64,8 +64,8 @@ class LiveServer:
     worker: object = None  # the embedded worker, when the server runs one
 
     @property
-    def jobs(self):
-        return self.app.state.jobs
+    def ctx(self):
+        return self.app.state.ctx
 
 
 @contextmanager

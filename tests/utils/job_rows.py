@@ -6,16 +6,16 @@ from __future__ import annotations
 import uuid
 from decimal import Decimal
 
-from batchapi.batches.context import Jobs
 from batchapi.batches.states import ShardStatus
+from batchapi.context import Context
 from batchapi.db.clock import now
 from batchapi.db.models import Batch, File, Project, Shard
 from batchapi.db.session import session_scope
 
 
-def make_batch(jobs: Jobs, shards: int, status: str = "in_progress", expires_in: int = 3600) -> tuple[str, list[str]]:
+def make_batch(ctx: Context, shards: int, status: str = "in_progress", expires_in: int = 3600) -> tuple[str, list[str]]:
     t, tag = now(), uuid.uuid4().hex[:12]
-    with session_scope(jobs.sessions) as session:
+    with session_scope(ctx.sessions) as session:
         project = Project(id=f"proj_{tag}", name=f"p-{tag}", created_at=t)
         session.add(project)
         session.flush()  # no ORM relationships: rows go in foreign-key order by hand
@@ -38,6 +38,6 @@ def make_batch(jobs: Jobs, shards: int, status: str = "in_progress", expires_in:
     return batch.id, ids
 
 
-def shard(jobs: Jobs, shard_id: str) -> Shard:
-    with jobs.sessions() as session:
+def shard(ctx: Context, shard_id: str) -> Shard:
+    with ctx.sessions() as session:
         return session.get(Shard, shard_id)

@@ -19,7 +19,7 @@ from batchapi.batches.sweeper import sweep
 from batchapi.db.models import Batch, File, Shard
 from batchapi.db.projects import get_or_create_project
 from batchapi.db.session import session_scope
-from batchapi.model_store import served_model
+from batchapi.models.registry import served_model
 from batchapi.storage.streams import TooLarge
 from batchapi.validation.backfill import count_batch
 from batchapi.validation.runner import resume, validate_batch
@@ -31,12 +31,12 @@ MESSAGES = "/v1/messages"
 
 
 class RecordingDispatcher:
-    def __init__(self, jobs):
-        self.jobs = jobs
+    def __init__(self, ctx):
+        self.ctx = ctx
         self.ready: list[tuple[str, list[str], int]] = []
 
     def batch_ready(self, batch_id, shard_ids, model=None):
-        with self.jobs.sessions() as session:  # a fresh session sees only committed rows
+        with self.ctx.sessions() as session:  # a fresh session sees only committed rows
             visible = len(session.scalars(select(Shard.id).where(Shard.batch_id == batch_id)).all())
         self.ready.append((batch_id, shard_ids, visible))
 
@@ -47,21 +47,21 @@ class RecordingDispatcher:
 class InlineValidator:
     """The sweeper's ``Validator``, validating on the sweeping thread (the API's runs a pool)."""
 
-    def __init__(self, jobs):
-        self.jobs = jobs
+    def __init__(self, ctx):
+        self.ctx = ctx
         self.resumed: list[str] = []
 
     def resume(self, batch_id):
-        if resume(self.jobs, batch_id):
+        if resume(self.ctx, batch_id):
             self.resumed.append(batch_id)
 
     def backfill(self):
         pass
 
 
-def resume_stale(jobs) -> list[str]:
-    validator = InlineValidator(jobs)
-    sweep(jobs, validator, shards=False)
+def resume_stale(ctx) -> list[str]:
+    validator = InlineValidator(ctx)
+    sweep(ctx, validator, shards=False)
     return validator.resumed
 
 
@@ -71,15 +71,15 @@ def project(pg_jobs, request):
         return get_or_create_project(session, f"runner-{request.node.name}").id
 
 
-def new_batch(jobs, project, data: bytes) -> str:
-    f = upload_file(jobs, project, "in.jsonl", "batch", io.BytesIO(data))
-    return create_batch(jobs, project, f.id, CHAT, "24h").id
+def new_batch(ctx, project, data: bytes) -> str:
+    f = upload_file(ctx, project, "in.jsonl", "batch", io.BytesIO(data))
+    return create_batch(ctx, project, f.id, CHAT, "24h").id
 
 
-def model(jobs) -> str:
-    from batchapi.model_store import served_model_id
+def model(ctx) -> str:
+    from batchapi.models.registry import served_model_id
 
-    return served_model_id(jobs.settings)
+    return served_model_id(ctx.settings)
 
 
 def test_valid_batch_gets_shards_then_dispatch(pg_jobs, project):

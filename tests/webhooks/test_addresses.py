@@ -96,8 +96,8 @@ def ended(pg_jobs):
             endpoints.delete_endpoint(session, endpoint_id)
 
 
-def _delivery(jobs, batch_id: str) -> WebhookDelivery:
-    with jobs.sessions() as session:
+def _delivery(ctx, batch_id: str) -> WebhookDelivery:
+    with ctx.sessions() as session:
         return session.scalars(select(WebhookDelivery).where(WebhookDelivery.batch_id == batch_id)).one()
 
 

@@ -10,9 +10,9 @@ import openai
 import pytest
 
 from batchapi.batches import states
-from batchapi.batches.context import open_jobs
 from batchapi.batches.states import BatchStatus
 from batchapi.config import load_settings
+from batchapi.context import open_context
 from batchapi.db.migrate import upgrade
 from batchapi.db.models import Batch, WebhookDelivery
 from batchapi.db.session import session_scope
@@ -36,24 +36,24 @@ def test_batchapi_beat_delivers_and_retries(tmp_path):
                                      webhook_retry_seconds=1, webhook_allow_private=True,  # a 127.0.0.1 receiver
                                      celery_queue=f"gpu-test-{uuid.uuid4().hex[:8]}")
             upgrade(settings)
-            jobs = open_jobs(settings)
+            ctx = open_context(settings)
             log = tmp_path / "beat.log"
             beat = processes.spawn(["beat"], processes.env_of(settings), log)
             try:
                 processes.wait_ready(beat, log, "batchapi beat")
-                batch_id, _ = make_batch(jobs, 0)
-                with session_scope(jobs.sessions) as session:
+                batch_id, _ = make_batch(ctx, 0)
+                with session_scope(ctx.sessions) as session:
                     project_id = session.get(Batch, batch_id).project_id
                     secret = endpoints.create_endpoint(session, settings, project_id, receiver.url).secret
-                with session_scope(jobs.sessions) as session:
+                with session_scope(ctx.sessions) as session:
                     assert states.transition(session, batch_id, BatchStatus.EXPIRED)
                 wait_until(lambda: len(receiver.received) == 2, timeout=60, interval=0.2)
-                with jobs.sessions() as session:
+                with ctx.sessions() as session:
                     delivery = session.query(WebhookDelivery).filter_by(batch_id=batch_id).one()
                     assert (delivery.status, delivery.attempts, delivery.last_status_code) == ("delivered", 2, 200)
             finally:
                 processes.stop(beat)
-                jobs.close()
+                ctx.close()
             assert beat.returncode == 0, log.read_text(errors="replace")
     finally:
         broker.stop()

@@ -10,9 +10,9 @@ import pytest
 
 from batchapi import cli
 from batchapi.batches import states
-from batchapi.batches.context import open_jobs
 from batchapi.batches.states import BatchStatus
 from batchapi.config import load_settings
+from batchapi.context import open_context
 from batchapi.db.migrate import upgrade
 from batchapi.db.models import Batch, Project
 from batchapi.db.session import session_scope
@@ -54,16 +54,16 @@ def test_create_list_rotate_deliveries_delete(run):
     code, out = run("webhooks", "rotate", listed["id"])
     assert code == 0 and out[-1].startswith("whsec_") and out[-1] != secret
 
-    jobs = open_jobs(load_settings())
+    ctx = open_context(load_settings())
     try:
-        batch_id, _ = make_batch(jobs, 0)
-        with session_scope(jobs.sessions) as session:
+        batch_id, _ = make_batch(ctx, 0)
+        with session_scope(ctx.sessions) as session:
             project_id = session.query(Project).filter_by(name="nightly").one().id
             session.query(Batch).filter_by(id=batch_id).update({"project_id": project_id})
-        with session_scope(jobs.sessions) as session:
+        with session_scope(ctx.sessions) as session:
             assert states.transition(session, batch_id, BatchStatus.FAILED)
     finally:
-        jobs.close()
+        ctx.close()
     code, out = run("webhooks", "deliveries", "--project", "nightly", "--json")
     [delivery] = json.loads("\n".join(out))
     assert (delivery["batch_id"], delivery["event_type"], delivery["status"], delivery["attempts"]) == (

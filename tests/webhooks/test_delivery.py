@@ -32,20 +32,20 @@ def settings(pg_jobs):
     return pg_jobs.settings.model_copy(update={"webhook_retry_seconds": 1.0, "webhook_timeout_seconds": 2.0})
 
 
-def project_of(jobs, batch_id: str) -> str:
-    with jobs.sessions() as session:
+def project_of(ctx, batch_id: str) -> str:
+    with ctx.sessions() as session:
         return session.get(Batch, batch_id).project_id
 
 
-def register(jobs, project_id: str, url: str, events=None):
-    with session_scope(jobs.sessions) as session:
-        endpoint = endpoints.create_endpoint(session, jobs.settings, project_id, url, events)
+def register(ctx, project_id: str, url: str, events=None):
+    with session_scope(ctx.sessions) as session:
+        endpoint = endpoints.create_endpoint(session, ctx.settings, project_id, url, events)
         session.flush()
         return endpoint.id, endpoint.secret
 
 
-def end(jobs, batch_id: str, status: BatchStatus = BatchStatus.COMPLETED) -> None:
-    with session_scope(jobs.sessions) as session:
+def end(ctx, batch_id: str, status: BatchStatus = BatchStatus.COMPLETED) -> None:
+    with session_scope(ctx.sessions) as session:
         if status == BatchStatus.COMPLETED:
             assert states.transition(session, batch_id, BatchStatus.FINALIZING)
         elif status == BatchStatus.CANCELLED:
@@ -53,8 +53,8 @@ def end(jobs, batch_id: str, status: BatchStatus = BatchStatus.COMPLETED) -> Non
         assert states.transition(session, batch_id, status)
 
 
-def deliveries(jobs, batch_id: str) -> list[WebhookDelivery]:
-    with jobs.sessions() as session:
+def deliveries(ctx, batch_id: str) -> list[WebhookDelivery]:
+    with ctx.sessions() as session:
         return list(session.scalars(select(WebhookDelivery).where(WebhookDelivery.batch_id == batch_id)
                                     .order_by(WebhookDelivery.id)))
 

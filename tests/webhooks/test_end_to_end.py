@@ -23,9 +23,9 @@ def test_finished_and_cancelled_batches_send_their_events(tmp_path, tiny_llama_d
     with embedded_stack(tmp_path, tiny_llama_dir, "webhooks", s3=s3) as server, Receiver() as receiver:
         key = new_key(server, "nightly")
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=key, max_retries=0)
-        with session_scope(server.jobs.sessions) as session:
+        with session_scope(server.ctx.sessions) as session:
             project = session.query(Project).filter_by(name="nightly").one()
-            endpoint = endpoints.create_endpoint(session, server.jobs.settings, project.id, receiver.url)
+            endpoint = endpoints.create_endpoint(session, server.ctx.settings, project.id, receiver.url)
             secret = endpoint.secret
         model_id = server.app.state.model.id
 

@@ -46,8 +46,8 @@ class Cluster:
         self.server = None
 
     @property
-    def jobs(self):
-        return self.server.jobs
+    def ctx(self):
+        return self.server.ctx
 
     def http(self) -> httpx.Client:
         return httpx.Client(base_url=self.base_url, timeout=30)

@@ -13,8 +13,8 @@ import redis
 from sqlalchemy import update
 
 from batchapi.batches import leases
-from batchapi.batches.context import open_jobs
 from batchapi.config import load_settings
+from batchapi.context import open_context
 from batchapi.db.clock import now
 from batchapi.db.migrate import upgrade
 from batchapi.db.models import Shard
@@ -41,15 +41,15 @@ def deployment(tmp_path_factory):
                 heartbeat_seconds=1.0, sweep_seconds=0.5, celery_queue=f"gpu-test-{uuid.uuid4().hex[:8]}",
             )
             upgrade(settings)
-            jobs = open_jobs(settings)
+            ctx = open_context(settings)
             log = workdir / "beat.log"
             beat = processes.spawn(["beat"], processes.env_of(settings), log)
             try:
                 processes.wait_ready(beat, log, "batchapi beat")
-                yield jobs, broker, beat
+                yield ctx, broker, beat
             finally:
                 processes.stop(beat)
-                jobs.close()
+                ctx.close()
             assert beat.returncode == 0, f"batchapi beat did not stop cleanly: {log.read_text(errors='replace')}"
     finally:
         broker.stop()
@@ -71,16 +71,16 @@ def queued_tasks(broker: RedisServer, queue: str) -> list[tuple[str, list]]:
 
 
 def test_the_beat_requeues_a_shard_whose_worker_died(deployment):
-    jobs, broker, _ = deployment
-    _, (sid,) = make_batch(jobs, 1)
-    assert leases.claim(jobs, sid, "dead-worker") is not None
-    with session_scope(jobs.sessions) as session:  # the worker died: its lease ran out
+    ctx, broker, _ = deployment
+    _, (sid,) = make_batch(ctx, 1)
+    assert leases.claim(ctx, sid, "dead-worker") is not None
+    with session_scope(ctx.sessions) as session:  # the worker died: its lease ran out
         session.execute(update(Shard).where(Shard.id == sid).values(lease_expires_at=now() - 1))
 
     # a scheduled sweep re-queues the shard and sends its task to the (unconsumed) shard queue
-    wait_until(lambda: queued_tasks(broker, jobs.settings.celery_queue), timeout=30, interval=0.2)
-    assert queued_tasks(broker, jobs.settings.celery_queue) == [(RUN_SHARD, [sid])]
-    requeued = shard(jobs, sid)
+    wait_until(lambda: queued_tasks(broker, ctx.settings.celery_queue), timeout=30, interval=0.2)
+    assert queued_tasks(broker, ctx.settings.celery_queue) == [(RUN_SHARD, [sid])]
+    requeued = shard(ctx, sid)
     assert (requeued.status, requeued.attempts, requeued.lease_owner) == ("queued", 1, None)
 
 

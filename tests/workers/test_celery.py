@@ -61,7 +61,7 @@ def wait_completed(http, batch_id: str, lines: list[dict], timeout: float) -> tu
 
 
 def shards_of(cluster, batch_id: str) -> list[Shard]:
-    with cluster.jobs.sessions() as session:
+    with cluster.ctx.sessions() as session:
         return list(session.scalars(select(Shard).where(Shard.batch_id == batch_id).order_by(Shard.index)))
 
 
@@ -88,7 +88,7 @@ def test_duplicated_task_messages_do_no_work_twice(cluster, two_workers, model):
         app = make_celery(cluster.settings)
         shard_ids = [s[0] for s in before]
         send_shards(app, cluster.settings.celery_queue, shard_ids + shard_ids)
-        assert leases.claim(cluster.jobs, shard_ids[0], "someone-else") is None
+        assert leases.claim(cluster.ctx, shard_ids[0], "someone-else") is None
         wait_consumed(cluster, cluster.settings.celery_queue)  # the workers have handled every copy
         after = [(s.id, s.attempts, s.finished_at, s.output_key) for s in shards_of(cluster, batch_id)]
         assert after == before
@@ -136,7 +136,7 @@ def test_expiry_mid_run_keeps_finished_results(cluster, two_workers, model):
     with cluster.http() as http:
         batch_id = submit(http, lines)
         wait_for(http, batch_id, some_done, 120, "some finished requests")
-        with session_scope(cluster.jobs.sessions) as session:  # the completion window runs out now
+        with session_scope(cluster.ctx.sessions) as session:  # the completion window runs out now
             session.execute(update(Batch).where(Batch.id == batch_id).values(expires_at=now()))
         batch = wait_done(http, batch_id, timeout=90)
         assert batch["status"] == "expired", batch

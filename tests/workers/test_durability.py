@@ -86,7 +86,7 @@ def shard_lines(model: str, prefix: str) -> list[dict]:
 
 
 def the_shard(cluster, batch_id: str) -> Shard:
-    with cluster.jobs.sessions() as session:
+    with cluster.ctx.sessions() as session:
         shards = list(session.scalars(select(Shard).where(Shard.batch_id == batch_id)))
     assert len(shards) == 1, f"expected one shard, got {len(shards)}"
     return shards[0]
@@ -136,7 +136,7 @@ def test_counts_and_partial_results_move_per_request_inside_one_shard(cluster, w
     assert batch["request_counts"] == {"total": SHARD, "completed": SHARD, "failed": 0}
     assert [r["custom_id"] for r in output] == [line["custom_id"] for line in lines]  # input order
     assert_usage_matches(batch, output)
-    with cluster.jobs.sessions() as session:  # the rows went into the shard's objects
+    with cluster.ctx.sessions() as session:  # the rows went into the shard's objects
         assert session.scalar(select(RequestResult.seq).where(RequestResult.shard_id == shard.id).limit(1)) is None
 
 
@@ -198,7 +198,7 @@ def test_expiry_mid_shard_keeps_every_finished_request(cluster, worker, model):
     with cluster.http() as http:
         batch_id = submit(http, lines)
         before = wait_for(http, batch_id, mid_shard, 120, "some finished requests")["request_counts"]["completed"]
-        with session_scope(cluster.jobs.sessions) as session:  # the completion window runs out now
+        with session_scope(cluster.ctx.sessions) as session:  # the completion window runs out now
             session.execute(update(Batch).where(Batch.id == batch_id).values(expires_at=now()))
         batch = wait_done(http, batch_id, timeout=60)
         assert batch["status"] == "expired", batch
@@ -217,7 +217,7 @@ def test_kill_9_mid_shard_recomputes_only_the_requests_without_a_result(cluster,
         wait_for(http, batch_id, mid_shard, 120, "some finished requests")
         cluster.kill_worker(victim)
         shard = the_shard(cluster, batch_id)
-        with cluster.jobs.sessions() as session:  # frozen: nobody holds the shard until its lease runs out
+        with cluster.ctx.sessions() as session:  # frozen: nobody holds the shard until its lease runs out
             durable = set(session.scalars(select(RequestResult.seq).where(RequestResult.shard_id == shard.id)))
         counted = get(http, batch_id)["request_counts"]["completed"]
         survivor, survivor_record = start_recording_worker(cluster)

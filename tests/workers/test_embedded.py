@@ -105,7 +105,7 @@ def test_a_finalize_that_died_is_finished_by_the_sweeper(client, embedded):
     lines = lines_for(embedded.app.state.model.id, 12, prefix="refinal")
     batch = wait(client, run(client, lines).id)
     first = contents(client, batch.output_file_id)
-    with session_scope(embedded.jobs.sessions) as session:  # as if the finalizer died half-way
+    with session_scope(embedded.ctx.sessions) as session:  # as if the finalizer died half-way
         session.execute(update(Batch).where(Batch.id == batch.id).values(
             status="finalizing", finalizing_at=now() - 3600, completed_at=None, output_file_id=None,
             request_completed=0, input_tokens=0, cached_tokens=0, output_tokens=0,
@@ -148,15 +148,15 @@ def test_a_shard_out_of_attempts_fails_and_the_batch_completes(tmp_path, tiny_ll
     """No worker here: the test plays a worker that keeps dying, and runs the sweeper itself."""
     settings = service_settings(tmp_path, tiny_llama_dir, **{**EMBEDDED, "max_shard_attempts": 2})
     with without_worker(settings, "doomed", 10) as (server, client, lines, batch):
-        jobs = server.jobs
-        with jobs.sessions() as session:
+        ctx = server.ctx
+        with ctx.sessions() as session:
             shard_ids = list(session.scalars(select(Shard.id).where(Shard.batch_id == batch.id)))
         for attempt in range(2):  # each attempt: claimed, then the worker dies (the lease runs out)
             for shard_id in shard_ids:
-                assert leases.claim(jobs, shard_id, f"ghost-{attempt}") is not None
-            with session_scope(jobs.sessions) as session:
+                assert leases.claim(ctx, shard_id, f"ghost-{attempt}") is not None
+            with session_scope(ctx.sessions) as session:
                 session.execute(update(Shard).values(lease_expires_at=now() - 1))
-            report = sweep(jobs)
+            report = sweep(ctx)
         assert sorted(report.closed) == sorted(shard_ids) and report.finalized == [batch.id]
         batch = client.batches.retrieve(batch.id)
         assert batch.status == "completed", batch
@@ -181,8 +181,8 @@ def started_front(settings, monkeypatch, step):
     return front.start()
 
 
-def shards_of(jobs, batch_id: str) -> list[Shard]:
-    with jobs.sessions() as session:
+def shards_of(ctx, batch_id: str) -> list[Shard]:
+    with ctx.sessions() as session:
         return list(session.scalars(select(Shard).where(Shard.batch_id == batch_id).order_by(Shard.index)))
 
 
@@ -196,17 +196,17 @@ def test_a_stuck_engine_lets_its_leases_run_out(tmp_path, tiny_llama_dir, monkey
     unstuck = threading.Event()
     with without_worker(settings, "stuck", 4) as (server, _, _, batch):
         front = started_front(settings, monkeypatch, lambda real: unstuck.wait() and [])
-        runner = ShardRunner(server.jobs, front, Codec(front.tokenizer, "tiny-llama"), "stuck-worker").start()
+        runner = ShardRunner(server.ctx, front, Codec(front.tokenizer, "tiny-llama"), "stuck-worker").start()
         try:
             deadline = time.monotonic() + 30
             while True:
-                report = sweep(server.jobs)
+                report = sweep(server.ctx)
                 if report.requeued:
                     break
                 assert time.monotonic() < deadline, "the stuck runner kept its lease"
                 time.sleep(0.5)
             time.sleep(2)  # the stuck runner does not take it back
-            (shard,) = shards_of(server.jobs, batch.id)
+            (shard,) = shards_of(server.ctx, batch.id)
             assert (shard.status, shard.attempts, shard.lease_owner) == ("queued", 1, None)
             assert front.is_alive() and not runner.engine_dead.is_set()
         finally:
@@ -230,9 +230,9 @@ def test_a_dead_engine_gives_its_shards_back_at_once(tmp_path, tiny_llama_dir, m
 
     settings = service_settings(tmp_path, tiny_llama_dir, **{**EMBEDDED, "lease_seconds": 600})
     with without_worker(settings, "dead", 24) as (server, client, lines, batch):
-        jobs, deaths = server.jobs, []
+        ctx, deaths = server.ctx, []
         front = started_front(settings, monkeypatch, dies_on_the_third_step)
-        doomed = ShardRunner(jobs, front, Codec(front.tokenizer, "tiny-llama"), "doomed-worker",
+        doomed = ShardRunner(ctx, front, Codec(front.tokenizer, "tiny-llama"), "doomed-worker",
                              on_engine_death=lambda: deaths.append(time.monotonic())).start()
         try:
             deadline = time.monotonic() + 60
@@ -240,20 +240,20 @@ def test_a_dead_engine_gives_its_shards_back_at_once(tmp_path, tiny_llama_dir, m
                 assert time.monotonic() < deadline, "the engine never took a third step"
                 time.sleep(0.05)
             died = time.monotonic()
-            while not deaths or any(s.status == "running" for s in shards_of(jobs, batch.id)):
-                assert time.monotonic() - died < 10, f"shards still held: {shards_of(jobs, batch.id)}"
+            while not deaths or any(s.status == "running" for s in shards_of(ctx, batch.id)):
+                assert time.monotonic() - died < 10, f"shards still held: {shards_of(ctx, batch.id)}"
                 time.sleep(0.1)
             assert len(deaths) == 1 and doomed._held() == []
-            shards = shards_of(jobs, batch.id)
+            shards = shards_of(ctx, batch.id)
             assert {s.status for s in shards} == {"queued"} and {s.lease_owner for s in shards} == {None}
             assert 1 in {s.attempts for s in shards}  # some were claimed, and given back
             assert doomed.run_shard(shards[0].id) == "skipped"  # a dead engine claims nothing more
             time.sleep(2)
-            assert all(s.lease_owner is None for s in shards_of(jobs, batch.id))
+            assert all(s.lease_owner is None for s in shards_of(ctx, batch.id))
         finally:
             doomed.shutdown()
         front = started_front(settings, monkeypatch, lambda real: real())
-        healthy = ShardRunner(jobs, front, Codec(front.tokenizer, "tiny-llama"), "healthy-worker").start()
+        healthy = ShardRunner(ctx, front, Codec(front.tokenizer, "tiny-llama"), "healthy-worker").start()
         try:
             done = wait(client, batch.id, timeout=120)
         finally:
@@ -263,4 +263,4 @@ def test_a_dead_engine_gives_its_shards_back_at_once(tmp_path, tiny_llama_dir, m
         assert errors == []
         assert_each_once(lines, output, errors)
         assert_usage_matches(done.model_dump(), output)
-        assert {(s.status, s.lease_owner) for s in shards_of(jobs, batch.id)} == {("succeeded", "healthy-worker")}
+        assert {(s.status, s.lease_owner) for s in shards_of(ctx, batch.id)} == {("succeeded", "healthy-worker")}

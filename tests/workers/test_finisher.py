@@ -10,8 +10,8 @@ import pytest
 from sqlalchemy import func, select, update
 
 from batchapi.batches import leases
-from batchapi.batches.context import open_jobs
 from batchapi.batches.service import iter_partial_results
+from batchapi.context import open_context
 from batchapi.db.migrate import upgrade
 from batchapi.db.models import Batch, File, RequestResult, Shard
 from batchapi.db.session import session_scope
@@ -71,126 +71,126 @@ def started_batch(server, prefix: str) -> tuple[str, str]:
         uploaded = http.post("/v1/files", files={"file": ("b.jsonl", jsonl(lines))}, data={"purpose": "batch"})
         batch_id = http.post("/v1/batches", json={"input_file_id": uploaded.json()["id"], "endpoint":
                                                   "/v1/chat/completions", "completion_window": "24h"}).json()["id"]
-    wait_until(lambda: status(server.jobs, batch_id) == "in_progress", timeout=60)
-    with server.jobs.sessions() as session:
+    wait_until(lambda: status(server.ctx, batch_id) == "in_progress", timeout=60)
+    with server.ctx.sessions() as session:
         return batch_id, session.scalar(select(Shard.id).where(Shard.batch_id == batch_id))
 
 
-def status(jobs, batch_id: str) -> str:
-    with jobs.sessions() as session:
+def status(ctx, batch_id: str) -> str:
+    with ctx.sessions() as session:
         return session.get(Batch, batch_id).status
 
 
-def runner(jobs, owner: str):
+def runner(ctx, owner: str):
     from batchapi.engine import EngineFront
     from batchapi.workers.codec import Codec
     from batchapi.workers.engine_setup import engine_config_from
     from batchapi.workers.shard_runner import ShardRunner
 
-    front = EngineFront(engine_config_from(jobs.settings)).start()
-    return ShardRunner(jobs, front, Codec(front.tokenizer, "tiny-llama"), owner).start()
+    front = EngineFront(engine_config_from(ctx.settings)).start()
+    return ShardRunner(ctx, front, Codec(front.tokenizer, "tiny-llama"), owner).start()
 
 
-def output_of(jobs, batch_id: str) -> bytes:
-    with jobs.sessions() as session:
+def output_of(ctx, batch_id: str) -> bytes:
+    with ctx.sessions() as session:
         key = session.get(File, session.get(Batch, batch_id).output_file_id).storage_key
-    return b"".join(jobs.storage.iter_chunks(key))
+    return b"".join(ctx.storage.iter_chunks(key))
 
 
 def test_a_stalled_finisher_cannot_replace_the_objects_of_the_attempt_that_took_over(server):
-    jobs = server.jobs
+    ctx = server.ctx
     batch_id, shard_id = started_batch(server, "stall")
-    held = ShardObjects(make_storage(jobs.settings))
+    held = ShardObjects(make_storage(ctx.settings))
     held.gate = threading.Event()
     # one shard at a time: while it stalls it claims nothing, so the other worker takes the shard
-    stalled_jobs = open_jobs(jobs.settings.model_copy(update={"max_shards_in_flight": 1}), storage=held)
+    stalled_jobs = open_context(ctx.settings.model_copy(update={"max_shards_in_flight": 1}), storage=held)
     stalled = runner(stalled_jobs, "stalled-worker")
     taker = None
     try:
         assert held.entered.wait(120), "the first runner never got to writing its shard"
         # it stalls mid-write while its lease runs out; the sweeper re-queues the shard
-        with session_scope(jobs.sessions) as session:
+        with session_scope(ctx.sessions) as session:
             session.execute(update(Shard).where(Shard.id == shard_id).values(
                 status="queued", lease_owner=None, lease_expires_at=None))
-        taker = runner(jobs, "taker-worker")
-        wait_until(lambda: status(jobs, batch_id) == "completed", timeout=120)
-        output = output_of(jobs, batch_id)
+        taker = runner(ctx, "taker-worker")
+        wait_until(lambda: status(ctx, batch_id) == "completed", timeout=120)
+        output = output_of(ctx, batch_id)
         held.gate.set()  # the stalled finisher wakes up and writes its (earlier) attempt's objects
         wait_until(lambda: not stalled._held(), timeout=60)
         stale = [shard_output_key(batch_id, 0, 1), shard_error_key(batch_id, 0, 1)]
         assert held.written == stale  # written, then deleted: its complete found the lease gone
-        assert not any(jobs.storage.exists(key) for key in stale)
+        assert not any(ctx.storage.exists(key) for key in stale)
     finally:
         held.gate.set()
         stalled.shutdown()
         stalled_jobs.close()
         if taker is not None:
             taker.shutdown()
-    with jobs.sessions() as session:
+    with ctx.sessions() as session:
         shard = session.get(Shard, shard_id)
         project_id = session.get(Batch, batch_id).project_id
     assert (shard.status, shard.attempts, shard.lease_owner) == ("succeeded", 2, "taker-worker")
-    assert b"".join(jobs.storage.iter_chunks(shard.output_key)) == output
-    assert b"".join(iter_partial_results(jobs, project_id, batch_id, "output")) == output
+    assert b"".join(ctx.storage.iter_chunks(shard.output_key)) == output
+    assert b"".join(iter_partial_results(ctx, project_id, batch_id, "output")) == output
     assert len(output.splitlines()) == 4
 
 
 def test_the_objects_a_dead_attempt_left_go_once_a_later_attempt_completes(server):
-    jobs = server.jobs
+    ctx = server.ctx
     batch_id, shard_id = started_batch(server, "dead")
     # attempt 1 wrote its objects and died before completing; the sweeper re-queued the shard
     left = [shard_output_key(batch_id, 0, 1), shard_error_key(batch_id, 0, 1)]
     for key in left:
-        jobs.storage.put_chunks(key, [b"a dead attempt's objects\n"])
-    with session_scope(jobs.sessions) as session:
+        ctx.storage.put_chunks(key, [b"a dead attempt's objects\n"])
+    with session_scope(ctx.sessions) as session:
         session.execute(update(Shard).where(Shard.id == shard_id).values(attempts=1))
-    worker = runner(jobs, "second-worker")
+    worker = runner(ctx, "second-worker")
     try:
-        wait_until(lambda: status(jobs, batch_id) == "completed", timeout=120)
+        wait_until(lambda: status(ctx, batch_id) == "completed", timeout=120)
     finally:
         worker.shutdown()
-    with jobs.sessions() as session:
+    with ctx.sessions() as session:
         shard = session.get(Shard, shard_id)
     assert (shard.attempts, shard.output_key) == (2, shard_output_key(batch_id, 0, 2))
-    assert not any(jobs.storage.exists(key) for key in left)
-    assert len(output_of(jobs, batch_id).splitlines()) == 4
+    assert not any(ctx.storage.exists(key) for key in left)
+    assert len(output_of(ctx, batch_id).splitlines()) == 4
 
 
 def test_a_store_that_keeps_failing_loses_no_finished_request(server, monkeypatch):
     from batchapi.workers import shard_runner
 
     monkeypatch.setattr(shard_runner, "STORE_BACKOFF_SECONDS", 0.05)
-    jobs = server.jobs
+    ctx = server.ctx
     batch_id, shard_id = started_batch(server, "refused")
-    refusing = ShardObjects(make_storage(jobs.settings))
+    refusing = ShardObjects(make_storage(ctx.settings))
     refusing.refuse = True
-    worker_jobs = open_jobs(jobs.settings, storage=refusing)
+    worker_jobs = open_context(ctx.settings, storage=refusing)
     worker = runner(worker_jobs, "refused-worker")
     try:
         assert refusing.entered.wait(120), "the runner never got to writing its shard"
         # every try refused: the results are written as request results, none dropped
-        wait_until(lambda: rows(jobs, shard_id) == 4 and not worker._unstored(), timeout=30)
-        with jobs.sessions() as session:
+        wait_until(lambda: rows(ctx, shard_id) == 4 and not worker._unstored(), timeout=30)
+        with ctx.sessions() as session:
             shard, batch = session.get(Shard, shard_id), session.get(Batch, batch_id)
         assert (shard.status, shard.lease_owner) == ("running", "refused-worker")  # not marked done
         assert batch.request_completed == 4
         refusing.refuse = False  # the store is back; the lease runs out and the sweeper re-queues
-        with session_scope(jobs.sessions) as session:
+        with session_scope(ctx.sessions) as session:
             session.execute(update(Shard).where(Shard.id == shard_id).values(lease_expires_at=1))
-        assert leases.requeue_expired(jobs, shard_id)
+        assert leases.requeue_expired(ctx, shard_id)
         worker.wake()
-        wait_until(lambda: status(jobs, batch_id) == "completed", timeout=120)
+        wait_until(lambda: status(ctx, batch_id) == "completed", timeout=120)
     finally:
         worker.shutdown()
         worker_jobs.close()
-    with jobs.sessions() as session:
+    with ctx.sessions() as session:
         shard, batch = session.get(Shard, shard_id), session.get(Batch, batch_id)
     assert (shard.status, shard.attempts) == ("succeeded", 2)
     assert (batch.request_completed, batch.request_failed) == (4, 0)  # counted once
-    assert [line.count(b'"custom_id":"refused-') for line in output_of(jobs, batch_id).splitlines()] == [1] * 4
-    assert rows(jobs, shard_id) == 0  # moved into the objects
+    assert [line.count(b'"custom_id":"refused-') for line in output_of(ctx, batch_id).splitlines()] == [1] * 4
+    assert rows(ctx, shard_id) == 0  # moved into the objects
 
 
-def rows(jobs, shard_id: str) -> int:
-    with jobs.sessions() as session:
+def rows(ctx, shard_id: str) -> int:
+    with ctx.sessions() as session:
         return session.scalar(select(func.count()).select_from(RequestResult).where(RequestResult.shard_id == shard_id))

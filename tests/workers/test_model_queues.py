@@ -50,8 +50,8 @@ def test_each_models_shards_go_to_its_own_queue(tmp_path, redis_url):
     assert queued(redis_url, queue) == [(RUN_SHARD, ["s4"])]
 
 
-def set_model(jobs, batch_id: str, model: str) -> None:
-    with session_scope(jobs.sessions) as session:
+def set_model(ctx, batch_id: str, model: str) -> None:
+    with session_scope(ctx.sessions) as session:
         session.execute(update(Batch).where(Batch.id == batch_id).values(model=model))
 
 

@@ -18,13 +18,13 @@ def test_a_poison_row_ends_with_its_error_and_the_next_batch_completes(tmp_path,
     settings = service_settings(tmp_path, tiny_llama_dir, **EMBEDDED)
     # validated before lines were checked for surrogates: the input object is then poisoned in place
     with without_worker(settings, "pois", 10) as (server, _, lines, batch):
-        with server.jobs.sessions() as session:
+        with server.ctx.sessions() as session:
             key = session.scalar(select(File.storage_key).join(Batch, Batch.input_file_id == File.id)
                                  .where(Batch.id == batch.id))
-        data = b"".join(server.jobs.storage.iter_chunks(key))
+        data = b"".join(server.ctx.storage.iter_chunks(key))
         poisoned = data.replace(b'"pois-3"', b'"\\ud800"')  # the same length: the shards' byte ranges hold
         assert len(poisoned) == len(data) and poisoned != data
-        server.jobs.storage.put_chunks(key, [poisoned])
+        server.ctx.storage.put_chunks(key, [poisoned])
 
     worker = EmbeddedWorker()  # the restart: the worker runs the poisoned shard, the sweeper sweeps
     with live_server(settings, dispatcher=worker, hook=worker.run, sweep_shards=True) as server:

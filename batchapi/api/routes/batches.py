@@ -17,10 +17,10 @@ router = APIRouter(prefix="/v1/batches", tags=["batches"], responses=error_respo
 
 @router.post("", responses=error_responses(409, 413))
 def create_batch(
-    jobs: JobsDep, project_id: ProjectDep, body: CreateBatchRequest, idempotency_key: IdempotencyKey = None
+    ctx: JobsDep, project_id: ProjectDep, body: CreateBatchRequest, idempotency_key: IdempotencyKey = None
 ) -> BatchObject:
     batch = batches.create_batch(
-        jobs, project_id, body.input_file_id, body.endpoint, body.completion_window, body.metadata, idempotency_key,
+        ctx, project_id, body.input_file_id, body.endpoint, body.completion_window, body.metadata, idempotency_key,
         output_expires_after=body.output_expires_after.model_dump() if body.output_expires_after else None,
     )
     return BatchObject.of(batch)
@@ -28,24 +28,24 @@ def create_batch(
 
 @router.get("")
 def list_batches(
-    jobs: JobsDep,
+    ctx: JobsDep,
     project_id: ProjectDep,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> BatchList:
-    rows, has_more = batches.list_batches(jobs, project_id, limit, after)
+    rows, has_more = batches.list_batches(ctx, project_id, limit, after)
     return BatchList.of([BatchObject.of(r) for r in rows], has_more)
 
 
 @router.get("/{batch_id}", response_model=BatchObject)
-async def retrieve_batch(request: Request, jobs: JobsDep, project_id: ProjectDep, batch_id: str) -> Response:
+async def retrieve_batch(request: Request, ctx: JobsDep, project_id: ProjectDep, batch_id: str) -> Response:
     """The polled route, serialized once rather than validated again against response_model. On
     PostgreSQL one prepared SELECT awaited on the loop (``db.reads``); on SQLite one query on a
     thread of the event loop's own small executor (cheaper than anyio's 40-thread pool)."""
     reads: AsyncReads | None = request.app.state.reads
     if reads is None:
         loop = asyncio.get_running_loop()
-        batch = await loop.run_in_executor(None, batches.get_batch, jobs, project_id, batch_id)
+        batch = await loop.run_in_executor(None, batches.get_batch, ctx, project_id, batch_id)
     else:
         batch = await reads.batch(project_id, batch_id)
         if batch is None:
@@ -54,23 +54,23 @@ async def retrieve_batch(request: Request, jobs: JobsDep, project_id: ProjectDep
 
 
 @router.post("/{batch_id}/cancel", responses=error_responses(409))
-def cancel_batch(jobs: JobsDep, project_id: ProjectDep, batch_id: str) -> BatchObject:
-    return BatchObject.of(batches.cancel_batch(jobs, project_id, batch_id))
+def cancel_batch(ctx: JobsDep, project_id: ProjectDep, batch_id: str) -> BatchObject:
+    return BatchObject.of(batches.cancel_batch(ctx, project_id, batch_id))
 
 
 @router.post("/{batch_id}/retry", responses=error_responses(409, 503))
 def retry_batch(
-    jobs: JobsDep, project_id: ProjectDep, batch_id: str, idempotency_key: IdempotencyKey = None
+    ctx: JobsDep, project_id: ProjectDep, batch_id: str, idempotency_key: IdempotencyKey = None
 ) -> BatchObject:
     """Extension (docs/API_EXTENSIONS.md): a new batch over the ended batch's failed, expired and
     cancelled requests."""
-    return BatchObject.of(retry.retry_batch(jobs, project_id, batch_id, idempotency_key))
+    return BatchObject.of(retry.retry_batch(ctx, project_id, batch_id, idempotency_key))
 
 
 @router.get("/{batch_id}/partial_results", response_class=StreamingResponse, responses=error_responses(503))
 def partial_results(
-    jobs: JobsDep, project_id: ProjectDep, batch_id: str, kind: Literal["output", "error"] = "output"
+    ctx: JobsDep, project_id: ProjectDep, batch_id: str, kind: Literal["output", "error"] = "output"
 ) -> StreamingResponse:
     """Extension (docs/API_EXTENSIONS.md): result lines of the shards finished so far."""
-    chunks = batches.iter_partial_results(jobs, project_id, batch_id, kind)
+    chunks = batches.iter_partial_results(ctx, project_id, batch_id, kind)
     return StreamingResponse(chunks, media_type="application/jsonl")

@@ -22,7 +22,7 @@ from batchapi import reports
 from batchapi.api.dashboard import charts, views
 from batchapi.api.deps import JobsDep
 from batchapi.batches import files, service
-from batchapi.batches.context import Jobs
+from batchapi.context import Context
 from batchapi.db.clock import now
 from batchapi.db.projects import (
     Identity,
@@ -51,14 +51,14 @@ def install(app: FastAPI) -> None:
 # who is signed in
 
 
-def _identity(jobs: Jobs, request: Request) -> Identity | None:
-    return _who(jobs, request)[0]
+def _identity(ctx: Context, request: Request) -> Identity | None:
+    return _who(ctx, request)[0]
 
 
-def _who(jobs: Jobs, request: Request) -> tuple[Identity | None, str]:
+def _who(ctx: Context, request: Request) -> tuple[Identity | None, str]:
     """The session's key (every project's own with auth off) and its project's name."""
-    with jobs.sessions() as session:
-        if not jobs.settings.auth_required:
+    with ctx.sessions() as session:
+        if not ctx.settings.auth_required:
             identity = Identity("", request.app.state.default_project_id, True)
         else:
             identity = dashboard_identity(session, request.cookies.get(COOKIE))
@@ -67,8 +67,8 @@ def _who(jobs: Jobs, request: Request) -> tuple[Identity | None, str]:
         return identity, project_names(session, [identity.project_id]).get(identity.project_id, "")
 
 
-async def _signed_in(request: Request, jobs: Jobs) -> tuple[Identity | None, str]:
-    return await run_in_threadpool(_who, jobs, request)
+async def _signed_in(request: Request, ctx: Context) -> tuple[Identity | None, str]:
+    return await run_in_threadpool(_who, ctx, request)
 
 
 def _page(request: Request, name: str, status: int = 200, **values) -> HTMLResponse:
@@ -77,8 +77,8 @@ def _page(request: Request, name: str, status: int = 200, **values) -> HTMLRespo
     return response
 
 
-def _sign_in_page(request: Request, jobs: Jobs, error: str | None = None, status: int = 200) -> HTMLResponse:
-    return _page(request, "sign_in.html", status, error=error, auth=jobs.settings.auth_required)
+def _sign_in_page(request: Request, ctx: Context, error: str | None = None, status: int = 200) -> HTMLResponse:
+    return _page(request, "sign_in.html", status, error=error, auth=ctx.settings.auth_required)
 
 
 # sign-in and sign-out
@@ -97,17 +97,17 @@ def _cross_site(request: Request) -> bool:
 
 
 @router.post("/sign-in")
-def sign_in(request: Request, jobs: JobsDep, api_key: Annotated[str, Form(max_length=512)] = "") -> Response:
+def sign_in(request: Request, ctx: JobsDep, api_key: Annotated[str, Form(max_length=512)] = "") -> Response:
     if _cross_site(request):
-        return _sign_in_page(request, jobs, "Sign in from this dashboard's own page.", 403)
+        return _sign_in_page(request, ctx, "Sign in from this dashboard's own page.", 403)
     try:
-        with session_scope(jobs.sessions) as session:
-            token, _ = open_dashboard_session(session, api_key.strip(), jobs.settings.dashboard_session_hours * 3600)
+        with session_scope(ctx.sessions) as session:
+            token, _ = open_dashboard_session(session, api_key.strip(), ctx.settings.dashboard_session_hours * 3600)
     except Unauthenticated:
-        return _sign_in_page(request, jobs, "That API key is not valid (unknown or revoked).", 401)
+        return _sign_in_page(request, ctx, "That API key is not valid (unknown or revoked).", 401)
     response = RedirectResponse(PREFIX, status_code=303)
-    response.set_cookie(COOKIE, token, max_age=int(jobs.settings.dashboard_session_hours * 3600), path=PREFIX,
-                        httponly=True, samesite="strict", secure=_secure(request, jobs.settings.cookie_secure))
+    response.set_cookie(COOKIE, token, max_age=int(ctx.settings.dashboard_session_hours * 3600), path=PREFIX,
+                        httponly=True, samesite="strict", secure=_secure(request, ctx.settings.cookie_secure))
     return response
 
 
@@ -117,8 +117,8 @@ def _secure(request: Request, setting: str) -> bool:
 
 
 @router.post("/sign-out")
-def sign_out(request: Request, jobs: JobsDep) -> Response:
-    with session_scope(jobs.sessions) as session:
+def sign_out(request: Request, ctx: JobsDep) -> Response:
+    with session_scope(ctx.sessions) as session:
         close_dashboard_session(session, request.cookies.get(COOKIE))
     response = RedirectResponse(PREFIX, status_code=303)
     response.delete_cookie(COOKIE, path=PREFIX, httponly=True, samesite="strict")
@@ -129,52 +129,52 @@ def sign_out(request: Request, jobs: JobsDep) -> Response:
 
 
 @router.get("")
-async def batches_page(request: Request, jobs: JobsDep, after: Annotated[str | None, Query(max_length=64)] = None):
-    identity, project = await _signed_in(request, jobs)
+async def batches_page(request: Request, ctx: JobsDep, after: Annotated[str | None, Query(max_length=64)] = None):
+    identity, project = await _signed_in(request, ctx)
     if identity is None:
-        return _sign_in_page(request, jobs)
+        return _sign_in_page(request, ctx)
     try:
-        rows, more = await run_in_threadpool(service.list_batches, jobs, identity.project_id, PAGE_SIZE, after)
+        rows, more = await run_in_threadpool(service.list_batches, ctx, identity.project_id, PAGE_SIZE, after)
     except NotFound:
         rows, more = [], False
     t = now()
     items = [views.batch_view(b, t) for b in rows]
     return _page(request, "batches.html", items=items, more=more, last=rows[-1].id if rows else None,
-                 project=project, auth=jobs.settings.auth_required, section="batches")
+                 project=project, auth=ctx.settings.auth_required, section="batches")
 
 
 @router.get("/batches/{batch_id}")
-async def batch_page(request: Request, jobs: JobsDep, batch_id: str):
-    identity, project = await _signed_in(request, jobs)
+async def batch_page(request: Request, ctx: JobsDep, batch_id: str):
+    identity, project = await _signed_in(request, ctx)
     if identity is None:
-        return _sign_in_page(request, jobs)
+        return _sign_in_page(request, ctx)
     try:
-        b = await run_in_threadpool(service.get_batch, jobs, identity.project_id, batch_id)
+        b = await run_in_threadpool(service.get_batch, ctx, identity.project_id, batch_id)
     except NotFound:
         return _page(request, "missing.html", 404, what=f"No batch {batch_id} in this project.", project=project,
-                     auth=jobs.settings.auth_required)
+                     auth=ctx.settings.auth_required)
     return _page(request, "batch.html", **views.batch_view(b, now()), project=project,
-                 auth=jobs.settings.auth_required, section="batches")
+                 auth=ctx.settings.auth_required, section="batches")
 
 
 @router.get("/usage")
-async def usage_page(request: Request, jobs: JobsDep, days: Annotated[int, Query(ge=1, le=31)] = 14):
-    identity, project = await _signed_in(request, jobs)
+async def usage_page(request: Request, ctx: JobsDep, days: Annotated[int, Query(ge=1, le=31)] = 14):
+    identity, project = await _signed_in(request, ctx)
     if identity is None:
-        return _sign_in_page(request, jobs)
-    daily = await run_in_threadpool(_daily, jobs, identity.project_id, days)
-    return _page(request, "usage.html", daily=daily, days=days, project=project, auth=jobs.settings.auth_required,
+        return _sign_in_page(request, ctx)
+    daily = await run_in_threadpool(_daily, ctx, identity.project_id, days)
+    return _page(request, "usage.html", daily=daily, days=days, project=project, auth=ctx.settings.auth_required,
                  section="usage",
                  tokens_chart=charts.stacked_bars(daily.labels, daily.tokens, "Tokens per day by model", " tokens"),
                  spend_chart=charts.stacked_bars(daily.labels, daily.spend, "Spend per day by model",
                                                  f" {daily.currency}", fmt=charts.money))
 
 
-def _daily(jobs: Jobs, project_id: str, days: int) -> views.DailyUsage:
+def _daily(ctx: Context, project_id: str, days: int) -> views.DailyUsage:
     today = now() // views.DAY * views.DAY
     query = reports.Query(start_time=today - (days - 1) * views.DAY, end_time=today + views.DAY,
                           bucket_width="1d", group_by=["model"], limit=days)
-    with jobs.sessions() as session:
+    with ctx.sessions() as session:
         pages = [reports.usage_page(session, query, kind, [project_id]) for kind in ("completions", "embeddings")]
         spend = reports.spend_by_model(session, query, [project_id])
     return views.daily_usage(pages, spend, "usd")
@@ -184,19 +184,19 @@ def _daily(jobs: Jobs, project_id: str, days: int) -> views.DailyUsage:
 
 
 @router.get("/progress")
-async def progress(request: Request, jobs: JobsDep, ids: Annotated[str, Query(max_length=4096)] = ""):
+async def progress(request: Request, ctx: JobsDep, ids: Annotated[str, Query(max_length=4096)] = ""):
     """Progress of the listed batches (comma-separated ids) for the pages' script."""
-    identity = await run_in_threadpool(_identity, jobs, request)
+    identity = await run_in_threadpool(_identity, ctx, request)
     if identity is None:
         return JSONResponse({"error": {"message": "Not signed in.", "type": "invalid_request_error",
                                        "param": None, "code": "not_signed_in"}}, status_code=401)
-    found = await run_in_threadpool(_progress, jobs, identity.project_id, ids.split(",")[:PAGE_SIZE])
+    found = await run_in_threadpool(_progress, ctx, identity.project_id, ids.split(",")[:PAGE_SIZE])
     return JSONResponse({"data": found}, headers={"Cache-Control": "no-store"})
 
 
-def _progress(jobs: Jobs, project_id: str, ids: list[str]) -> list[dict]:
+def _progress(ctx: Context, project_id: str, ids: list[str]) -> list[dict]:
     t, found = now(), []
-    with jobs.sessions() as session:
+    with ctx.sessions() as session:
         for batch_id in filter(None, (i.strip() for i in ids)):
             try:
                 found.append(views.progress(service.get_batch_row(session, project_id, batch_id), t).as_dict())
@@ -206,14 +206,14 @@ def _progress(jobs: Jobs, project_id: str, ids: list[str]) -> list[dict]:
 
 
 @router.get("/files/{file_id}")
-async def file_download(request: Request, jobs: JobsDep, file_id: str):
-    identity, project = await _signed_in(request, jobs)
+async def file_download(request: Request, ctx: JobsDep, file_id: str):
+    identity, project = await _signed_in(request, ctx)
     if identity is None:
-        return _sign_in_page(request, jobs, status=401)
+        return _sign_in_page(request, ctx, status=401)
     try:
-        row, chunks = await run_in_threadpool(files.open_content, jobs, identity.project_id, file_id)
+        row, chunks = await run_in_threadpool(files.open_content, ctx, identity.project_id, file_id)
     except NotFound:
         return _page(request, "missing.html", 404, what=f"No file {file_id} in this project.", project=project,
-                     auth=jobs.settings.auth_required)
+                     auth=ctx.settings.auth_required)
     return StreamingResponse(chunks, media_type="application/jsonl", headers={
         "Content-Length": str(row.bytes), "Content-Disposition": f'attachment; filename="{row.id}.jsonl"'})

@@ -13,8 +13,8 @@ router = APIRouter(tags=["health"])
 
 
 @router.get("/health", responses={**error_responses(400, 431), 503: {"model": Health, "description": "A dependency is down."}})
-def health(jobs: JobsDep) -> JSONResponse:
-    report = check_health(jobs)
+def health(ctx: JobsDep) -> JSONResponse:
+    report = check_health(ctx)
     body = Health(status="ok" if report.ok else "unavailable", database=report.database, storage=report.storage)
     return JSONResponse(body.model_dump(), status_code=200 if report.ok else 503)
 

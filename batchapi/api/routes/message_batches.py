@@ -21,7 +21,7 @@ router = APIRouter(prefix="/v1/messages/batches", tags=["message batches"],
 
 
 @router.post("", responses=error_responses(413))
-async def create_message_batch(request: Request, jobs: JobsDep, project_id: AnthropicProjectDep) -> MessageBatch:
+async def create_message_batch(request: Request, ctx: JobsDep, project_id: AnthropicProjectDep) -> MessageBatch:
     """Body: ``{"requests": [{"custom_id", "params"}]}``, read by hand: a problem in one request's
     ``params`` is that request's errored result, not a refusal of the batch."""
     raw = await request.body()
@@ -29,49 +29,49 @@ async def create_message_batch(request: Request, jobs: JobsDep, project_id: Anth
         body = await run_in_threadpool(json.loads, raw)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         raise InvalidRequest("The request body is not valid JSON.") from None
-    batch = await run_in_threadpool(messages.create, jobs, project_id, body)
-    return MessageBatch.of(batch, _base_url(request, jobs))
+    batch = await run_in_threadpool(messages.create, ctx, project_id, body)
+    return MessageBatch.of(batch, _base_url(request, ctx))
 
 
 @router.get("")
 def list_message_batches(
     request: Request,
-    jobs: JobsDep,
+    ctx: JobsDep,
     project_id: AnthropicProjectDep,
     before_id: str | None = None,
     after_id: str | None = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 20,
 ) -> MessageBatchList:
-    rows, has_more = messages.list_page(jobs, project_id, limit, after_id, before_id)
-    data = [MessageBatch.of(r, _base_url(request, jobs)) for r in rows]
+    rows, has_more = messages.list_page(ctx, project_id, limit, after_id, before_id)
+    data = [MessageBatch.of(r, _base_url(request, ctx)) for r in rows]
     return MessageBatchList(data=data, has_more=has_more, first_id=data[0].id if data else None,
                             last_id=data[-1].id if data else None)
 
 
 @router.get("/{message_batch_id}")
-def retrieve_message_batch(request: Request, jobs: JobsDep, project_id: AnthropicProjectDep,
+def retrieve_message_batch(request: Request, ctx: JobsDep, project_id: AnthropicProjectDep,
                            message_batch_id: str) -> MessageBatch:
-    return MessageBatch.of(messages.get(jobs, project_id, message_batch_id), _base_url(request, jobs))
+    return MessageBatch.of(messages.get(ctx, project_id, message_batch_id), _base_url(request, ctx))
 
 
 @router.post("/{message_batch_id}/cancel", responses=error_responses(409))
-def cancel_message_batch(request: Request, jobs: JobsDep, project_id: AnthropicProjectDep,
+def cancel_message_batch(request: Request, ctx: JobsDep, project_id: AnthropicProjectDep,
                          message_batch_id: str) -> MessageBatch:
-    return MessageBatch.of(messages.cancel(jobs, project_id, message_batch_id), _base_url(request, jobs))
+    return MessageBatch.of(messages.cancel(ctx, project_id, message_batch_id), _base_url(request, ctx))
 
 
 @router.delete("/{message_batch_id}", responses=error_responses(503))
-def delete_message_batch(jobs: JobsDep, project_id: AnthropicProjectDep, message_batch_id: str) -> DeletedMessageBatch:
-    return DeletedMessageBatch(id=messages.delete(jobs, project_id, message_batch_id))
+def delete_message_batch(ctx: JobsDep, project_id: AnthropicProjectDep, message_batch_id: str) -> DeletedMessageBatch:
+    return DeletedMessageBatch(id=messages.delete(ctx, project_id, message_batch_id))
 
 
 @router.get("/{message_batch_id}/results", response_class=StreamingResponse, responses=error_responses(503))
-def message_batch_results(jobs: JobsDep, project_id: AnthropicProjectDep, message_batch_id: str) -> StreamingResponse:
+def message_batch_results(ctx: JobsDep, project_id: AnthropicProjectDep, message_batch_id: str) -> StreamingResponse:
     """JSONL, one line per request, for an ended batch: ``{"custom_id", "result"}``."""
-    return StreamingResponse(messages.iter_results(jobs, project_id, message_batch_id),
+    return StreamingResponse(messages.iter_results(ctx, project_id, message_batch_id),
                              media_type="application/binary")
 
 
-def _base_url(request: Request, jobs) -> str:
+def _base_url(request: Request, ctx) -> str:
     """Where clients reach the API: ``BATCHAPI_PUBLIC_URL``, else the request's own scheme and host."""
-    return jobs.settings.public_url or str(request.base_url)
+    return ctx.settings.public_url or str(request.base_url)

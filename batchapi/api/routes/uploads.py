@@ -6,6 +6,7 @@ import anyio
 from fastapi import APIRouter, Request
 
 from batchapi.api.deps import JobsDep, ProjectDep
+from batchapi.api.multipart import UploadForm
 from batchapi.api.schemas import error_responses
 from batchapi.api.upload_schemas import (
     CompleteUploadRequest,
@@ -13,12 +14,11 @@ from batchapi.api.upload_schemas import (
     UploadObject,
     UploadPartObject,
 )
-from batchapi.api.uploads import UploadForm
-from batchapi.batches.context import Jobs
+from batchapi.batches import uploads
+from batchapi.batches.uploads import MAX_PART_BYTES
+from batchapi.context import Context
 from batchapi.db.models import UploadPart
 from batchapi.storage.streams import ChunkReader
-from batchapi.uploads import service as uploads
-from batchapi.uploads.service import MAX_PART_BYTES
 
 router = APIRouter(prefix="/v1/uploads", tags=["uploads"], responses=error_responses(400, 401, 431))
 PARTS_PATH = "/v1/uploads/*/parts"  # the body limit of a part (``limits.BodyLimit``)
@@ -30,31 +30,31 @@ PART_FORM = {"requestBody": {"required": True, "content": {"multipart/form-data"
 
 
 @router.post("")
-def create_upload(jobs: JobsDep, project_id: ProjectDep, body: CreateUploadRequest) -> UploadObject:
+def create_upload(ctx: JobsDep, project_id: ProjectDep, body: CreateUploadRequest) -> UploadObject:
     expires_after = body.expires_after.model_dump() if body.expires_after is not None else None
-    return UploadObject.of(uploads.create_upload(jobs, project_id, body.filename, body.purpose, body.bytes,
+    return UploadObject.of(uploads.create_upload(ctx, project_id, body.filename, body.purpose, body.bytes,
                                                  body.mime_type, expires_after))
 
 
 @router.post("/{upload_id}/parts", responses=error_responses(404, 413, 503), openapi_extra=PART_FORM)
-async def add_part(request: Request, jobs: JobsDep, project_id: ProjectDep, upload_id: str) -> UploadPartObject:
+async def add_part(request: Request, ctx: JobsDep, project_id: ProjectDep, upload_id: str) -> UploadPartObject:
     form = UploadForm(request, MAX_PART_BYTES, file_field="data")
-    part = await anyio.to_thread.run_sync(_store_part, jobs, project_id, upload_id, form,
+    part = await anyio.to_thread.run_sync(_store_part, ctx, project_id, upload_id, form,
                                           limiter=request.app.state.upload_limiter)
     return UploadPartObject.of(part)
 
 
-def _store_part(jobs: Jobs, project_id: str, upload_id: str, form: UploadForm) -> UploadPart:
+def _store_part(ctx: Context, project_id: str, upload_id: str, form: UploadForm) -> UploadPart:
     form.open_file()
-    return uploads.add_part(jobs, project_id, upload_id, ChunkReader(form.file_chunks()))
+    return uploads.add_part(ctx, project_id, upload_id, ChunkReader(form.file_chunks()))
 
 
 @router.post("/{upload_id}/complete", responses=error_responses(404, 503))
-def complete_upload(jobs: JobsDep, project_id: ProjectDep, upload_id: str, body: CompleteUploadRequest) -> UploadObject:
-    upload, file = uploads.complete_upload(jobs, project_id, upload_id, body.part_ids, body.md5)
+def complete_upload(ctx: JobsDep, project_id: ProjectDep, upload_id: str, body: CompleteUploadRequest) -> UploadObject:
+    upload, file = uploads.complete_upload(ctx, project_id, upload_id, body.part_ids, body.md5)
     return UploadObject.of(upload, file)
 
 
 @router.post("/{upload_id}/cancel", responses=error_responses(404, 503))
-def cancel_upload(jobs: JobsDep, project_id: ProjectDep, upload_id: str) -> UploadObject:
-    return UploadObject.of(uploads.cancel_upload(jobs, project_id, upload_id))
+def cancel_upload(ctx: JobsDep, project_id: ProjectDep, upload_id: str) -> UploadObject:
+    return UploadObject.of(uploads.cancel_upload(ctx, project_id, upload_id))

@@ -12,7 +12,7 @@ from fastapi.concurrency import run_in_threadpool
 from batchapi import reports
 from batchapi.api.deps import IdentityDep, JobsDep
 from batchapi.api.schemas import error_responses
-from batchapi.batches.context import Jobs
+from batchapi.context import Context
 from batchapi.db.projects import Identity
 
 router = APIRouter(prefix="/v1/organization", tags=["usage"], responses=error_responses(400, 401, 431))
@@ -45,40 +45,40 @@ def _visible(identity: Identity) -> list[str] | None:
     return None if identity.admin else [identity.project_id]
 
 
-def _usage(jobs: Jobs, query: reports.Query, kind: str, identity: Identity) -> dict:
-    with jobs.sessions() as session:
+def _usage(ctx: Context, query: reports.Query, kind: str, identity: Identity) -> dict:
+    with ctx.sessions() as session:
         return reports.usage_page(session, query, kind, _visible(identity))
 
 
-def _costs(jobs: Jobs, query: reports.Query, identity: Identity) -> dict:
-    with jobs.sessions() as session:
+def _costs(ctx: Context, query: reports.Query, identity: Identity) -> dict:
+    with ctx.sessions() as session:
         return reports.costs_page(session, query, _visible(identity))
 
 
 @router.get("/usage/completions")
-async def usage_completions(request: Request, jobs: JobsDep, identity: IdentityDep, start_time: StartTime,
+async def usage_completions(request: Request, ctx: JobsDep, identity: IdentityDep, start_time: StartTime,
                             end_time: EndTime = None, bucket_width: Width = "1d", limit: Limit = None,
                             page: Page = None, batch: bool | None = None) -> dict:
     """Tokens and succeeded requests per bucket (chat completions, completions, responses, messages);
     ``group_by`` any of ``project_id``, ``model``, ``batch``; filters ``project_ids``, ``models``."""
     query = _query(request, start_time, end_time, bucket_width, limit, page, batch)
-    return await run_in_threadpool(_usage, jobs, query, "completions", identity)
+    return await run_in_threadpool(_usage, ctx, query, "completions", identity)
 
 
 @router.get("/usage/embeddings")
-async def usage_embeddings(request: Request, jobs: JobsDep, identity: IdentityDep, start_time: StartTime,
+async def usage_embeddings(request: Request, ctx: JobsDep, identity: IdentityDep, start_time: StartTime,
                            end_time: EndTime = None, bucket_width: Width = "1d", limit: Limit = None,
                            page: Page = None) -> dict:
     """Input tokens and succeeded requests per bucket of embeddings batches."""
     query = _query(request, start_time, end_time, bucket_width, limit, page)
-    return await run_in_threadpool(_usage, jobs, query, "embeddings", identity)
+    return await run_in_threadpool(_usage, ctx, query, "embeddings", identity)
 
 
 @router.get("/costs")
-async def costs(request: Request, jobs: JobsDep, identity: IdentityDep, start_time: StartTime,
+async def costs(request: Request, ctx: JobsDep, identity: IdentityDep, start_time: StartTime,
                 end_time: EndTime = None, bucket_width: Literal["1d"] = "1d", limit: Limit = None,
                 page: Page = None) -> dict:
     """Spend per day at the batch price (``amount.value`` in ``currency``); ``group_by`` any of
     ``project_id``, ``line_item`` (``<model>, input`` / ``cached input`` / ``output``)."""
     query = _query(request, start_time, end_time, bucket_width, limit, page)
-    return await run_in_threadpool(_costs, jobs, query, identity)
+    return await run_in_threadpool(_costs, ctx, query, identity)

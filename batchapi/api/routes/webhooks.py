@@ -24,7 +24,7 @@ from batchapi.api.webhook_schemas import (
     WebhookEndpointWithSecret,
     WebhookTestResult,
 )
-from batchapi.batches.context import Jobs
+from batchapi.context import Context
 from batchapi.db.session import session_scope
 from batchapi.errors import InvalidRequest
 from batchapi.webhooks import delivery, endpoints, outbox
@@ -33,72 +33,72 @@ router = APIRouter(prefix="/v1/webhook_endpoints", tags=["webhooks"], responses=
 T = TypeVar("T")
 
 
-def _committed(jobs: Jobs, act: Callable[[Session], T]) -> T:
-    with session_scope(jobs.sessions) as session:
+def _committed(ctx: Context, act: Callable[[Session], T]) -> T:
+    with session_scope(ctx.sessions) as session:
         result = act(session)
         session.flush()
         return result
 
 
 @router.post("")
-def create_endpoint(jobs: JobsDep, project_id: ProjectDep, body: CreateWebhookEndpointRequest) -> WebhookEndpointWithSecret:
-    return WebhookEndpointWithSecret.of(_committed(jobs, lambda s: endpoints.create_endpoint(
-        s, jobs.settings, project_id, body.url, body.event_types, body.name)))
+def create_endpoint(ctx: JobsDep, project_id: ProjectDep, body: CreateWebhookEndpointRequest) -> WebhookEndpointWithSecret:
+    return WebhookEndpointWithSecret.of(_committed(ctx, lambda s: endpoints.create_endpoint(
+        s, ctx.settings, project_id, body.url, body.event_types, body.name)))
 
 
 @router.get("")
-def list_endpoints(jobs: JobsDep, project_id: ProjectDep, after: str | None = None,
+def list_endpoints(ctx: JobsDep, project_id: ProjectDep, after: str | None = None,
                    limit: Annotated[int, Query(ge=1, le=100)] = 20) -> WebhookEndpointList:
-    with jobs.sessions() as session:
+    with ctx.sessions() as session:
         rows, has_more = endpoints.page_endpoints(session, project_id, limit, after)
         return WebhookEndpointList.of([WebhookEndpointObject.of(r) for r in rows], has_more)
 
 
 @router.get("/{webhook_endpoint_id}", responses=error_responses(404))
-def retrieve_endpoint(jobs: JobsDep, project_id: ProjectDep, webhook_endpoint_id: str) -> WebhookEndpointObject:
-    with jobs.sessions() as session:
+def retrieve_endpoint(ctx: JobsDep, project_id: ProjectDep, webhook_endpoint_id: str) -> WebhookEndpointObject:
+    with ctx.sessions() as session:
         return WebhookEndpointObject.of(endpoints.get_endpoint(session, webhook_endpoint_id, project_id))
 
 
 @router.post("/{webhook_endpoint_id}", responses=error_responses(404))
-def update_endpoint(jobs: JobsDep, project_id: ProjectDep, webhook_endpoint_id: str,
+def update_endpoint(ctx: JobsDep, project_id: ProjectDep, webhook_endpoint_id: str,
                     body: UpdateWebhookEndpointRequest) -> WebhookEndpointObject:
-    return WebhookEndpointObject.of(_committed(jobs, lambda s: endpoints.update_endpoint(
-        s, jobs.settings, webhook_endpoint_id, project_id, body.url, body.event_types, body.name)))
+    return WebhookEndpointObject.of(_committed(ctx, lambda s: endpoints.update_endpoint(
+        s, ctx.settings, webhook_endpoint_id, project_id, body.url, body.event_types, body.name)))
 
 
 @router.delete("/{webhook_endpoint_id}", responses=error_responses(404))
-def delete_endpoint(jobs: JobsDep, project_id: ProjectDep, webhook_endpoint_id: str) -> WebhookEndpointDeleted:
-    _committed(jobs, lambda s: endpoints.delete_endpoint(s, webhook_endpoint_id, project_id))
+def delete_endpoint(ctx: JobsDep, project_id: ProjectDep, webhook_endpoint_id: str) -> WebhookEndpointDeleted:
+    _committed(ctx, lambda s: endpoints.delete_endpoint(s, webhook_endpoint_id, project_id))
     return WebhookEndpointDeleted(id=webhook_endpoint_id)
 
 
 @router.post("/{webhook_endpoint_id}/rotate_secret", responses=error_responses(404))
-def rotate_secret(jobs: JobsDep, project_id: ProjectDep, webhook_endpoint_id: str,
+def rotate_secret(ctx: JobsDep, project_id: ProjectDep, webhook_endpoint_id: str,
                   body: RotateSecretRequest | None = None) -> WebhookEndpointWithSecret:
     keep = body.keep_old_secret_active_for_24_hours if body else False
-    return WebhookEndpointWithSecret.of(_committed(jobs, lambda s: endpoints.rotate_secret(
+    return WebhookEndpointWithSecret.of(_committed(ctx, lambda s: endpoints.rotate_secret(
         s, webhook_endpoint_id, keep, project_id)))
 
 
 @router.post("/{webhook_endpoint_id}/test", responses=error_responses(404))
-def test_endpoint(jobs: JobsDep, project_id: ProjectDep, webhook_endpoint_id: str,
+def test_endpoint(ctx: JobsDep, project_id: ProjectDep, webhook_endpoint_id: str,
                   body: TestWebhookRequest) -> WebhookTestResult:
     """Sends a sample event now, signed as a real one; its answer's status comes back."""
     event_type = endpoints.check_event_types([body.event_type])[0]
-    with jobs.sessions() as session:
+    with ctx.sessions() as session:
         endpoint = endpoints.get_endpoint(session, webhook_endpoint_id, project_id)
-    outcome = delivery.send_test(jobs.settings, endpoint, event_type)
+    outcome = delivery.send_test(ctx.settings, endpoint, event_type)
     if outcome.status_code is None:
         raise InvalidRequest(f"the endpoint did not answer: {outcome.error}", "url", "webhook_endpoint_unreachable")
     return WebhookTestResult(webhook_endpoint_id=endpoint.id, event_type=event_type, status_code=outcome.status_code)
 
 
 @router.get("/{webhook_endpoint_id}/deliveries", responses=error_responses(404))
-def list_deliveries(jobs: JobsDep, project_id: ProjectDep, webhook_endpoint_id: str, batch_id: str | None = None,
+def list_deliveries(ctx: JobsDep, project_id: ProjectDep, webhook_endpoint_id: str, batch_id: str | None = None,
                     limit: Annotated[int, Query(ge=1, le=100)] = 20) -> WebhookDeliveryList:
     """Extension: the endpoint's events, newest first: status, attempts, last status code and error."""
-    with jobs.sessions() as session:
+    with ctx.sessions() as session:
         endpoints.get_endpoint(session, webhook_endpoint_id, project_id)
         rows = outbox.list_deliveries(session, project_id, batch_id, limit, webhook_endpoint_id)
         return WebhookDeliveryList(data=[WebhookDeliveryObject.of(r) for r in rows])

@@ -1,8 +1,12 @@
 """What a batch's end sets off, in the transaction that gives it its final status
-(``batches.states.transition`` calls ``batch_ended`` there, and only there): its webhook event
-goes into the outbox, and its output and error files get the ``expires_at`` of the batch's
-``output_expires_after``; both are committed with the status or not at all. (It lives here, not in
-``batches``, so that ``states`` can call it without an import circle.)"""
+(``states.transition`` calls ``batch_ended`` there, and only there): its output and error files
+get the ``expires_at`` of the batch's ``output_expires_after``, and its event goes to the webhooks'
+outbox, which writes one delivery row per subscribed endpoint. Both are committed with the status
+or not at all.
+
+The outbox is called, not registered as a listener: a listener that some process forgot to
+register would lose events without a sound, and ``webhooks`` imports nothing of ``batches``, so
+the call runs downward."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
 from batchapi.batches import files
-from batchapi.batches.context import Jobs
+from batchapi.context import Context
 from batchapi.db.clock import now
 from batchapi.db.ids import file_id, new_id
 from batchapi.db.models import File, Upload, UploadPart
@@ -44,7 +44,7 @@ class UploadStatus(StrEnum):
     EXPIRED = "expired"
 
 
-def create_upload(jobs: Jobs, project_id: str, filename: str, purpose: str, size: int, mime_type: str,
+def create_upload(ctx: Context, project_id: str, filename: str, purpose: str, size: int, mime_type: str,
                   expires_after: dict | None = None) -> Upload:
     files.check_purpose(purpose)
     files.check_filename(filename, "filename")
@@ -52,7 +52,7 @@ def create_upload(jobs: Jobs, project_id: str, filename: str, purpose: str, size
         raise InvalidRequest(f"mime_type must be a string of 1 to {MAX_MIME_TYPE} characters", "mime_type")
     if not 0 < size <= MAX_UPLOAD_BYTES:
         raise InvalidRequest(f"bytes must be between 1 and {MAX_UPLOAD_BYTES} (8 GB)", "bytes")
-    limit = jobs.settings.max_file_bytes  # what validation takes of a batch input file
+    limit = ctx.settings.max_file_bytes  # what validation takes of a batch input file
     if size > limit:
         raise InvalidRequest(f"bytes {size} is over the limit of {limit} bytes for a file of purpose '{purpose}'",
                              "bytes", "file_too_large")
@@ -63,14 +63,14 @@ def create_upload(jobs: Jobs, project_id: str, filename: str, purpose: str, size
         mime_type=mime_type, bytes=size, status=UploadStatus.PENDING, file_expires_after=seconds, created_at=t,
         expires_at=t + UPLOAD_SECONDS,
     )
-    with session_scope(jobs.sessions) as session:
+    with session_scope(ctx.sessions) as session:
         session.add(row)
     return row
 
 
-def get_upload(jobs: Jobs, project_id: str, upload_id: str) -> tuple[Upload, File | None]:
+def get_upload(ctx: Context, project_id: str, upload_id: str) -> tuple[Upload, File | None]:
     """The Upload and, once completed, its File."""
-    with jobs.sessions() as session:
+    with ctx.sessions() as session:
         upload = _upload(session, project_id, upload_id)
         return upload, session.get(File, upload.file_id) if upload.file_id else None
 
@@ -92,16 +92,16 @@ def _check_open(upload: Upload, t: int) -> None:
                              f"upload_{upload.status}")
 
 
-def add_part(jobs: Jobs, project_id: str, upload_id: str, stream: BinaryIO) -> UploadPart:
+def add_part(ctx: Context, project_id: str, upload_id: str, stream: BinaryIO) -> UploadPart:
     """Store one part (the form bounds it to ``MAX_PART_BYTES``) and record it, unless the parts
     would then hold more than the Upload's ``bytes``."""
-    with jobs.sessions() as session:
+    with ctx.sessions() as session:
         _check_open(_upload(session, project_id, upload_id), now())
     part_id = new_id("part_")
     key = upload_part_key(upload_id, part_id)
-    size = jobs.storage.put_stream(key, stream)
+    size = ctx.storage.put_stream(key, stream)
     try:
-        with session_scope(jobs.sessions) as session:
+        with session_scope(ctx.sessions) as session:
             upload = _upload(session, project_id, upload_id, lock=True)  # parallel parts add up one at a time
             _check_open(upload, now())
             count, held = session.execute(
@@ -115,36 +115,36 @@ def add_part(jobs: Jobs, project_id: str, upload_id: str, stream: BinaryIO) -> U
             part = UploadPart(id=part_id, upload_id=upload_id, bytes=size, storage_key=key, created_at=now())
             session.add(part)
     except BaseException:
-        jobs.storage.delete(key)
+        ctx.storage.delete(key)
         raise
     return part
 
 
-def complete_upload(jobs: Jobs, project_id: str, upload_id: str, part_ids: list[str],
+def complete_upload(ctx: Context, project_id: str, upload_id: str, part_ids: list[str],
                     md5: str | None = None) -> tuple[Upload, File]:
     t = now()
-    with jobs.sessions() as session:
+    with ctx.sessions() as session:
         upload = _upload(session, project_id, upload_id)
         _check_open(upload, t)
         parts = {p.id: p for p in session.scalars(select(UploadPart).where(UploadPart.upload_id == upload_id))}
     ordered = _ordered_parts(upload, parts, part_ids)
     fid = file_id()
     key = file_key(fid)
-    size = jobs.storage.compose(key, [p.storage_key for p in ordered])
+    size = ctx.storage.compose(key, [p.storage_key for p in ordered])
     try:
         if md5 is not None:
-            _check_md5(jobs, key, md5)
-        with session_scope(jobs.sessions) as session:
+            _check_md5(ctx, key, md5)
+        with session_scope(ctx.sessions) as session:
             if not _finish(session, upload_id, UploadStatus.COMPLETED, file_id=fid):
                 _check_open(session.get(Upload, upload_id), now())  # says why it is no longer pending
                 raise AssertionError(f"upload {upload_id} left pending without a status")
             file = files.add_file(session, project_id, upload.filename, upload.purpose, key, size,
                                   upload.file_expires_after, fid)
     except BaseException:
-        jobs.storage.delete(key)
+        ctx.storage.delete(key)
         raise
-    _remove_parts(jobs, upload_id)
-    with jobs.sessions() as session:
+    _remove_parts(ctx, upload_id)
+    with ctx.sessions() as session:
         return session.get(Upload, upload_id), file
 
 
@@ -167,23 +167,23 @@ def _ordered_parts(upload: Upload, parts: dict[str, UploadPart], part_ids: list[
     return [parts[pid] for pid in part_ids]
 
 
-def _check_md5(jobs: Jobs, key: str, md5: str) -> None:
+def _check_md5(ctx: Context, key: str, md5: str) -> None:
     digest = hashlib.md5(usedforsecurity=False)
-    for chunk in jobs.storage.iter_chunks(key):
+    for chunk in ctx.storage.iter_chunks(key):
         digest.update(chunk)
     if digest.hexdigest() != md5.strip().lower():
         raise InvalidRequest(f"md5 {md5!r} does not match the parts' md5 {digest.hexdigest()}", "md5", "md5_mismatch")
 
 
-def cancel_upload(jobs: Jobs, project_id: str, upload_id: str) -> Upload:
-    with session_scope(jobs.sessions) as session:
+def cancel_upload(ctx: Context, project_id: str, upload_id: str) -> Upload:
+    with session_scope(ctx.sessions) as session:
         _upload(session, project_id, upload_id)
         if not _finish(session, upload_id, UploadStatus.CANCELLED):
             status = session.scalar(select(Upload.status).where(Upload.id == upload_id))
             raise InvalidRequest(f"Upload {upload_id} is {status} and cannot be cancelled", "upload_id",
                                  f"upload_{status}")
-    _remove_parts(jobs, upload_id)
-    with jobs.sessions() as session:
+    _remove_parts(ctx, upload_id)
+    with ctx.sessions() as session:
         return session.get(Upload, upload_id)
 
 
@@ -195,27 +195,27 @@ def _finish(session: Session, upload_id: str, status: UploadStatus, **values) ->
     ).rowcount == 1
 
 
-def _remove_parts(jobs: Jobs, upload_id: str) -> None:
-    with jobs.sessions() as session:
+def _remove_parts(ctx: Context, upload_id: str) -> None:
+    with ctx.sessions() as session:
         parts = session.execute(select(UploadPart.id, UploadPart.storage_key).where(UploadPart.upload_id == upload_id)).all()
     for part_id, key in parts:
-        jobs.storage.delete(key)
-        with session_scope(jobs.sessions) as session:
+        ctx.storage.delete(key)
+        with session_scope(ctx.sessions) as session:
             session.execute(delete(UploadPart).where(UploadPart.id == part_id))
 
 
-def expire_uploads(jobs: Jobs, each: Callable[[list, str, Callable], None]) -> list[str]:
+def expire_uploads(ctx: Context, each: Callable[[list, str, Callable], None]) -> list[str]:
     """The sweeper's step: pending Uploads past their hour become ``expired``, and every Upload no
     longer pending loses the parts still left (a process died before deleting them)."""
     t = now()
-    with session_scope(jobs.sessions) as session:
+    with session_scope(ctx.sessions) as session:
         late = list(session.scalars(select(Upload.id).where(
             Upload.status == UploadStatus.PENDING, Upload.expires_at <= t).limit(EXPIRE_PER_SWEEP)))
         expired = [upload_id for upload_id in late if _finish(session, upload_id, UploadStatus.EXPIRED)]
-    with jobs.sessions() as session:
+    with ctx.sessions() as session:
         leftover = list(session.scalars(
             select(UploadPart.upload_id).join(Upload, Upload.id == UploadPart.upload_id)
             .where(Upload.status != UploadStatus.PENDING).distinct().limit(EXPIRE_PER_SWEEP)
         ))
-    each(leftover, "removing the parts of upload", lambda upload_id: _remove_parts(jobs, upload_id))
+    each(leftover, "removing the parts of upload", lambda upload_id: _remove_parts(ctx, upload_id))
     return expired

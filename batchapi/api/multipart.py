@@ -15,7 +15,7 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import ClientDisconnect, Request
 
 from batchapi.batches import files
-from batchapi.batches.context import Jobs
+from batchapi.context import Context
 from batchapi.db.models import File
 from batchapi.errors import InvalidRequest
 from batchapi.storage.streams import ChunkReader, TooLarge
@@ -28,20 +28,20 @@ IDLE_SECONDS = 60.0  # an upload that sends nothing for this long is given up
 MAX_CONCURRENT_UPLOADS = 16  # storing at once, each on a thread of its own; more wait their turn
 
 
-async def receive_upload(request: Request, jobs: Jobs, project_id: str) -> File:
+async def receive_upload(request: Request, ctx: Context, project_id: str) -> File:
     """Store the request's file as a File of ``project_id``, read as it arrives."""
-    form = UploadForm(request, jobs.settings.max_upload_bytes)
+    form = UploadForm(request, ctx.settings.max_upload_bytes)
     limiter = request.app.state.upload_limiter  # MAX_CONCURRENT_UPLOADS, made with the app
-    return await anyio.to_thread.run_sync(store, jobs, project_id, form, limiter=limiter)
+    return await anyio.to_thread.run_sync(store, ctx, project_id, form, limiter=limiter)
 
 
-def store(jobs: Jobs, project_id: str, form: UploadForm) -> File:
+def store(ctx: Context, project_id: str, form: UploadForm) -> File:
     filename = form.open_file()
     # a form may send its fields after the file: then they are checked once the file is read
     purpose = form.fields["purpose"] if "purpose" in form.fields else form.purpose
     early = any(f"expires_after[{name}]" in form.fields for name in EXPIRES_FIELDS)
     expires_after = form.expires_after() if early else form.expires_after
-    return files.upload_file(jobs, project_id, filename, purpose, ChunkReader(form.file_chunks()), expires_after)
+    return files.upload_file(ctx, project_id, filename, purpose, ChunkReader(form.file_chunks()), expires_after)
 
 
 class UploadForm:

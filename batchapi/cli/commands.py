@@ -30,7 +30,7 @@ def _settings(**overrides) -> Settings:
 
 
 def cmd_models_pull(args: argparse.Namespace) -> int:
-    from batchapi.model_store import ModelNotFound, pull_model
+    from batchapi.models.store import ModelNotFound, pull_model
 
     settings = _settings()
     for name in args.name:  # each model's directory is printed once it is ready, the last one last
@@ -45,7 +45,7 @@ def cmd_models_pull(args: argparse.Namespace) -> int:
 
 
 def cmd_models_list(args: argparse.Namespace) -> int:
-    from batchapi.model_store import list_models
+    from batchapi.models.store import list_models
 
     settings = _settings()
     table = Table("model", "path", "size")
@@ -59,7 +59,7 @@ def cmd_models_list(args: argparse.Namespace) -> int:
 
 
 def cmd_run_batch(args: argparse.Namespace) -> int:
-    from batchapi.model_store import ModelNotFound
+    from batchapi.models.store import ModelNotFound
     from batchapi.workers.engine_setup import engine_config_from
     from batchapi.workers.run_batch import run_batch
 
@@ -193,7 +193,7 @@ def cmd_keys_revoke(args: argparse.Namespace) -> int:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from batchapi.submit import submit
+    from batchapi.cli.submit import submit
 
     settings = _settings()
     return submit(
@@ -203,7 +203,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_batches(args: argparse.Namespace) -> int:
-    from batchapi.batch_client import run
+    from batchapi.cli.batches import run
 
     settings = _settings()
     return run(args.action, args, args.base_url or f"http://{settings.host}:{settings.port}/v1", console)
@@ -233,13 +233,13 @@ def _add_batches_parser(sub) -> None:
 
 
 def cmd_webhooks(args: argparse.Namespace) -> int:
-    from batchapi.webhook_commands import run
+    from batchapi.cli.webhooks import run
 
     return run(args, _settings(), console)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from batchapi.webhook_commands import add_parser as add_webhooks_parser
+    from batchapi.cli.webhooks import add_parser as add_webhooks_parser
 
     parser = argparse.ArgumentParser(prog="batchapi", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
