@@ -24,6 +24,12 @@ class InvalidRequest(ServiceError):
     code = "invalid_request"
 
 
+class ModelNotServed(InvalidRequest):
+    """A request names a model this deployment does not serve (``models.registry`` says which)."""
+
+    code = "model_not_found"
+
+
 class Conflict(ServiceError):
     """The request is well formed but the object's state does not allow it."""
 

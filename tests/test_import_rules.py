@@ -16,6 +16,14 @@ TORCH = {"torch", "triton", "batchapi.engine", "batchapi.encoder", "batchapi.ker
 FORBIDDEN = {
     "config.py": {"batchapi", "torch"},
     "errors.py": {"batchapi"},
+    "logs.py": {"batchapi"},
+    "background.py": {"batchapi", "torch"},  # the engine's threads use it too
+    # below the API and the workers, which both serve them
+    "metrics.py": {"batchapi.api", "batchapi.workers", "batchapi.validation", "batchapi.cli", "celery",
+                   "fastapi"} | TORCH,
+    "reports.py": {"batchapi.api", "batchapi.workers", "batchapi.validation", "batchapi.cli", "celery",
+                   "fastapi"} | TORCH,
+    "cli": set(),  # the top: it may import anything, and nothing imports it (test_nothing_imports_the_cli)
     "api": {"batchapi.workers", "batchapi.engine", "batchapi.encoder", "batchapi.kernels", "torch", "triton",
             "celery"},
     "db": {"batchapi.api", "batchapi.storage", "batchapi.openai", "batchapi.batches", "batchapi.validation",
@@ -134,3 +142,48 @@ def test_importing_the_api_loads_no_torch():
     code = ("import sys, batchapi.api.main, batchapi.batches.service, batchapi.validation.runner, batchapi.cli; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def area_of(module: str) -> str:
+    """The package (or top-level module) of batchapi a module belongs to: ``batchapi.batches``."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_no_package_circles():
+    """Package by package, lazy imports included: a package that imports another which imports it
+    back (through any chain) fails, even when no two modules form a circle."""
+    paths = {module_of(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        graph.setdefault(area_of(name), set()).update(area_of(t) for t in imported_targets(path, set(paths)))
+    graph = {area: targets - {area, "batchapi"} for area, targets in graph.items()}
+
+    def reaches(start: str, goal: str) -> list[str] | None:
+        stack, seen = [(start, [start])], {start}
+        while stack:
+            node, trail = stack.pop()
+            for nxt in sorted(graph.get(node, ())):
+                if nxt == goal:
+                    return trail + [nxt]
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, trail + [nxt]))
+        return None
+
+    circles = sorted({" -> ".join(trail) for area in graph for nxt in graph[area]
+                      if (back := reaches(nxt, area)) and (trail := [area, *back])})
+    assert circles == []
+
+
+def top_level_areas() -> set[str]:
+    return {p.name for p in PACKAGE.iterdir()
+            if (p.suffix == ".py" and p.name != "__init__.py") or (p / "__init__.py").is_file()}
+
+
+def test_every_top_level_module_has_a_rule():
+    assert top_level_areas() - set(FORBIDDEN) == set()
+
+
+def test_nothing_imports_the_cli():
+    files = [p for p in PACKAGE.rglob("*.py") if "cli" not in p.relative_to(PACKAGE).parts[:1]]
+    assert violations(files, {"batchapi.cli"}) == []

@@ -32,7 +32,7 @@ from batchapi.db.models import Batch, File, RequestResult, Shard
 from batchapi.db.session import session_scope
 from batchapi.errors import TRANSIENT, InvalidRequest, NotFound
 from batchapi.openai.body import MESSAGES
-from batchapi.openai.lines import is_blank, iter_lines
+from batchapi.openai.lines import is_blank, iter_lines, peek_line
 from batchapi.openai.message_results import dump, error_result, result_lines
 from batchapi.storage.streams import TooLarge
 
@@ -228,9 +228,10 @@ def _stored_results(ctx: Context, keys: list[str]) -> Iterator[bytes]:
 def _unrun_results(ctx: Context, batch: Batch, input_key: str) -> Iterator[bytes]:
     """Every request of a batch that ended before running any: ended with the batch's reason."""
     result = UNRUN.get(BatchStatus(batch.status)) or error_result(_failure(batch))
-    for _, _, _, content in iter_lines(ctx.storage.iter_chunks(input_key)):
-        if not is_blank(content):
-            yield dump({"custom_id": json.loads(content)["custom_id"], "result": result})
+    for number, _, _, content in iter_lines(ctx.storage.iter_chunks(input_key)):
+        fields = None if is_blank(content) else peek_line(content, number)
+        if fields is not None and fields.custom_id is not None:  # a line without one has no result to give
+            yield dump({"custom_id": fields.custom_id, "result": result})
 
 
 def _failure(batch: Batch) -> str:

@@ -11,7 +11,6 @@ key gets the same batch back, across restarts too.
 
 from __future__ import annotations
 
-import json
 import logging
 import tempfile
 from bisect import bisect_right
@@ -27,7 +26,7 @@ from batchapi.context import Context
 from batchapi.db.models import Batch, Shard
 from batchapi.errors import Conflict, InvalidRequest, NotFound
 from batchapi.openai.body import MESSAGES
-from batchapi.openai.lines import BOM, LongLine, is_blank, iter_lines
+from batchapi.openai.lines import LongLine, is_blank, iter_lines, peek_line, strip_bom
 from batchapi.openai.text import check_text
 
 log = logging.getLogger(__name__)
@@ -129,9 +128,9 @@ def _shard_outcomes(ctx: Context, original: Batch) -> _ShardOutcomes:
 
 
 def _result_ids(chunks: Iterator[bytes]) -> Iterator[str | None]:
-    for _, _, _, content in iter_lines(chunks):
+    for number, _, _, content in iter_lines(chunks):
         if not is_blank(content):
-            yield json.loads(content).get("custom_id")
+            yield peek_line(content, number).custom_id  # a result line the service wrote
 
 
 def _input_lines(ctx: Context, original: Batch) -> Iterator[tuple[int, bytes]]:
@@ -139,15 +138,12 @@ def _input_lines(ctx: Context, original: Batch) -> Iterator[tuple[int, bytes]]:
     for number, _, _, content in iter_lines(chunks, ctx.settings.max_line_bytes):
         if isinstance(content, LongLine) or is_blank(content):
             continue  # a line validation refused as a whole never reaches the error file
-        yield number, content.removeprefix(BOM.encode()) if number == 1 else content
+        yield number, strip_bom(content, number)
 
 
 def _custom_id(content: bytes) -> str | None:
-    try:
-        record = json.loads(content)
-    except ValueError:
-        return None
-    return record.get("custom_id") if isinstance(record, dict) else None
+    fields = peek_line(content, 0)  # the BOM is off already
+    return fields.custom_id if fields is not None else None
 
 
 def _content(ctx: Context, original: Batch, file_id: str, what: str) -> Iterator[bytes]:

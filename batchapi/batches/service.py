@@ -23,10 +23,10 @@ from batchapi.db.models import Batch, Shard
 from batchapi.db.paging import page
 from batchapi.db.session import session_scope
 from batchapi.errors import Conflict, InvalidRequest, NotFound
-from batchapi.models.registry import served_id_for, served_ids, served_model_id
+from batchapi.models.registry import require_served, served_id_for, served_model_id
 from batchapi.models.store import CHAT
 from batchapi.openai.body import ENDPOINTS, MESSAGES
-from batchapi.openai.lines import BOM, LongLine, is_blank, iter_lines
+from batchapi.openai.lines import LongLine, is_blank, iter_lines, peek_line
 from batchapi.openai.text import check_text
 
 log = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ def create_batch(
 
 def batch_model(ctx: Context, project_id: str, input_file_id: str, each_request: bool = False) -> str | None:
     """The served model the file's first request names: the batch's model, priced at create and
-    the one whose workers run it. InvalidRequest (``model_not_found``) when no worker serves it;
+    the one whose workers run it. ``ModelNotServed`` (``model_not_found``) when no worker serves it;
     None when the first line names no model (validation reports what is wrong with it).
     ``each_request`` (a Message Batch: Anthropic validates each request alone): the first served
     chat model any request names, a request naming another being only that request's error;
@@ -145,11 +145,7 @@ def batch_model(ctx: Context, project_id: str, input_file_id: str, each_request:
     named = next(_models(ctx, storage_key), None)
     if named is None:
         return None
-    model = served_id_for(ctx.settings, named)
-    if model is None:
-        raise InvalidRequest(f"the model {named!r} of the file's first request is not served here; served: "
-                             f"{', '.join(served_ids(ctx.settings))}", "input_file_id", code="model_not_found")
-    return model
+    return require_served(ctx.settings, named, "input_file_id", "of the file's first request")
 
 
 def _models(ctx: Context, storage_key: str) -> Iterator[str | None]:
@@ -160,12 +156,11 @@ def _models(ctx: Context, storage_key: str) -> Iterator[str | None]:
                                                         ctx.settings.max_line_bytes):
             if isinstance(content, LongLine) or is_blank(content):
                 continue
-            text = content.decode("utf-8", errors="replace")
-            record = json.loads(text.removeprefix(BOM) if number == 1 else text)
-            body = record.get("body") if isinstance(record, dict) else None
-            model = body.get("model") if isinstance(body, dict) else None
-            yield model if isinstance(model, str) and model else None
-    except (ValueError, RecursionError, NotFound):
+            fields = peek_line(content, number)
+            if fields is None:
+                return
+            yield fields.model
+    except NotFound:
         return
 
 

@@ -31,6 +31,7 @@ from typing import Protocol, TypeVar
 
 from sqlalchemy import exists, select
 
+from batchapi.background import Background
 from batchapi.batches import files, leases
 from batchapi.batches.finalize import finalize_batch
 from batchapi.batches.leases import CUT_OFF, Outcome
@@ -264,9 +265,8 @@ class SweepLoop:
         self.interval = interval
         self.validator = validator
         self.shards = shards
-        self._stop = threading.Event()
         self._poked = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="batchapi-sweep", daemon=True)
+        self._thread = Background("batchapi-sweep", self._run, wake=self._poked.set)
 
     def start(self) -> SweepLoop:
         self._thread.start()
@@ -276,13 +276,11 @@ class SweepLoop:
         self._poked.set()
 
     def stop(self) -> None:
-        self._stop.set()
-        self._poked.set()
-        self._thread.join(timeout=30)
+        self._thread.stop(timeout=30)
 
     def _run(self) -> None:
         cleaned = None  # when partial writes were last looked for (monotonic seconds)
-        while not self._stop.is_set():
+        while not self._thread.stopping.is_set():
             try:
                 sweep(self.ctx, self.validator, shards=self.shards)
             except TRANSIENT:

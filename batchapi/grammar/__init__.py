@@ -11,7 +11,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from batchapi.grammar.check import GrammarError, check_schema
+    from batchapi.grammar.check import GrammarError, check_grammar
     from batchapi.grammar.compiler import CompiledGrammar, GrammarCompiler
     from batchapi.grammar.matcher import Matcher, apply_masks
     from batchapi.grammar.spec import GrammarSpec
@@ -20,7 +20,7 @@ _MODULE_OF = {
     "CompiledGrammar": "compiler",
     "GrammarCompiler": "compiler",
     "GrammarError": "check",
-    "check_schema": "check",
+    "check_grammar": "check",
     "Matcher": "matcher",
     "apply_masks": "matcher",
     "GrammarSpec": "spec",
@@ -32,7 +32,7 @@ __all__ = [
     "GrammarSpec",
     "Matcher",
     "apply_masks",
-    "check_schema",
+    "check_grammar",
 ]
 
 

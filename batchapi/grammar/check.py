@@ -1,4 +1,4 @@
-"""A spec as llguidance grammar text, and the check of a schema without a tokenizer. No torch:
+"""A spec as llguidance grammar text, and the check that the grammar engine takes it, without a tokenizer. No torch:
 validation (in the API process) checks each distinct schema of a file here before the batch runs."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def grammar_text(spec: GrammarSpec) -> str:
         raise GrammarError(f"invalid JSON schema: {exc}") from None
 
 
-def check_schema(spec: GrammarSpec) -> None:
+def check_grammar(spec: GrammarSpec) -> None:
     """Raise GrammarError if the grammar engine would refuse ``spec`` (~1 ms the first time; a
     file's lines usually share one schema, so each distinct spec is checked once)."""
     problem = _problem(spec)

@@ -16,6 +16,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from batchapi.config import Settings
+from batchapi.errors import ModelNotServed
 from batchapi.models.store import CATALOG, CHAT, EMBEDDING, ModelNotFound, is_hf_dir, resolve_model
 
 ENCODER_TYPES = {"bert", "roberta", "xlm-roberta", "distilbert", "mpnet", "electra", "deberta-v2", "nomic_bert"}
@@ -72,6 +73,17 @@ def served_id_for(settings: Settings, name: str, kind: str | None = None) -> str
         if name in accepted_names(served) and (kind is None or _known_kind(served) in (kind, None)):
             return model_id(served)
     return None
+
+
+def require_served(settings: Settings, name: str, param: str = "model", what: str = "") -> str:
+    """The id of the served model ``name`` means; ``ModelNotServed`` (``model_not_found``, on
+    ``param``) when none does. ``what`` says where the name was found, for the message."""
+    model = served_id_for(settings, name)
+    if model is None:
+        where = f" {what}" if what else ""
+        raise ModelNotServed(f"the model {name!r}{where} is not served here; served: {', '.join(served_ids(settings))}",
+                             param)
+    return model
 
 
 def _known_kind(name_or_path: str) -> str | None:

@@ -2,7 +2,10 @@
 
 A line is ``{"custom_id", "method": "POST", "url", "body"}`` (docs/API.md). ``iter_lines`` cuts a
 stream of bytes into lines with their byte ranges; ``parse_line`` checks one of them and
-returns what it holds, or why it cannot run, with an ``ErrorCode``.
+returns what it holds, or why it cannot run, with an ``ErrorCode``; ``peek_line`` reads only the
+fields that route a line (its ``custom_id``, ``url`` and body's ``model``) without checking it, for
+the callers that must know them before, or whatever, the line's check says. The one BOM rule
+(``strip_bom``) is here too.
 """
 
 from __future__ import annotations
@@ -27,6 +30,19 @@ class InputLine:
     custom_id: str | None  # None when the line holds no usable one
     body: ParsedBody | None
     error: RequestError | None = None
+    # the line's ``url`` and body's ``model`` as written, when the line is a JSON object, even one
+    # whose body was refused (OpenAI's model check and run-batch's routing read them there)
+    url: str | None = None
+    model: str | None = None
+
+
+@dataclass(frozen=True)
+class LineFields:
+    """What ``peek_line`` reads of a line: each field as written when it is a non-empty string."""
+
+    custom_id: str | None
+    url: str | None
+    model: str | None
 
 
 @dataclass(frozen=True)
@@ -81,12 +97,22 @@ def is_blank(content: bytes | LongLine) -> bool:
     return isinstance(content, bytes) and not content.strip()
 
 
+def strip_bom(content: bytes, line: int) -> bytes:
+    """A UTF-8 byte order mark is allowed before the first line, and is no part of it."""
+    return content.removeprefix(_BOM_BYTES) if line == 1 else content
+
+
+_BOM_BYTES = BOM.encode()
+
+
 def parse_line(content: bytes | LongLine, line: int, endpoint: str | None) -> InputLine:
     """Check one non-blank line. ``endpoint`` is the batch's (the line's ``url`` must equal
     it), or None to take any supported endpoint (``run-batch``). A UTF-8 byte order mark is
     allowed before the first line."""
+    record = None
     try:
-        record, custom_id = _record(content, line)
+        record = _record(content, line)
+        custom_id = _custom_id_of(record)
         _check_route(record, endpoint)
         url = endpoint or record["url"]
         try:
@@ -95,11 +121,36 @@ def parse_line(content: bytes | LongLine, line: int, endpoint: str | None) -> In
             exc.custom_id = custom_id
             raise
     except RequestError as exc:
-        return InputLine(line, exc.custom_id, None, exc)
-    return InputLine(line, custom_id, body)
+        fields = _fields(record) if record is not None else LineFields(None, None, None)
+        return InputLine(line, exc.custom_id, None, exc, fields.url, fields.model)
+    fields = _fields(record)
+    return InputLine(line, custom_id, body, None, fields.url, fields.model)
 
 
-def _record(content: bytes | LongLine, line: int) -> tuple[dict, str]:
+def peek_line(content: bytes | LongLine, line: int) -> LineFields | None:
+    """The routing fields of a line, unchecked; None when it is not a JSON object (``parse_line``
+    says what is wrong with it)."""
+    if isinstance(content, LongLine):
+        return None
+    try:
+        record = json.loads(strip_bom(content, line))
+    except (ValueError, RecursionError):  # not UTF-8 (a ValueError too), not JSON, nested too deep
+        return None
+    return _fields(record) if isinstance(record, dict) else None
+
+
+def _fields(record: dict) -> LineFields:
+    body = record.get("body")
+    return LineFields(_text(record.get("custom_id")), _text(record.get("url")),
+                      _text(body.get("model")) if isinstance(body, dict) else None)
+
+
+def _text(value: object) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def _record(content: bytes | LongLine, line: int) -> dict:
+    """The line's JSON object, with its lone surrogates refused once its ``custom_id`` is known."""
     if isinstance(content, LongLine):
         raise _line_error(f"the line is {content.size} bytes; the limit is {content.limit} bytes per line", None,
                           ErrorCode.LINE_TOO_LONG)
@@ -119,13 +170,17 @@ def _record(content: bytes | LongLine, line: int) -> tuple[dict, str]:
     if not isinstance(record, dict):
         raise _line_error(f"the line must be a JSON object, not {type(record).__name__}", None,
                           ErrorCode.INVALID_JSON_LINE)
+    if _SURROGATE_ESCAPE.search(text):  # only an escape can put one in: the bytes were UTF-8
+        _check_text(record, _custom_id_of(record))
+    return record
+
+
+def _custom_id_of(record: dict) -> str:
     custom_id = record.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         raise _line_error("'custom_id' is required and must be a non-empty string", "custom_id",
                           ErrorCode.MISSING_CUSTOM_ID)
-    if _SURROGATE_ESCAPE.search(text):  # only an escape can put one in: the bytes were UTF-8
-        _check_text(record, custom_id)
-    return record, custom_id
+    return custom_id
 
 
 # a \uD800-\uDFFF escape; most are halves of a pair, which json.loads joins into one character

@@ -35,6 +35,7 @@ import re
 import secrets
 from typing import Any
 
+from batchapi.grammar.spec import GrammarSpec
 from batchapi.openai.errors import ErrorCode, RequestError, refuse_unknown
 from batchapi.openai.schema import check_schema
 
@@ -316,6 +317,17 @@ def output_constraint(parsed) -> tuple[str, dict | None] | None:
     if parsed.response_format == "json_schema":
         return "json_schema", parsed.json_schema
     return None
+
+
+def grammar_spec(parsed) -> GrammarSpec | None:
+    """The grammar a request's output follows (``output_constraint``'s, as the grammar engine takes
+    it): the one place a body's constraint becomes a ``GrammarSpec``, for validation's check and
+    the worker's request alike."""
+    constraint = output_constraint(parsed)
+    if constraint is None:
+        return None
+    kind, schema = constraint
+    return GrammarSpec.json_object() if kind == "json_object" else GrammarSpec.json_schema(schema)
 
 
 def parse_tool_calls(text: str, parsed) -> list[dict] | None:

@@ -17,18 +17,16 @@ Message Batch on its own, so there the model and the context are the request's c
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from batchapi.grammar.check import GrammarError, check_schema
-from batchapi.grammar.spec import GrammarSpec
+from batchapi.grammar.check import GrammarError, check_grammar
 from batchapi.openai.body import MESSAGES, SCHEMA_PARAM, ParsedBody
 from batchapi.openai.embeddings import EMBEDDINGS
 from batchapi.openai.errors import ErrorCode, RequestError
-from batchapi.openai.lines import BOM, LongLine, is_blank, iter_lines, parse_line
-from batchapi.openai.tools import output_constraint
+from batchapi.openai.lines import LongLine, is_blank, iter_lines, parse_line
+from batchapi.openai.tools import grammar_spec
 from batchapi.validation.token_counts import (
     PromptCounter,
     context_error,
@@ -204,7 +202,7 @@ class Scanner:
             return None
         each = self.limits.each_request
         if error is None or not each:  # OpenAI's: the model is the file's concern even in a refused body
-            model = parsed.body.model if parsed.body is not None else _named_model(content)
+            model = parsed.body.model if parsed.body is not None else parsed.model
             if model is not None and not self.check_model(line, model):
                 return _Request(line, 0, 0, None) if each else None
         if error is not None:
@@ -324,24 +322,14 @@ class Scanner:
         return result
 
 
-def _named_model(content: bytes) -> str | None:
-    """The ``model`` string a line's body names, read from the raw JSON of a line whose body
-    ``parse_line`` refused (the line itself parsed, so this cannot fail); None if it names none."""
-    record = json.loads(content.decode("utf-8").removeprefix(BOM))
-    body = record.get("body")
-    model = body.get("model") if isinstance(body, dict) else None
-    return model if isinstance(model, str) and model else None
-
-
 def _grammar_problem(body: ParsedBody | None) -> RequestError | None:
     """The grammar engine's refusal of the schema a request's output must follow: the worker's
     compile would refuse it too, so it is reported now (each distinct schema is checked once)."""
-    constraint = output_constraint(body) if body is not None else None
-    if constraint is None:
+    spec = grammar_spec(body) if body is not None else None
+    if spec is None:
         return None
-    kind, schema = constraint
     try:
-        check_schema(GrammarSpec.json_object() if kind == "json_object" else GrammarSpec.json_schema(schema))
+        check_grammar(spec)
     except GrammarError as exc:
         param = "tools" if body.tool_choice == "required" else SCHEMA_PARAM[body.endpoint]
         return RequestError(str(exc), param, ErrorCode.INVALID_JSON_SCHEMA)

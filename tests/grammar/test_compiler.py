@@ -4,7 +4,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from batchapi.grammar import CompiledGrammar, GrammarError, GrammarSpec, check_schema
+from batchapi.grammar import CompiledGrammar, GrammarError, GrammarSpec, check_grammar
 from tests.grammar.schemas import EXTRACTION, LABEL, SHAPES
 
 BAD_SCHEMAS = [
@@ -59,20 +59,20 @@ def test_a_schema_that_is_not_an_object_is_refused(compiler):
 
 
 @pytest.mark.parametrize("schema, message", BAD_SCHEMAS)
-def test_check_schema_refuses_without_a_tokenizer(schema, message):
+def test_check_grammar_refuses_without_a_tokenizer(schema, message):
     with pytest.raises(GrammarError, match=message):
-        check_schema(GrammarSpec.json_schema(schema))
+        check_grammar(GrammarSpec.json_schema(schema))
 
 
 @pytest.mark.parametrize("schema", [LABEL, EXTRACTION, SHAPES])
-def test_check_schema_accepts_the_strict_subset(schema):
-    check_schema(GrammarSpec.json_schema(schema))
-    check_schema(GrammarSpec.json_object())
+def test_check_grammar_accepts_the_strict_subset(schema):
+    check_grammar(GrammarSpec.json_schema(schema))
+    check_grammar(GrammarSpec.json_object())
 
 
 def test_grammar_errors_are_value_errors_with_the_reason():
     with pytest.raises(ValueError) as info:
-        check_schema(GrammarSpec.json_schema({"type": "foo"}))
+        check_grammar(GrammarSpec.json_schema({"type": "foo"}))
     assert str(info.value) == "unsupported JSON schema: Invalid type: foo"
 
 
