@@ -53,8 +53,8 @@ class Settings(BaseSettings):
     kv_cache_gb: float = Field(default=2.0, gt=0)  # CPU pool size
     gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
     enable_prefix_caching: bool = True
-    batch_invariant: bool = True  # a request's tokens do not depend on its batch (README, "Reproducible results")
-    cuda_graphs: bool = True  # CUDA: decode steps replayed from CUDA graphs (README, "Engine step")
+    batch_invariant: bool = True  # a request's tokens do not depend on its batch (docs/USAGE.md, "Reproducible results")
+    cuda_graphs: bool = True  # CUDA: decode steps replayed from CUDA graphs (docs/BENCHMARKS.md, "Engine throughput")
 
     # service
     host: str = "127.0.0.1"

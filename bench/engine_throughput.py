@@ -15,7 +15,7 @@ output lengths 16..512 (continuous vs static) and one with a shared 1,000-token 
 (prefix caching on vs off). Printed, never asserted: timings are noisy on a shared CPU.
 
 Rates are given per wall second and per CPU second of this process (divided by the thread
-count). On a machine shared with other ctx the CPU-time rate is the stable one, and the
+count). On a machine shared with other jobs the CPU-time rate is the stable one, and the
 ratios are computed from it; run with --threads 1 there so that no thread spins idle.
 """
 

@@ -7,18 +7,8 @@ Usage: .venv/bin/python bench/kernels_cpu.py [--batch 96] [--ctx 300] [--spread 
         (the grammar's token bitmask applied to logits: its torch twin against the C kernel, fp32
         and bf16, for masks that allow a few tokens, nearly all of them, or a random half)
 
-Seen 2026-11-29 on this project's 2-core machine, shared with four other sessions (so noisy;
-quietest runs, ms per call, batch 96, context ~300, bf16): v_einsum 12-17, v_sdpa 10,
-v_group_bias 5.5-6.3, v_gqa_bool 4.0-5.4, v_library 4.6-6.1 (v_gqa_bool plus the padding
-redirect and the mixed-step split), v_fp32_gqa_bias 13. Under load, best-of ratios to v_einsum:
-v_library / v_gqa_bool 3-5x, v_sdpa 1.5-2.3x, zeroing masked slots (v_gqa_bool_clean) or
-chunking the batch (v_chunk*) lose their gain, one SDPA per sequence (v_loop) 0.3-0.6x.
-Later, best of 25 at lower load: v_einsum 11.8, v_gqa_bool 5.1, v_gqa_bool_2d 4.9, v_library 4.9
-(the 2-D-view gather of v_gqa_bool_2d is what v_library now does).
-v_native is the C kernel the engine now uses on CPU (kernels/cpu/csrc/paged_decode.c).
-With contexts 60..600 (--ctx 330 --spread 270), best of 10 under load: v_gqa_bool 15.0-15.8,
-v_library 10.8-12.3 (it now runs one SDPA per bucket of similar context lengths, x1.2-1.5); at
-the default +-50 spread the two are within noise.
+The figures, per CPU kind, are in docs/BENCHMARKS.md ("CPU kernels"). v_native is the C kernel the
+engine uses on CPU (kernels/cpu/csrc/paged_decode.c); v_library the torch path it falls back to.
 """
 
 import argparse

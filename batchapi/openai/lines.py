@@ -133,7 +133,7 @@ def peek_line(content: bytes | LongLine, line: int) -> LineFields | None:
     if isinstance(content, LongLine):
         return None
     try:
-        record = json.loads(strip_bom(content, line))
+        record = json.loads(strip_bom(content, line).decode("utf-8"))  # text: a BOM past line 1 is refused
     except (ValueError, RecursionError):  # not UTF-8 (a ValueError too), not JSON, nested too deep
         return None
     return _fields(record) if isinstance(record, dict) else None

@@ -121,3 +121,26 @@ def test_a_line_over_the_limit_is_line_too_long():
     assert (line.line, line.custom_id, line.body) == (9, None, None)
     assert line.error.code == ErrorCode.LINE_TOO_LONG
     assert line.error.message == "the line is 30000000 bytes; the limit is 4194304 bytes per line"
+
+
+def test_peek_line_reads_the_routing_fields_unchecked():
+    from batchapi.openai.lines import LineFields, peek_line
+
+    line = {"custom_id": "a", "method": "GET", "url": "/v1/embeddings", "body": {"model": "m", "frobnicate": 1}}
+    assert peek_line(b"\xef\xbb\xbf" + json.dumps(line).encode(), 1) == LineFields("a", "/v1/embeddings", "m")
+    assert peek_line(b"\xef\xbb\xbf" + json.dumps(line).encode(), 2) is None  # a BOM only before line 1
+    assert peek_line(b'{"custom_id": "", "body": {"model": 3}}', 1) == LineFields(None, None, None)
+    assert peek_line(b'["a"]', 1) is None
+    assert peek_line(b"{nope", 1) is None
+    assert peek_line(b'{"custom_id": "\xff"}', 1) is None
+    assert peek_line(b"[" * 100_000, 1) is None
+    assert peek_line(LongLine(10, 5), 1) is None
+
+
+def test_a_refused_body_keeps_the_url_and_model_it_named():
+    content = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/embeddings",
+                          "body": {"model": "m", "input": "x", "frobnicate": 1}}).encode()
+    parsed = parse_line(content, 1, None)
+    assert parsed.body is None and parsed.error.in_body
+    assert (parsed.url, parsed.model) == ("/v1/embeddings", "m")
+    assert (parse_line(b"{nope", 1, None).url, parse_line(b"{nope", 1, None).model) == (None, None)

@@ -99,3 +99,18 @@ def test_served_names_of_one_kind_as_far_as_it_is_known(tmp_path, minilm_dir, ti
     assert served_id_for(settings, str(minilm_dir), EMBEDDING) == minilm_dir.name
     assert served_id_for(settings, str(tiny_llama_dir), CHAT) == tiny_llama_dir.name
     assert served_id_for(settings, "/not/here/model", CHAT) == "model"  # not on this machine: not ruled out
+
+
+def test_require_served_names_the_model_or_refuses_with_one_code(tmp_path):
+    from batchapi.config import load_settings
+    from batchapi.errors import InvalidRequest, ModelNotServed
+    from batchapi.models.registry import require_served
+
+    settings = load_settings(data_dir=tmp_path, models=["smollm2-135m-instruct", "/m/all-minilm-l6-v2"])
+    assert require_served(settings, "HuggingFaceTB/SmolLM2-135M-Instruct") == "smollm2-135m-instruct"
+    with pytest.raises(ModelNotServed) as caught:
+        require_served(settings, "SmolLM2-135M-Instruct", "input_file_id", "of the file's first request")
+    assert isinstance(caught.value, InvalidRequest)
+    assert (caught.value.code, caught.value.param) == ("model_not_found", "input_file_id")
+    assert caught.value.message == ("the model 'SmolLM2-135M-Instruct' of the file's first request is not served "
+                                    "here; served: smollm2-135m-instruct, all-minilm-l6-v2")
