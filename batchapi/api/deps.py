@@ -11,21 +11,21 @@ from batchapi.context import Context
 from batchapi.db.projects import Identity, KeyCache, authenticate, identify
 
 
-async def get_jobs(request: Request) -> Context:  # async: no threadpool round trip for a lookup
+async def get_context(request: Request) -> Context:  # async: no threadpool round trip for a lookup
     return request.app.state.ctx
 
 
-JobsDep = Annotated[Context, Depends(get_jobs)]
+ContextDep = Annotated[Context, Depends(get_context)]
 
 
-async def get_project_id(request: Request, ctx: JobsDep) -> str:
+async def get_project_id(request: Request, ctx: ContextDep) -> str:
     """The project of the request's API key (``Authorization: Bearer KEY``). Async, so that a key
     seen in the last BATCHAPI_AUTH_CACHE_SECONDS costs neither a thread nor a query."""
     scheme, _, key = (request.headers.get("authorization") or "").partition(" ")
     return await _project_of(request, ctx, key.strip() if scheme.lower() == "bearer" else None)
 
 
-async def get_anthropic_project_id(request: Request, ctx: JobsDep) -> str:
+async def get_anthropic_project_id(request: Request, ctx: ContextDep) -> str:
     """As ``get_project_id``, for the Anthropic routes: the key in ``x-api-key`` (or a Bearer token).
     ``anthropic-version`` is accepted whatever it says."""
     key = (request.headers.get("x-api-key") or "").strip()
@@ -50,9 +50,9 @@ def _authenticate(ctx: Context, key: str | None) -> str:
         return authenticate(session, key)
 
 
-async def get_identity(request: Request, ctx: JobsDep) -> Identity:
+async def get_identity(request: Request, ctx: ContextDep) -> Identity:
     """The request's key with its admin flag (the organization reports; not cached: rarely called).
-    With auth off (the embedded default), an admin of the default project."""
+    With auth off (``BATCHAPI_AUTH_REQUIRED=false``), an admin of the default project."""
     if not ctx.settings.auth_required:
         return Identity("", request.app.state.default_project_id, True)
     scheme, _, key = (request.headers.get("authorization") or "").partition(" ")

@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response, StreamingResponse
 
-from batchapi.api.deps import IdempotencyKey, JobsDep, ProjectDep
+from batchapi.api.deps import ContextDep, IdempotencyKey, ProjectDep
 from batchapi.api.schemas import BatchList, BatchObject, CreateBatchRequest, error_responses
 from batchapi.batches import retry
 from batchapi.batches import service as batches
@@ -17,7 +17,7 @@ router = APIRouter(prefix="/v1/batches", tags=["batches"], responses=error_respo
 
 @router.post("", responses=error_responses(409, 413))
 def create_batch(
-    ctx: JobsDep, project_id: ProjectDep, body: CreateBatchRequest, idempotency_key: IdempotencyKey = None
+    ctx: ContextDep, project_id: ProjectDep, body: CreateBatchRequest, idempotency_key: IdempotencyKey = None
 ) -> BatchObject:
     batch = batches.create_batch(
         ctx, project_id, body.input_file_id, body.endpoint, body.completion_window, body.metadata, idempotency_key,
@@ -28,7 +28,7 @@ def create_batch(
 
 @router.get("")
 def list_batches(
-    ctx: JobsDep,
+    ctx: ContextDep,
     project_id: ProjectDep,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
@@ -38,7 +38,7 @@ def list_batches(
 
 
 @router.get("/{batch_id}", response_model=BatchObject)
-async def retrieve_batch(request: Request, ctx: JobsDep, project_id: ProjectDep, batch_id: str) -> Response:
+async def retrieve_batch(request: Request, ctx: ContextDep, project_id: ProjectDep, batch_id: str) -> Response:
     """The polled route, serialized once rather than validated again against response_model. On
     PostgreSQL one prepared SELECT awaited on the loop (``db.reads``); on SQLite one query on a
     thread of the event loop's own small executor (cheaper than anyio's 40-thread pool)."""
@@ -54,13 +54,13 @@ async def retrieve_batch(request: Request, ctx: JobsDep, project_id: ProjectDep,
 
 
 @router.post("/{batch_id}/cancel", responses=error_responses(409))
-def cancel_batch(ctx: JobsDep, project_id: ProjectDep, batch_id: str) -> BatchObject:
+def cancel_batch(ctx: ContextDep, project_id: ProjectDep, batch_id: str) -> BatchObject:
     return BatchObject.of(batches.cancel_batch(ctx, project_id, batch_id))
 
 
 @router.post("/{batch_id}/retry", responses=error_responses(409, 503))
 def retry_batch(
-    ctx: JobsDep, project_id: ProjectDep, batch_id: str, idempotency_key: IdempotencyKey = None
+    ctx: ContextDep, project_id: ProjectDep, batch_id: str, idempotency_key: IdempotencyKey = None
 ) -> BatchObject:
     """Extension (docs/API_EXTENSIONS.md): a new batch over the ended batch's failed, expired and
     cancelled requests."""
@@ -69,7 +69,7 @@ def retry_batch(
 
 @router.get("/{batch_id}/partial_results", response_class=StreamingResponse, responses=error_responses(503))
 def partial_results(
-    ctx: JobsDep, project_id: ProjectDep, batch_id: str, kind: Literal["output", "error"] = "output"
+    ctx: ContextDep, project_id: ProjectDep, batch_id: str, kind: Literal["output", "error"] = "output"
 ) -> StreamingResponse:
     """Extension (docs/API_EXTENSIONS.md): result lines of the shards finished so far."""
     chunks = batches.iter_partial_results(ctx, project_id, batch_id, kind)

@@ -20,7 +20,7 @@ from fastapi.templating import Jinja2Templates
 
 from batchapi import reports
 from batchapi.api.dashboard import charts, views
-from batchapi.api.deps import JobsDep
+from batchapi.api.deps import ContextDep
 from batchapi.batches import files, service
 from batchapi.context import Context
 from batchapi.db.clock import now
@@ -97,7 +97,7 @@ def _cross_site(request: Request) -> bool:
 
 
 @router.post("/sign-in")
-def sign_in(request: Request, ctx: JobsDep, api_key: Annotated[str, Form(max_length=512)] = "") -> Response:
+def sign_in(request: Request, ctx: ContextDep, api_key: Annotated[str, Form(max_length=512)] = "") -> Response:
     if _cross_site(request):
         return _sign_in_page(request, ctx, "Sign in from this dashboard's own page.", 403)
     try:
@@ -117,7 +117,7 @@ def _secure(request: Request, setting: str) -> bool:
 
 
 @router.post("/sign-out")
-def sign_out(request: Request, ctx: JobsDep) -> Response:
+def sign_out(request: Request, ctx: ContextDep) -> Response:
     with session_scope(ctx.sessions) as session:
         close_dashboard_session(session, request.cookies.get(COOKIE))
     response = RedirectResponse(PREFIX, status_code=303)
@@ -129,7 +129,7 @@ def sign_out(request: Request, ctx: JobsDep) -> Response:
 
 
 @router.get("")
-async def batches_page(request: Request, ctx: JobsDep, after: Annotated[str | None, Query(max_length=64)] = None):
+async def batches_page(request: Request, ctx: ContextDep, after: Annotated[str | None, Query(max_length=64)] = None):
     identity, project = await _signed_in(request, ctx)
     if identity is None:
         return _sign_in_page(request, ctx)
@@ -144,7 +144,7 @@ async def batches_page(request: Request, ctx: JobsDep, after: Annotated[str | No
 
 
 @router.get("/batches/{batch_id}")
-async def batch_page(request: Request, ctx: JobsDep, batch_id: str):
+async def batch_page(request: Request, ctx: ContextDep, batch_id: str):
     identity, project = await _signed_in(request, ctx)
     if identity is None:
         return _sign_in_page(request, ctx)
@@ -158,7 +158,7 @@ async def batch_page(request: Request, ctx: JobsDep, batch_id: str):
 
 
 @router.get("/usage")
-async def usage_page(request: Request, ctx: JobsDep, days: Annotated[int, Query(ge=1, le=31)] = 14):
+async def usage_page(request: Request, ctx: ContextDep, days: Annotated[int, Query(ge=1, le=31)] = 14):
     identity, project = await _signed_in(request, ctx)
     if identity is None:
         return _sign_in_page(request, ctx)
@@ -184,7 +184,7 @@ def _daily(ctx: Context, project_id: str, days: int) -> views.DailyUsage:
 
 
 @router.get("/progress")
-async def progress(request: Request, ctx: JobsDep, ids: Annotated[str, Query(max_length=4096)] = ""):
+async def progress(request: Request, ctx: ContextDep, ids: Annotated[str, Query(max_length=4096)] = ""):
     """Progress of the listed batches (comma-separated ids) for the pages' script."""
     identity = await run_in_threadpool(_identity, ctx, request)
     if identity is None:
@@ -206,7 +206,7 @@ def _progress(ctx: Context, project_id: str, ids: list[str]) -> list[dict]:
 
 
 @router.get("/files/{file_id}")
-async def file_download(request: Request, ctx: JobsDep, file_id: str):
+async def file_download(request: Request, ctx: ContextDep, file_id: str):
     identity, project = await _signed_in(request, ctx)
     if identity is None:
         return _sign_in_page(request, ctx, status=401)

@@ -5,7 +5,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 
-from batchapi.api.deps import JobsDep, ProjectDep
+from batchapi.api.deps import ContextDep, ProjectDep
 from batchapi.api.multipart import receive_upload
 from batchapi.api.schemas import FileDeleted, FileList, FileObject, error_responses
 from batchapi.batches import files
@@ -27,13 +27,13 @@ UPLOAD_FORM = {"requestBody": {"required": True, "content": {"multipart/form-dat
 
 
 @router.post("", responses=error_responses(413, 503), openapi_extra=UPLOAD_FORM)
-async def upload_file(request: Request, ctx: JobsDep, project_id: ProjectDep) -> FileObject:
+async def upload_file(request: Request, ctx: ContextDep, project_id: ProjectDep) -> FileObject:
     return FileObject.of(await receive_upload(request, ctx, project_id))
 
 
 @router.get("", responses=error_responses(404))
 def list_files(
-    ctx: JobsDep,
+    ctx: ContextDep,
     project_id: ProjectDep,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
@@ -45,12 +45,12 @@ def list_files(
 
 
 @router.get("/{file_id}", responses=error_responses(404))
-def retrieve_file(ctx: JobsDep, project_id: ProjectDep, file_id: str) -> FileObject:
+def retrieve_file(ctx: ContextDep, project_id: ProjectDep, file_id: str) -> FileObject:
     return FileObject.of(files.get_file(ctx, project_id, file_id))
 
 
 @router.get("/{file_id}/content", response_class=StreamingResponse, responses=error_responses(404, 503))
-def file_content(ctx: JobsDep, project_id: ProjectDep, file_id: str) -> StreamingResponse:
+def file_content(ctx: ContextDep, project_id: ProjectDep, file_id: str) -> StreamingResponse:
     row, chunks = files.open_content(ctx, project_id, file_id)
     return StreamingResponse(
         chunks, media_type="application/octet-stream",
@@ -59,5 +59,5 @@ def file_content(ctx: JobsDep, project_id: ProjectDep, file_id: str) -> Streamin
 
 
 @router.delete("/{file_id}", responses=error_responses(404, 503))
-def delete_file(ctx: JobsDep, project_id: ProjectDep, file_id: str) -> FileDeleted:
+def delete_file(ctx: ContextDep, project_id: ProjectDep, file_id: str) -> FileDeleted:
     return FileDeleted(id=files.delete_file(ctx, project_id, file_id))

@@ -5,7 +5,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from batchapi import metrics
-from batchapi.api.deps import JobsDep
+from batchapi.api.deps import ContextDep
 from batchapi.api.schemas import Health, error_responses
 from batchapi.batches.health import check_health
 
@@ -13,7 +13,7 @@ router = APIRouter(tags=["health"])
 
 
 @router.get("/health", responses={**error_responses(400, 431), 503: {"model": Health, "description": "A dependency is down."}})
-def health(ctx: JobsDep) -> JSONResponse:
+def health(ctx: ContextDep) -> JSONResponse:
     report = check_health(ctx)
     body = Health(status="ok" if report.ok else "unavailable", database=report.database, storage=report.storage)
     return JSONResponse(body.model_dump(), status_code=200 if report.ok else 503)

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
-from batchapi.api.deps import AnthropicProjectDep, JobsDep
+from batchapi.api.deps import AnthropicProjectDep, ContextDep
 from batchapi.api.message_schemas import DeletedMessageBatch, MessageBatch, MessageBatchList, error_responses
 from batchapi.api.schemas import error_responses as openai_error_responses
 from batchapi.batches import messages
@@ -21,7 +21,7 @@ router = APIRouter(prefix="/v1/messages/batches", tags=["message batches"],
 
 
 @router.post("", responses=error_responses(413))
-async def create_message_batch(request: Request, ctx: JobsDep, project_id: AnthropicProjectDep) -> MessageBatch:
+async def create_message_batch(request: Request, ctx: ContextDep, project_id: AnthropicProjectDep) -> MessageBatch:
     """Body: ``{"requests": [{"custom_id", "params"}]}``, read by hand: a problem in one request's
     ``params`` is that request's errored result, not a refusal of the batch."""
     raw = await request.body()
@@ -36,7 +36,7 @@ async def create_message_batch(request: Request, ctx: JobsDep, project_id: Anthr
 @router.get("")
 def list_message_batches(
     request: Request,
-    ctx: JobsDep,
+    ctx: ContextDep,
     project_id: AnthropicProjectDep,
     before_id: str | None = None,
     after_id: str | None = None,
@@ -49,24 +49,24 @@ def list_message_batches(
 
 
 @router.get("/{message_batch_id}")
-def retrieve_message_batch(request: Request, ctx: JobsDep, project_id: AnthropicProjectDep,
+def retrieve_message_batch(request: Request, ctx: ContextDep, project_id: AnthropicProjectDep,
                            message_batch_id: str) -> MessageBatch:
     return MessageBatch.of(messages.get(ctx, project_id, message_batch_id), _base_url(request, ctx))
 
 
 @router.post("/{message_batch_id}/cancel", responses=error_responses(409))
-def cancel_message_batch(request: Request, ctx: JobsDep, project_id: AnthropicProjectDep,
+def cancel_message_batch(request: Request, ctx: ContextDep, project_id: AnthropicProjectDep,
                          message_batch_id: str) -> MessageBatch:
     return MessageBatch.of(messages.cancel(ctx, project_id, message_batch_id), _base_url(request, ctx))
 
 
 @router.delete("/{message_batch_id}", responses=error_responses(503))
-def delete_message_batch(ctx: JobsDep, project_id: AnthropicProjectDep, message_batch_id: str) -> DeletedMessageBatch:
+def delete_message_batch(ctx: ContextDep, project_id: AnthropicProjectDep, message_batch_id: str) -> DeletedMessageBatch:
     return DeletedMessageBatch(id=messages.delete(ctx, project_id, message_batch_id))
 
 
 @router.get("/{message_batch_id}/results", response_class=StreamingResponse, responses=error_responses(503))
-def message_batch_results(ctx: JobsDep, project_id: AnthropicProjectDep, message_batch_id: str) -> StreamingResponse:
+def message_batch_results(ctx: ContextDep, project_id: AnthropicProjectDep, message_batch_id: str) -> StreamingResponse:
     """JSONL, one line per request, for an ended batch: ``{"custom_id", "result"}``."""
     return StreamingResponse(messages.iter_results(ctx, project_id, message_batch_id),
                              media_type="application/binary")

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 
 from batchapi import reports
-from batchapi.api.deps import IdentityDep, JobsDep
+from batchapi.api.deps import ContextDep, IdentityDep
 from batchapi.api.schemas import error_responses
 from batchapi.context import Context
 from batchapi.db.projects import Identity
@@ -56,7 +56,7 @@ def _costs(ctx: Context, query: reports.Query, identity: Identity) -> dict:
 
 
 @router.get("/usage/completions")
-async def usage_completions(request: Request, ctx: JobsDep, identity: IdentityDep, start_time: StartTime,
+async def usage_completions(request: Request, ctx: ContextDep, identity: IdentityDep, start_time: StartTime,
                             end_time: EndTime = None, bucket_width: Width = "1d", limit: Limit = None,
                             page: Page = None, batch: bool | None = None) -> dict:
     """Tokens and succeeded requests per bucket (chat completions, completions, responses, messages);
@@ -66,7 +66,7 @@ async def usage_completions(request: Request, ctx: JobsDep, identity: IdentityDe
 
 
 @router.get("/usage/embeddings")
-async def usage_embeddings(request: Request, ctx: JobsDep, identity: IdentityDep, start_time: StartTime,
+async def usage_embeddings(request: Request, ctx: ContextDep, identity: IdentityDep, start_time: StartTime,
                            end_time: EndTime = None, bucket_width: Width = "1d", limit: Limit = None,
                            page: Page = None) -> dict:
     """Input tokens and succeeded requests per bucket of embeddings batches."""
@@ -75,7 +75,7 @@ async def usage_embeddings(request: Request, ctx: JobsDep, identity: IdentityDep
 
 
 @router.get("/costs")
-async def costs(request: Request, ctx: JobsDep, identity: IdentityDep, start_time: StartTime,
+async def costs(request: Request, ctx: ContextDep, identity: IdentityDep, start_time: StartTime,
                 end_time: EndTime = None, bucket_width: Literal["1d"] = "1d", limit: Limit = None,
                 page: Page = None) -> dict:
     """Spend per day at the batch price (``amount.value`` in ``currency``); ``group_by`` any of

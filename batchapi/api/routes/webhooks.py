@@ -9,7 +9,7 @@ from typing import Annotated, TypeVar
 from fastapi import APIRouter, Query
 from sqlalchemy.orm import Session
 
-from batchapi.api.deps import JobsDep, ProjectDep
+from batchapi.api.deps import ContextDep, ProjectDep
 from batchapi.api.schemas import error_responses
 from batchapi.api.webhook_schemas import (
     CreateWebhookEndpointRequest,
@@ -41,13 +41,13 @@ def _committed(ctx: Context, act: Callable[[Session], T]) -> T:
 
 
 @router.post("")
-def create_endpoint(ctx: JobsDep, project_id: ProjectDep, body: CreateWebhookEndpointRequest) -> WebhookEndpointWithSecret:
+def create_endpoint(ctx: ContextDep, project_id: ProjectDep, body: CreateWebhookEndpointRequest) -> WebhookEndpointWithSecret:
     return WebhookEndpointWithSecret.of(_committed(ctx, lambda s: endpoints.create_endpoint(
         s, ctx.settings, project_id, body.url, body.event_types, body.name)))
 
 
 @router.get("")
-def list_endpoints(ctx: JobsDep, project_id: ProjectDep, after: str | None = None,
+def list_endpoints(ctx: ContextDep, project_id: ProjectDep, after: str | None = None,
                    limit: Annotated[int, Query(ge=1, le=100)] = 20) -> WebhookEndpointList:
     with ctx.sessions() as session:
         rows, has_more = endpoints.page_endpoints(session, project_id, limit, after)
@@ -55,26 +55,26 @@ def list_endpoints(ctx: JobsDep, project_id: ProjectDep, after: str | None = Non
 
 
 @router.get("/{webhook_endpoint_id}", responses=error_responses(404))
-def retrieve_endpoint(ctx: JobsDep, project_id: ProjectDep, webhook_endpoint_id: str) -> WebhookEndpointObject:
+def retrieve_endpoint(ctx: ContextDep, project_id: ProjectDep, webhook_endpoint_id: str) -> WebhookEndpointObject:
     with ctx.sessions() as session:
         return WebhookEndpointObject.of(endpoints.get_endpoint(session, webhook_endpoint_id, project_id))
 
 
 @router.post("/{webhook_endpoint_id}", responses=error_responses(404))
-def update_endpoint(ctx: JobsDep, project_id: ProjectDep, webhook_endpoint_id: str,
+def update_endpoint(ctx: ContextDep, project_id: ProjectDep, webhook_endpoint_id: str,
                     body: UpdateWebhookEndpointRequest) -> WebhookEndpointObject:
     return WebhookEndpointObject.of(_committed(ctx, lambda s: endpoints.update_endpoint(
         s, ctx.settings, webhook_endpoint_id, project_id, body.url, body.event_types, body.name)))
 
 
 @router.delete("/{webhook_endpoint_id}", responses=error_responses(404))
-def delete_endpoint(ctx: JobsDep, project_id: ProjectDep, webhook_endpoint_id: str) -> WebhookEndpointDeleted:
+def delete_endpoint(ctx: ContextDep, project_id: ProjectDep, webhook_endpoint_id: str) -> WebhookEndpointDeleted:
     _committed(ctx, lambda s: endpoints.delete_endpoint(s, webhook_endpoint_id, project_id))
     return WebhookEndpointDeleted(id=webhook_endpoint_id)
 
 
 @router.post("/{webhook_endpoint_id}/rotate_secret", responses=error_responses(404))
-def rotate_secret(ctx: JobsDep, project_id: ProjectDep, webhook_endpoint_id: str,
+def rotate_secret(ctx: ContextDep, project_id: ProjectDep, webhook_endpoint_id: str,
                   body: RotateSecretRequest | None = None) -> WebhookEndpointWithSecret:
     keep = body.keep_old_secret_active_for_24_hours if body else False
     return WebhookEndpointWithSecret.of(_committed(ctx, lambda s: endpoints.rotate_secret(
@@ -82,7 +82,7 @@ def rotate_secret(ctx: JobsDep, project_id: ProjectDep, webhook_endpoint_id: str
 
 
 @router.post("/{webhook_endpoint_id}/test", responses=error_responses(404))
-def test_endpoint(ctx: JobsDep, project_id: ProjectDep, webhook_endpoint_id: str,
+def test_endpoint(ctx: ContextDep, project_id: ProjectDep, webhook_endpoint_id: str,
                   body: TestWebhookRequest) -> WebhookTestResult:
     """Sends a sample event now, signed as a real one; its answer's status comes back."""
     event_type = endpoints.check_event_types([body.event_type])[0]
@@ -95,7 +95,7 @@ def test_endpoint(ctx: JobsDep, project_id: ProjectDep, webhook_endpoint_id: str
 
 
 @router.get("/{webhook_endpoint_id}/deliveries", responses=error_responses(404))
-def list_deliveries(ctx: JobsDep, project_id: ProjectDep, webhook_endpoint_id: str, batch_id: str | None = None,
+def list_deliveries(ctx: ContextDep, project_id: ProjectDep, webhook_endpoint_id: str, batch_id: str | None = None,
                     limit: Annotated[int, Query(ge=1, le=100)] = 20) -> WebhookDeliveryList:
     """Extension: the endpoint's events, newest first: status, attempts, last status code and error."""
     with ctx.sessions() as session:
