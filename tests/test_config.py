@@ -84,7 +84,7 @@ def test_cli_reports_bad_settings_without_a_traceback(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["models", "list"])
     assert exc.value.code == 2
-    assert "BATCHAPI_DTYPE" in capsys.readouterr().out
+    assert "BATCHAPI_DTYPE" in capsys.readouterr().err
 
 
 def test_dtype_and_kernel_choices_are_the_engines():

@@ -7,22 +7,18 @@ to the ``/v1/batches/{id}/retry`` extension.
 
 from __future__ import annotations
 
-import logging
 from datetime import UTC, datetime
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from batchapi.cli.submit import client_for, follow
+from batchapi.cli.client import client_for
+from batchapi.cli.failures import CommandError
+from batchapi.cli.submit import TERMINAL, follow
 
 TIMES = ("created_at", "in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at",
          "cancelling_at", "cancelled_at", "expires_at")
-
-
-def _quiet() -> None:
-    for noisy in ("httpx", "httpx2", "openai"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 def _when(timestamp: int | None, short: bool = False) -> str:
@@ -104,9 +100,9 @@ def download(client, batch_id: str, directory: Path, console: Console) -> int:
     batch = client.batches.retrieve(batch_id)
     files = [f for f in (batch.output_file_id, batch.error_file_id) if f]
     if not files:
-        console.print(f"batch {batch.id} ({batch.status}) has no output or error file"
-                      + ("" if batch.status in ("completed", "expired", "cancelled", "failed") else " yet"))
-        return 1
+        ended = batch.status in TERMINAL
+        raise CommandError(f"batch {batch.id} ({batch.status}) has no output or error file"
+                           + ("" if ended else f" yet; `batchapi batches show {batch.id} --wait` follows it"))
     directory.mkdir(parents=True, exist_ok=True)
     for file_id in files:
         name = Path(client.files.retrieve(file_id).filename).name or f"{file_id}.jsonl"
@@ -135,27 +131,15 @@ def retry(client, batch_id: str, idempotency_key: str | None, wait: bool, consol
 
 
 def run(action: str, args, base_url: str, console: Console) -> int:
-    """One ``batchapi batches ACTION``; an API error is printed as the API said it."""
-    from openai import APIConnectionError, APIStatusError
-
-    _quiet()
+    """One ``batchapi batches ACTION``; an API error reaches ``batchapi.cli.commands.main``."""
     client = client_for(base_url, args.api_key)
-    try:
-        if action == "list":
-            return list_batches(client, args.limit, console)
-        if action == "show":
-            return show(client, args.batch_id, args.wait, console)
-        if action == "cancel":
-            return cancel(client, args.batch_id, args.wait, console)
-        if action == "download":
-            return download(client, args.batch_id, Path(args.output_dir), console)
-        assert action == "retry", f"unknown action {action}"
-        return retry(client, args.batch_id, args.idempotency_key, args.wait, console)
-    except APIStatusError as exc:
-        body = exc.body if isinstance(exc.body, dict) else {}
-        message = body.get("message") or (body.get("error") or {}).get("message") or str(exc)
-        console.print(f"[red]error:[/red] {exc.status_code}: {message}", soft_wrap=True)
-        return 1
-    except APIConnectionError as exc:
-        console.print(f"[red]error:[/red] cannot reach {base_url}: {exc}", soft_wrap=True)
-        return 1
+    if action == "list":
+        return list_batches(client, args.limit, console)
+    if action == "show":
+        return show(client, args.batch_id, args.wait, console)
+    if action == "cancel":
+        return cancel(client, args.batch_id, args.wait, console)
+    if action == "download":
+        return download(client, args.batch_id, Path(args.output_dir), console)
+    assert action == "retry", f"unknown action {action}"
+    return retry(client, args.batch_id, args.idempotency_key, args.wait, console)

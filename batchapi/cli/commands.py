@@ -13,33 +13,23 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from batchapi.cli.client import api_url
+from batchapi.cli.failures import USAGE, CommandError, explain, unexpected
 from batchapi.config import Settings, SettingsError, load_settings
 
 console = Console()
-
-
-def _settings(**overrides) -> Settings:
-    try:
-        return load_settings(**overrides)
-    except SettingsError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise SystemExit(2) from None
 
 
 # models
 
 
 def cmd_models_pull(args: argparse.Namespace) -> int:
-    from batchapi.models.store import ModelNotFound, pull_model
+    from batchapi.models.store import pull_model
 
-    settings = _settings()
+    settings = load_settings()
     for name in args.name:  # each model's directory is printed once it is ready, the last one last
-        try:
-            with console.status(f"pulling {name} (fetch and convert once)"):
-                path = pull_model(name, settings.model_cache)
-        except ModelNotFound as exc:
-            console.print(f"[red]error:[/red] {exc}")
-            return 1
+        with console.status(f"pulling {name} (fetch and convert once)"):
+            path = pull_model(name, settings.model_cache)
         console.print(f"{name}: {path}")
     return 0
 
@@ -47,7 +37,7 @@ def cmd_models_pull(args: argparse.Namespace) -> int:
 def cmd_models_list(args: argparse.Namespace) -> int:
     from batchapi.models.store import list_models
 
-    settings = _settings()
+    settings = load_settings()
     table = Table("model", "path", "size")
     for alias, path, size in list_models(settings.model_cache):
         table.add_row(alias, str(path), f"{size / 1e6:.0f} MB")
@@ -59,16 +49,11 @@ def cmd_models_list(args: argparse.Namespace) -> int:
 
 
 def cmd_run_batch(args: argparse.Namespace) -> int:
-    from batchapi.models.store import ModelNotFound
     from batchapi.workers.engine_setup import engine_config_from
     from batchapi.workers.run_batch import run_batch
 
-    settings = _settings()
-    try:
-        config = engine_config_from(settings, args.model)
-    except ModelNotFound as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        return 1
+    settings = load_settings()
+    config = engine_config_from(settings, args.model)
     counts = run_batch(Path(args.input), Path(args.output), config, progress=not args.quiet,
                        max_line_bytes=settings.max_line_bytes)
     console.print(counts)
@@ -85,14 +70,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     overrides = {name: getattr(args, name) for name in ("host", "port") if getattr(args, name) is not None}
     if args.workers is not None:
         overrides["api_workers"] = args.workers
-    settings = _settings(**overrides)  # --workers is checked as BATCHAPI_API_WORKERS is: it needs a broker
+    settings = load_settings(**overrides)  # --workers is checked as BATCHAPI_API_WORKERS is: it needs a broker
     if settings.embedded:
         from batchapi.workers.embedded import EmbeddedWorker
 
         worker = EmbeddedWorker()
         serve(settings, dispatcher=worker, hook=worker.run, sweep_shards=True)  # no beat: it sweeps
     elif settings.api_workers > 1:
-        serve(settings, factory="batchapi.cli:api_app")
+        serve(settings, factory="batchapi.cli.commands:api_app")
     else:
         serve(settings, dispatcher=_celery_dispatcher(settings))
     return 0
@@ -110,18 +95,17 @@ def api_app():
     from batchapi.api.main import create_app
 
     _configure_logging(verbose=False)
-    settings = _settings()
+    settings = load_settings()
     return create_app(settings, dispatcher=_celery_dispatcher(settings))
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
     from batchapi.workers.processes import run_worker
 
-    settings = _settings()
+    settings = load_settings()
     if settings.embedded:
-        console.print("[red]error:[/red] `batchapi worker` needs BATCHAPI_BROKER_URL (without one, "
-                      "`batchapi serve` runs the worker itself)")
-        return 2
+        raise CommandError("`batchapi worker` needs BATCHAPI_BROKER_URL (without one, `batchapi serve` runs "
+                           "the worker itself)", usage=True)
     run_worker(settings, args.name)
     return 0
 
@@ -129,18 +113,19 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def cmd_beat(args: argparse.Namespace) -> int:
     from batchapi.workers.processes import run_beat
 
-    settings = _settings()
+    settings = load_settings()
     if settings.embedded:
-        console.print("[red]error:[/red] `batchapi beat` needs BATCHAPI_BROKER_URL")
-        return 2
+        raise CommandError("`batchapi beat` needs BATCHAPI_BROKER_URL (without one, `batchapi serve` sweeps "
+                           "itself)", usage=True)
     run_beat(settings)
     return 0
 
 
 def cmd_db_upgrade(args: argparse.Namespace) -> int:
+    logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)  # a line per plugin, on import
     from batchapi.db.migrate import upgrade
 
-    upgrade(_settings(), args.revision)
+    upgrade(load_settings(), args.revision)
     console.print(f"database at {args.revision}")
     return 0
 
@@ -148,7 +133,7 @@ def cmd_db_upgrade(args: argparse.Namespace) -> int:
 def cmd_keys_create(args: argparse.Namespace) -> int:
     from batchapi.db.projects import create_key
 
-    key = create_key(_settings(), args.project, admin=args.admin)
+    key = create_key(load_settings(), args.project, admin=args.admin)
     kind = "admin API key" if args.admin else "API key"
     console.print(f"{kind} for project {args.project!r} (shown once):")
     print(key)
@@ -162,7 +147,7 @@ def _date(timestamp: int | None) -> str:
 def cmd_keys_list(args: argparse.Namespace) -> int:
     from batchapi.db.projects import list_keys
 
-    keys = list_keys(_settings(), args.project)
+    keys = list_keys(load_settings(), args.project)
     if args.json:
         print(json.dumps([dataclasses.asdict(key) for key in keys], indent=2))
         return 0
@@ -181,13 +166,8 @@ def cmd_keys_list(args: argparse.Namespace) -> int:
 
 def cmd_keys_revoke(args: argparse.Namespace) -> int:
     from batchapi.db.projects import revoke_key
-    from batchapi.errors import NotFound
 
-    try:
-        revoked = revoke_key(_settings(), args.key_id)
-    except NotFound as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        return 1
+    revoked = revoke_key(load_settings(), args.key_id)
     console.print(f"{args.key_id} revoked" if revoked else f"{args.key_id} was already revoked")
     return 0
 
@@ -195,24 +175,23 @@ def cmd_keys_revoke(args: argparse.Namespace) -> int:
 def cmd_submit(args: argparse.Namespace) -> int:
     from batchapi.cli.submit import submit
 
-    settings = _settings()
-    return submit(
-        Path(args.file), base_url=args.base_url or f"http://{settings.host}:{settings.port}/v1", api_key=args.api_key, endpoint=args.endpoint,
-        wait=args.wait, show=args.show, console=console,
-    )
+    return submit(Path(args.file), base_url=args.base_url, api_key=args.api_key, endpoint=args.endpoint,
+                  wait=args.wait, show=args.show, console=console)
 
 
 def cmd_batches(args: argparse.Namespace) -> int:
     from batchapi.cli.batches import run
 
-    settings = _settings()
-    return run(args.action, args, args.base_url or f"http://{settings.host}:{settings.port}/v1", console)
+    return run(args.action, args, args.base_url, console)
+
+
+BASE_URL_HELP = "the server, http://HOST:PORT with or without /v1 (default: http://BATCHAPI_HOST:BATCHAPI_PORT)"
 
 
 def _add_batches_parser(sub) -> None:
-    """``batchapi batches list | show | cancel | download | retry`` (batchapi/batch_client.py)."""
+    """``batchapi batches list | show | cancel | download | retry`` (batchapi/cli/batches.py)."""
     client = argparse.ArgumentParser(add_help=False)
-    client.add_argument("--base-url", default=None, help="default: http://BATCHAPI_HOST:BATCHAPI_PORT/v1")
+    client.add_argument("--base-url", default=None, help=BASE_URL_HELP)
     client.add_argument("--api-key", default=None, help="default: OPENAI_API_KEY")
     batches = sub.add_parser("batches", help="list, show, cancel, download and retry batches on a running server")
     actions = batches.add_subparsers(dest="action", required=True)
@@ -235,7 +214,7 @@ def _add_batches_parser(sub) -> None:
 def cmd_webhooks(args: argparse.Namespace) -> int:
     from batchapi.cli.webhooks import run
 
-    return run(args, _settings(), console)
+    return run(args, load_settings(), console)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -243,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="batchapi", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--debug", action="store_true", help="a failure shows its traceback")
     sub = parser.add_subparsers(dest="command", required=True)
 
     models = sub.add_parser("models", help="pull and list models").add_subparsers(dest="action", required=True)
@@ -292,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     submit = sub.add_parser("submit", help="upload a JSONL file to a running server and create a batch")
     submit.add_argument("file")
     submit.add_argument("--wait", action="store_true", help="follow it with a progress bar until it ends")
-    submit.add_argument("--base-url", default=None, help="default: http://BATCHAPI_HOST:BATCHAPI_PORT/v1")
+    submit.add_argument("--base-url", default=None, help=BASE_URL_HELP)
     submit.add_argument("--api-key", default=None, help="default: OPENAI_API_KEY")
     submit.add_argument("--endpoint", default=None, help="default: the url of the file's first line")
     submit.add_argument("--show", type=int, default=3, help="results to print at the end")
@@ -303,9 +283,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. A failure prints one line to stderr, ``batchapi COMMAND: what failed; what
+    to do`` (batchapi/cli/failures.py), and returns 1 (130 on Ctrl-C); a usage error (the command line or the
+    settings) exits 2 through SystemExit, as argparse's own do. ``--debug`` shows the traceback."""
     args = build_parser().parse_args(argv)
     _configure_logging(args.verbose)
-    return args.func(args)
+    try:
+        if hasattr(args, "base_url"):  # settled first, so that a failure names the URL the client used
+            settings = load_settings()
+            args.base_url = api_url(args.base_url, settings.host, settings.port)
+        return args.func(args)
+    except (Exception, KeyboardInterrupt) as exc:
+        if args.debug:
+            raise
+        command = _command(args)
+        failure = explain(exc, getattr(args, "base_url", None)) or unexpected(exc, command)
+        print(f"{command}: {failure.line}", file=sys.stderr)
+        if failure.status == USAGE:
+            raise SystemExit(USAGE) from None
+        return failure.status
+
+
+def _command(args: argparse.Namespace) -> str:
+    """``batchapi keys revoke``: the words a person typed to get here."""
+    return " ".join(["batchapi", args.command, *([args.action] if getattr(args, "action", None) else [])])
 
 
 def _configure_logging(verbose: bool) -> None:

@@ -7,46 +7,41 @@ Uploads the file, creates the batch and, with ``--wait``, follows it with a prog
 from __future__ import annotations
 
 import json
-import logging
 import time
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from batchapi.cli.client import client_for
+from batchapi.cli.failures import CommandError
+
 TERMINAL = {"completed", "failed", "expired", "cancelled"}
 POLL_SECONDS = 1.0
 
 
-def client_for(base_url: str, api_key: str | None):
-    from openai import OpenAI, OpenAIError
-
-    try:
-        return OpenAI(base_url=base_url, api_key=api_key)
-    except OpenAIError:  # no key given nor in OPENAI_API_KEY: a server with auth off takes any
-        return OpenAI(base_url=base_url, api_key="none")
-
-
 def _first_url(path: Path) -> str:
+    """The endpoint of the file's first request, read before anything is uploaded."""
     with path.open("rb") as handle:
-        for raw in handle:
+        for number, raw in enumerate(handle, 1):
             if raw.strip():
-                return json.loads(raw)["url"]
-    raise SystemExit(f"{path} holds no requests")
+                try:
+                    return json.loads(raw)["url"]
+                except (ValueError, TypeError, KeyError):
+                    raise CommandError(f"{path}: line {number} is not a batch request line with a \"url\"; "
+                                       "give a JSONL batch file, or the endpoint with --endpoint") from None
+    raise CommandError(f"{path} holds no requests; give a JSONL batch file, one request a line")
 
 
 def submit(
     path: Path, *, base_url: str, api_key: str | None, endpoint: str | None, wait: bool, show: int,
     console: Console,
 ) -> int:
-    for noisy in ("httpx", "httpx2", "openai"):  # one line per poll would drown the progress bar
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    endpoint = endpoint or _first_url(path)
     client = client_for(base_url, api_key)
     with path.open("rb") as handle:
         uploaded = client.files.create(file=handle, purpose="batch")
-    batch = client.batches.create(
-        input_file_id=uploaded.id, endpoint=endpoint or _first_url(path), completion_window="24h"
-    )
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint=endpoint, completion_window="24h")
     console.print(f"uploaded {uploaded.id} ({uploaded.bytes} bytes); batch [bold]{batch.id}[/bold]",
                   soft_wrap=True)
     if not wait:

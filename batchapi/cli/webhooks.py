@@ -14,7 +14,6 @@ from sqlalchemy.orm import Session
 from batchapi.config import Settings
 from batchapi.db.models import WebhookDelivery, WebhookEndpoint
 from batchapi.db.projects import cli_session
-from batchapi.errors import InvalidRequest, NotFound
 from batchapi.webhooks import endpoints, outbox
 from batchapi.webhooks.events import EVENT_TYPES
 from batchapi.webhooks.signing import hint
@@ -37,14 +36,12 @@ def _delivery_dict(d: WebhookDelivery) -> dict:
 
 
 def run(args: argparse.Namespace, settings: Settings, console: Console) -> int:
-    try:
-        with cli_session(settings) as session:
-            if args.action == "create":  # the one action that needs the settings: which hosts may be posted to
-                return _create(args, settings, session, console)
-            return ACTIONS[args.action](args, session, console)
-    except (NotFound, InvalidRequest) as exc:
-        console.print(f"[red]error:[/red] {exc.message}")
-        return 1
+    """One ``batchapi webhooks ACTION`` in one transaction; a refusal (an unknown project or id, a
+    URL that may not be posted to) rolls it back and reaches ``batchapi.cli.commands.main``."""
+    with cli_session(settings) as session:
+        if args.action == "create":  # the one action that needs the settings: which hosts may be posted to
+            return _create(args, settings, session, console)
+        return ACTIONS[args.action](args, session, console)
 
 
 def _create(args, settings: Settings, session: Session, console: Console) -> int:

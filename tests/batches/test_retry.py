@@ -1,5 +1,5 @@
 """Retry without an engine: which requests a retry takes from each kind of ended batch, and what
-it refuses (the end-to-end runs: tests/workers/test_durability.py, tests/api/test_batches_cli.py)."""
+it refuses (the end-to-end runs: tests/workers/test_durability.py, tests/cli/test_batches.py)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,10 @@
-"""Admin keys (`batchapi keys create --admin`) and dashboard sessions, on PostgreSQL."""
+"""Dashboard sessions of API keys, on PostgreSQL (`batchapi keys create --admin`: tests/cli/test_keys.py)."""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 from sqlalchemy import update
 
-from batchapi.cli import main
 from batchapi.config import load_settings
 from batchapi.db.migrate import upgrade
 from batchapi.db.models import DashboardSession
@@ -15,7 +12,6 @@ from batchapi.db.projects import (
     close_dashboard_session,
     create_api_key,
     dashboard_identity,
-    identify,
     list_keys,
     open_dashboard_session,
     revoke_key,
@@ -36,25 +32,6 @@ def sessions(settings):
     engine = make_engine(settings)
     yield make_sessionmaker(engine)
     engine.dispose()
-
-
-def test_keys_create_admin_makes_an_admin_key(settings, monkeypatch, capsys):
-    monkeypatch.setenv("BATCHAPI_DATABASE_URL", settings.database_url)
-    monkeypatch.setenv("BATCHAPI_DATA_DIR", str(settings.data_dir))
-    assert main(["keys", "create", "--project", "ops-admin", "--admin"]) == 0
-    key = capsys.readouterr().out.strip().splitlines()[-1]
-    assert main(["keys", "create", "--project", "ops-admin"]) == 0
-    capsys.readouterr()
-    assert main(["keys", "list", "--project", "ops-admin", "--json"]) == 0
-    listed = json.loads(capsys.readouterr().out)
-    assert [entry["admin"] for entry in listed] == [True, False]
-    engine = make_engine(settings)
-    try:
-        with make_sessionmaker(engine)() as session:
-            identity = identify(session, key)
-    finally:
-        engine.dispose()
-    assert identity.admin and identity.key_id == listed[0]["id"]
 
 
 def test_a_dashboard_session_ends_on_sign_out_expiry_or_revocation(settings, sessions):

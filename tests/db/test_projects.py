@@ -1,12 +1,9 @@
-"""Listing and revoking API keys: the service functions and `batchapi keys`, on PostgreSQL."""
+"""Listing and revoking API keys: the service functions, on PostgreSQL (`batchapi keys`: tests/cli)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from batchapi.cli import main
 from batchapi.config import Settings, load_settings
 from batchapi.db.migrate import upgrade
 from batchapi.db.projects import authenticate, create_key, hash_key, list_keys, revoke_key
@@ -19,13 +16,6 @@ def settings(tmp_path_factory, pg_url) -> Settings:
     settings = load_settings(database_url=pg_url, data_dir=tmp_path_factory.mktemp("keys"))
     upgrade(settings)
     return settings
-
-
-@pytest.fixture
-def cli_env(monkeypatch, settings):
-    """`batchapi` reads its settings from the environment: point it at the test database."""
-    monkeypatch.setenv("BATCHAPI_DATABASE_URL", settings.database_url)
-    monkeypatch.setenv("BATCHAPI_DATA_DIR", str(settings.data_dir))
 
 
 def authenticated_project(settings: Settings, key: str) -> str:
@@ -75,36 +65,3 @@ def test_a_revoked_key_is_refused(settings):
 def test_revoking_an_unknown_id_is_not_found(settings):
     with pytest.raises(NotFound, match=r"^No such API key: key_missing$"):
         revoke_key(settings, "key_missing")
-
-
-def test_cli_lists_and_revokes(cli_env, settings, capsys):
-    assert main(["keys", "create", "--project", "cli-project"]) == 0
-    key = capsys.readouterr().out.splitlines()[-1]
-
-    assert main(["keys", "list", "--project", "cli-project", "--json"]) == 0
-    out = capsys.readouterr().out
-    [listed] = json.loads(out)
-    assert listed.keys() == {"id", "project", "prefix", "created_at", "revoked_at", "admin"}
-    assert (listed["project"], listed["prefix"], listed["revoked_at"]) == ("cli-project", key[:12], None)
-    assert key not in out
-
-    assert main(["keys", "list", "--project", "cli-project"]) == 0
-    table = capsys.readouterr().out.splitlines()
-    assert table[0].split() == ["id", "project", "key", "created", "revoked"]
-    assert table[1].split()[:3] == [listed["id"], "cli-project", key[:12] + "…"]
-    assert len(table) == 2
-
-    assert main(["keys", "revoke", listed["id"]]) == 0
-    assert capsys.readouterr().out == f"{listed['id']} revoked\n"
-    assert main(["keys", "revoke", listed["id"]]) == 0
-    assert capsys.readouterr().out == f"{listed['id']} was already revoked\n"
-    with pytest.raises(Unauthenticated):
-        authenticated_project(settings, key)
-
-    assert main(["keys", "list", "--project", "cli-project", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)[0]["revoked_at"] is not None
-
-
-def test_cli_revoke_of_an_unknown_id_fails_with_one_line(cli_env, capsys):
-    assert main(["keys", "revoke", "key_missing"]) == 1
-    assert capsys.readouterr().out == "error: No such API key: key_missing\n"

@@ -28,9 +28,11 @@ def run(tmp_path, monkeypatch, capsys):
     handlers, level = list(root.handlers), root.level
 
     def run(*argv: str) -> tuple[int, list[str]]:
+        """The exit status, and stdout's lines or, on a failure, stderr's."""
         capsys.readouterr()
         code = cli.main(list(argv))
-        return code, capsys.readouterr().out.strip().splitlines()
+        out, err = capsys.readouterr()
+        return code, (out if code == 0 else err).strip().splitlines()
 
     yield run
     # the CLI gives the root logger a handler on this test's captured stderr, closed after it
@@ -77,10 +79,13 @@ def test_create_list_rotate_deliveries_delete(run):
 
 
 def test_bad_input_is_an_error_message(run):
-    code, out = run("webhooks", "create", "--project", "nobody", "--url", "http://127.0.0.1:9/")
-    assert code == 1 and "no project named 'nobody'" in " ".join(out)
+    code, err = run("webhooks", "create", "--project", "nobody", "--url", "http://127.0.0.1:9/")
+    assert (code, err) == (1, ["batchapi webhooks create: no project named 'nobody' (`batchapi keys create --project "
+                               "nobody` makes one)"])
     run("keys", "create", "--project", "p")
-    code, out = run("webhooks", "create", "--project", "p", "--url", "ftp://x/")
-    assert code == 1 and "not an http(s) URL" in " ".join(out)
+    code, err = run("webhooks", "create", "--project", "p", "--url", "ftp://x/")
+    assert (code, err) == (1, ["batchapi webhooks create: 'ftp://x/' is not an http(s) URL of at most 2048 characters"])
+    code, err = run("webhooks", "rotate", "we_nope")
+    assert (code, err) == (1, ["batchapi webhooks rotate: No such webhook endpoint: we_nope"])
     with pytest.raises(SystemExit):  # argparse refuses an unknown event type
         run("webhooks", "create", "--project", "p", "--url", "http://x.test/", "--events", "batch.done")

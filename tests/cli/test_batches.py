@@ -40,6 +40,11 @@ def wait_done(http: httpx.Client, batch_id: str) -> dict:
     return wait_until(lambda: (b := get(http, batch_id))["status"] in TERMINAL and b, timeout=120, interval=0.1)
 
 
+def failure_lines(capsys) -> list[str]:
+    """The CLI's own lines on stderr (the worker in this process logs there too)."""
+    return [line for line in capsys.readouterr().err.splitlines() if line.startswith("batchapi ")]
+
+
 def content(http: httpx.Client, file_id: str | None) -> list[dict]:
     if file_id is None:
         return []
@@ -142,12 +147,13 @@ def test_list_show_download_and_cancel(server, cancelled, model, tmp_path, capsy
     assert files == {f"{original['id']}_output.jsonl": counts["completed"],
                      f"{original['id']}_errors.jsonl": counts["failed"]}, saved
 
-    # cancelling a completed batch is the API's 409, printed as such
+    # cancelling a completed batch is the API's 409, printed as such on stderr
     with httpx.Client(base_url=server.base_url, timeout=30) as http:
         completed = wait_done(http, create(http, lines_of(model, "d", n=2, max_tokens=2))["id"])
     assert completed["status"] == "completed"
     assert main(["batches", "cancel", completed["id"], "--base-url", url]) == 1
-    assert "409" in capsys.readouterr().out
+    [line] = failure_lines(capsys)
+    assert line.startswith("batchapi batches cancel: ") and line.endswith(" (409 conflict)"), line
 
     with httpx.Client(base_url=server.base_url, timeout=30) as http:
         running = create(http, lines_of(model, "w", n=4, max_tokens=64))["id"]
@@ -157,4 +163,5 @@ def test_list_show_download_and_cancel(server, cancelled, model, tmp_path, capsy
     with httpx.Client(base_url=server.base_url) as http:
         assert get(http, running)["status"] == "cancelled"
     assert main(["batches", "show", "batch_nope", "--base-url", url]) == 1
-    assert "404" in capsys.readouterr().out
+    assert failure_lines(capsys) == ["batchapi batches show: No batch found with id 'batch_nope' (404 not found); "
+                                     "`batchapi batches list` shows the batches"]
