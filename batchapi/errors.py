@@ -44,5 +44,14 @@ class StorageError(ServiceError):
     code = "storage_error"
 
 
-# what a retry may get past: the database or the object store briefly away
+# what a retry may get past: the database or the object store briefly away. OSError is here for
+# the service's own loops (a claim, a store, a sweep): each sets the row aside and meets it again
+# on its next try, so an OSError that lasts costs a log line there, never a stuck worker
 TRANSIENT = (OperationalError, StorageError, OSError)
+# what a Celery task is retried for (``autoretry_for``): TRANSIENT less OSError. A task's body
+# (``ShardRunner.run_shard``) reads storage only where it catches TRANSIENT itself, so what is
+# briefly away when a task fails is the database (OperationalError) or the object store
+# (StorageError); an OSError that escapes is one no retry gets past (a FileNotFoundError of a
+# missing model directory, a PermissionError), which retried fails the same way five times over,
+# minutes of backoff, before its cause shows
+TASK_RETRY = tuple(kind for kind in TRANSIENT if kind is not OSError)

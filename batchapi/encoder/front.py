@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
+from batchapi.background import Background
 from batchapi.encoder.model import Encoder
 
 log = logging.getLogger(__name__)
@@ -86,16 +87,13 @@ class EncoderFront:
         self._inbox: list[_Pending] = []
         self._running: dict[str, _Pending] = {}
         self._aborts: set[str] = set()
-        self._stop = False
-        self._thread: threading.Thread | None = None
+        self._thread = Background("batchapi-encoder", self._run, wake=self._notify)
         # called on the encoder thread after each forward with (seconds, requests it finished): metrics
         self.on_step: Callable[[float, list[EmbeddingResult]], None] | None = None
 
     # ---- any thread ----
 
     def start(self) -> EncoderFront:
-        assert self._thread is None, "the encoder front is already started"
-        self._thread = threading.Thread(target=self._run, name="batchapi-encoder", daemon=True)
         self._thread.start()
         return self
 
@@ -103,7 +101,7 @@ class EncoderFront:
         assert callback is None, "the encoder front reports through the future only"
         future: Future = Future()
         with self._wake:
-            if self._stop:
+            if self._thread.stopping.is_set():
                 raise RuntimeError("the encoder front is shut down")
             self._inbox.append(_Pending(request, future, [None] * len(request.inputs), len(request.inputs)))
             self._wake.notify()
@@ -126,27 +124,28 @@ class EncoderFront:
         return 0.0
 
     def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread.is_alive()
 
     def shutdown(self) -> None:
-        with self._wake:
-            self._stop = True
-            self._wake.notify()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
+        self._thread.stop(timeout=30)
         with self._wake:
             left, self._inbox = self._inbox, []
         for pending in left:
             self._fail(pending, EncoderError.ABORTED, "the encoder shut down")
 
+    def _notify(self) -> None:
+        with self._wake:
+            self._wake.notify()
+
     # ---- the encoder thread ----
 
     def _run(self) -> None:
+        stopping = self._thread.stopping
         while True:
             with self._wake:
-                while not self._inbox and not self._stop:
+                while not self._inbox and not stopping.is_set():
                     self._wake.wait()
-                if self._stop:
+                if stopping.is_set():
                     return
                 batch, self._inbox = self._inbox, []
                 aborts, self._aborts = self._aborts, set()

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import AbstractContextManager, nullcontext
 
+from batchapi.background import Background
 from batchapi.engine.config import EngineConfig
 from batchapi.engine.engine import LLMEngine
 from batchapi.engine.request import DuplicateRequestId, GenerationRequest, GenerationResult
@@ -39,16 +40,13 @@ class EngineFront:
         self._inbox: list[tuple[GenerationRequest, Future, Callback | None]] = []
         self._aborts: list[str] = []
         self._pending: dict[str, tuple[Future, Callback | None]] = {}
-        self._stop = False
-        self._thread: threading.Thread | None = None
+        self._thread = Background("batchapi-engine", self._run, wake=self._notify)
         # called on the engine thread after each step with (seconds, finished results): metrics
         self.on_step: Callable[[float, list[GenerationResult]], None] | None = None
 
     # ---- any thread ----
 
     def start(self) -> EngineFront:
-        assert self._thread is None, "the engine front is already started"
-        self._thread = threading.Thread(target=self._run, name="batchapi-engine", daemon=True)
         self._thread.start()
         return self
 
@@ -56,7 +54,7 @@ class EngineFront:
         """Queue a request; raises DuplicateRequestId while one with the same id is in flight."""
         future: Future = Future()
         with self._wake:
-            if self._stop:
+            if self._thread.stopping.is_set():
                 raise RuntimeError("the engine front is shut down")
             if request.request_id in self._pending:
                 raise DuplicateRequestId(f"request id {request.request_id!r} is already in flight")
@@ -72,7 +70,7 @@ class EngineFront:
 
     def is_alive(self) -> bool:
         """Whether the engine thread is running (a worker stops claiming work when it is not)."""
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread.is_alive()
 
     def num_waiting(self) -> int:
         return self.engine.num_waiting() + len(self._inbox)
@@ -88,17 +86,17 @@ class EngineFront:
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop the engine thread; requests still in flight fail with RuntimeError."""
-        with self._wake:
-            self._stop = True
-            self._wake.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self._thread.stop(timeout)
         self.engine.close()
         with self._lock:
             pending, self._pending = self._pending, {}
         for future, _ in pending.values():
             if not future.done():
                 future.set_exception(RuntimeError("the engine front was shut down"))
+
+    def _notify(self) -> None:
+        with self._wake:
+            self._wake.notify()
 
     def __enter__(self) -> EngineFront:
         return self.start()
@@ -109,12 +107,12 @@ class EngineFront:
     # ---- engine thread ----
 
     def _run(self) -> None:
-        engine = self.engine
+        engine, stopping = self.engine, self._thread.stopping
         while True:
             with self._wake:
-                while not (self._stop or self._inbox or self._aborts or engine.has_unfinished()):
+                while not (stopping.is_set() or self._inbox or self._aborts or engine.has_unfinished()):
                     self._wake.wait()
-                if self._stop:
+                if stopping.is_set():
                     return
                 inbox, self._inbox = self._inbox, []
                 aborts, self._aborts = self._aborts, []

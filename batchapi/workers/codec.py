@@ -1,25 +1,24 @@
 """The engine's side of a request line: its engine request, and its result as an output line.
 
 One request becomes one line through three steps, each in one place: ``openai.lines`` parses
-the input line, ``Codec.request`` turns its body into an engine request, ``Codec.line`` turns
+the input line, ``Codec.request`` turns its body into an engine request, ``LineCodec.line`` turns
 the outcome (a result, a refusal, or nothing: never run) into the output or error line, in the
 shapes of ``openai.render`` (of ``openai.responses`` for ``/v1/responses``, of
 ``openai.message_results`` for Anthropic's ``/v1/messages``). The shard runner
-and ``run-batch`` both use it.
+and ``run-batch`` both use it; ``embedding_codec.EmbeddingCodec`` shares its ``line``.
 """
 
 from __future__ import annotations
 
 from batchapi.engine import ErrorCode as EngineError
 from batchapi.engine import GenerationRequest, GenerationResult, SamplingParams
-from batchapi.grammar.spec import GrammarSpec
 from batchapi.openai import render
 from batchapi.openai.body import MESSAGES, RESPONSES, ParsedBody
 from batchapi.openai.errors import ErrorCode, RequestError
 from batchapi.openai.lines import InputLine
 from batchapi.openai.message_results import message_body
 from batchapi.openai.responses import response_body
-from batchapi.openai.tools import output_constraint, template_input
+from batchapi.openai.tools import grammar_spec, template_input
 from batchapi.validation.token_counts import context_error, model_error
 
 # the engine's reasons for refusing a request, as the wire format names them
@@ -52,22 +51,40 @@ def sampling_params(parsed: ParsedBody) -> SamplingParams:
     )
 
 
-def grammar_spec(parsed: ParsedBody) -> GrammarSpec | None:
-    """The grammar a request's output follows: a forced tool call, or its response_format."""
-    constraint = output_constraint(parsed)
-    if constraint is None:
-        return None
-    kind, schema = constraint
-    return GrammarSpec.json_object() if kind == "json_object" else GrammarSpec.json_schema(schema)
-
-
 def engine_error(result: GenerationResult) -> RequestError:
     """The refusal of a request the engine finished with an error."""
     code = ENGINE_ERRORS.get(result.error_code, ErrorCode.INVALID_VALUE)
     return RequestError(result.error or "the request failed", None, code)
 
 
-class Codec:
+class LineCodec:
+    """What a model's codec is to the shard runner: ``request`` makes a line's model request,
+    ``line`` its output or error line. A codec says how a result it refuses reads (``refusal``)
+    and the body of one it answers (``body``); the rest of ``line`` is the same for all."""
+
+    def request(self, line: InputLine, request_id: str):
+        raise NotImplementedError
+
+    def line(self, line: InputLine, result, not_run: ErrorCode) -> tuple[bytes, bool]:
+        """``(line bytes, succeeded)``: a refused line, a result, or ``not_run`` for no result."""
+        if line.error is not None:
+            return render.rejected(line.custom_id, line.error), False
+        if result is None:
+            return render.never_ran(line.custom_id, not_run), False
+        if result.error is not None:
+            return render.rejected(line.custom_id, self.refusal(result)), False
+        return render.succeeded(line.custom_id, self.body(line.body, result)), True
+
+    def refusal(self, result) -> RequestError:
+        """The error line's error of a request the model finished with an error."""
+        raise NotImplementedError
+
+    def body(self, parsed: ParsedBody, result) -> dict:
+        """The response body of a finished request."""
+        raise NotImplementedError
+
+
+class Codec(LineCodec):
     def __init__(self, tokenizer, model_id: str, system_fingerprint: str | None = None,
                  names: frozenset[str] = frozenset(), context: int | None = None):
         self.tokenizer = tokenizer
@@ -90,15 +107,8 @@ class Codec:
             raise error
         return GenerationRequest(request_id, ids, sampling_params(body))
 
-    def line(self, line: InputLine, result: GenerationResult | None, not_run: ErrorCode) -> tuple[bytes, bool]:
-        """``(line bytes, succeeded)``: a refused line, a result, or ``not_run`` for no result."""
-        if line.error is not None:
-            return render.rejected(line.custom_id, line.error), False
-        if result is None:
-            return render.never_ran(line.custom_id, not_run), False
-        if result.error is not None:
-            return render.rejected(line.custom_id, engine_error(result)), False
-        return render.succeeded(line.custom_id, self.body(line.body, result)), True
+    def refusal(self, result: GenerationResult) -> RequestError:
+        return engine_error(result)
 
     def body(self, parsed: ParsedBody, result: GenerationResult) -> dict:
         """The response body of a finished request, in its endpoint's shape."""

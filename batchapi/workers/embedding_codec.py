@@ -1,7 +1,7 @@
 """The encoder's side of an embeddings line: its encoder request, and its result as an output line.
 
-The embeddings twin of ``workers.codec.Codec``, with the same ``request``/``line`` shape, so the
-shard runner treats both alike. Text is tokenized with the model's tokenizer, special tokens
+The embeddings twin of ``workers.codec.Codec``: a ``LineCodec`` as it is, so the shard runner
+treats both alike. Text is tokenized with the model's tokenizer, special tokens
 added and truncated to the model's ``max_seq_length`` as sentence-transformers does (256 for
 all-MiniLM-L6-v2); token-id inputs are taken as the whole model input, cut to the same length.
 """
@@ -9,15 +9,16 @@ all-MiniLM-L6-v2); token-id inputs are taken as the whole model input, cut to th
 from __future__ import annotations
 
 from batchapi.encoder import EmbeddingRequest, EmbeddingResult, EncoderError
-from batchapi.openai import render
+from batchapi.openai.body import ParsedBody
 from batchapi.openai.embeddings import embedding_body
 from batchapi.openai.errors import ErrorCode, RequestError
 from batchapi.openai.lines import InputLine
+from batchapi.workers.codec import LineCodec
 
 ENCODER_ERRORS = {EncoderError.ENGINE_FAILURE: ErrorCode.SERVER_ERROR}
 
 
-class EmbeddingCodec:
+class EmbeddingCodec(LineCodec):
     def __init__(self, tokenizer, model_id: str, max_seq_length: int, dimensions: int):
         self.tokenizer = tokenizer
         self.model_id = model_id
@@ -38,13 +39,9 @@ class EmbeddingCodec:
                                f"them; 'dimensions' must be {self.dimensions} or left out", "dimensions")
         return EmbeddingRequest(request_id, self.token_ids(parsed.inputs))
 
-    def line(self, line: InputLine, result: EmbeddingResult | None, not_run: ErrorCode) -> tuple[bytes, bool]:
-        """``(line bytes, succeeded)``: a refused line, a result, or ``not_run`` for no result."""
-        if line.error is not None:
-            return render.rejected(line.custom_id, line.error), False
-        if result is None:
-            return render.never_ran(line.custom_id, not_run), False
-        if result.error is not None:
-            code = ENCODER_ERRORS.get(result.error_code, ErrorCode.INVALID_VALUE)
-            return render.rejected(line.custom_id, RequestError(result.error, "input", code)), False
-        return render.succeeded(line.custom_id, embedding_body(line.body, result, self.model_id)), True
+    def refusal(self, result: EmbeddingResult) -> RequestError:
+        code = ENCODER_ERRORS.get(result.error_code, ErrorCode.INVALID_VALUE)
+        return RequestError(result.error, "input", code)
+
+    def body(self, parsed: ParsedBody, result: EmbeddingResult) -> dict:
+        return embedding_body(parsed, result, self.model_id)

@@ -18,9 +18,10 @@ from collections.abc import Callable
 
 from sqlalchemy.exc import OperationalError
 
+from batchapi.background import Background
 from batchapi.batches import request_results
 from batchapi.context import Context
-from batchapi.workers.codec import Codec
+from batchapi.workers.codec import LineCodec
 from batchapi.workers.shard_work import ShardWork
 
 log = logging.getLogger(__name__)
@@ -28,7 +29,7 @@ log = logging.getLogger(__name__)
 
 class ResultWriter:
     def __init__(self, ctx: Context, owner: str, held: Callable[[], list[ShardWork]],
-                 codec_of: Callable[[ShardWork], Codec]):
+                 codec_of: Callable[[ShardWork], LineCodec]):
         self.ctx, self.owner, self.held, self.codec_of = ctx, owner, held, codec_of
         self.settings = ctx.settings
         self.lock = threading.Lock()
@@ -37,17 +38,14 @@ class ResultWriter:
         self.write_seconds = 0.0  # wall time inside those transactions
         self._waiting = 0  # results notified since the last write (approximate: no lock)
         self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="batchapi-results", daemon=True)
+        self._thread = Background("batchapi-results", self._loop, wake=self._wake.set)
 
     def start(self) -> ResultWriter:
         self._thread.start()
         return self
 
     def stop(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        self._thread.join(timeout=30)
+        self._thread.stop(timeout=30)
 
     def notify(self) -> None:
         """A result was kept (engine thread: just a counter)."""
@@ -60,13 +58,20 @@ class ResultWriter:
         self._wake.set()
 
     def _loop(self) -> None:
-        while not self._stop.is_set():
+        while not self._thread.stopping.is_set():
             self._wake.wait(self.settings.result_flush_seconds)
             self._wake.clear()
             try:
                 self.write()
             except Exception:  # the writer thread must outlive one bad write; its rows were put back
                 log.exception("writing request results failed; retrying")
+
+    def write_last(self) -> None:
+        """The last write before the runner gives its shards back (it stops, its engine died)."""
+        try:
+            self.write()
+        except Exception:  # noqa: BLE001 - on the way out (shutdown, a dead engine): give the shards back anyway
+            log.warning("could not write the last results; their requests run again", exc_info=True)
 
     def write(self) -> int:
         """Write every held shard's unsaved results now; returns how many rows were written."""

@@ -11,7 +11,6 @@ status-400 line with an OpenAI error body, with the codes validation gives.
 
 from __future__ import annotations
 
-import json
 import queue
 import time
 from collections import deque
@@ -32,7 +31,7 @@ from rich.progress import (
 from batchapi.engine import EngineConfig, EngineFront, GenerationResult
 from batchapi.openai.embeddings import EMBEDDINGS
 from batchapi.openai.errors import ErrorCode, RequestError
-from batchapi.openai.lines import BOM, InputLine, is_blank, iter_lines, parse_line
+from batchapi.openai.lines import InputLine, is_blank, iter_lines, parse_line
 from batchapi.storage.streams import CHUNK
 from batchapi.validation.token_counts import context_length
 from batchapi.workers.codec import Codec
@@ -99,14 +98,11 @@ class _Writer:
         self.write(line, future.result())
 
 
-def _embeddings_line(line: InputLine, content) -> bool:
+def _embeddings_line(line: InputLine) -> bool:
     """A line for ``/v1/embeddings``, even one whose body was refused (its url is the first problem)."""
     if line.body is not None:
         return line.body.endpoint == EMBEDDINGS
-    if line.error is None or not line.error.in_body:
-        return False
-    record = json.loads(content.decode("utf-8").removeprefix(BOM))  # it parsed, so it is a JSON object
-    return record.get("url") == EMBEDDINGS
+    return line.error is not None and line.error.in_body and line.url == EMBEDDINGS
 
 
 def _progress(enabled: bool) -> Progress:
@@ -155,7 +151,7 @@ def run_batch(input_path: Path, output_path: Path, engine_config: EngineConfig |
                 if is_blank(content):
                     continue
                 line = parse_line(content, number, None)
-                if _embeddings_line(line, content):  # run-batch runs a chat model
+                if _embeddings_line(line):  # run-batch runs a chat model
                     line.body, line.error = None, RequestError(
                         f"run-batch runs a chat model; {EMBEDDINGS} lines need `batchapi serve`", "url",
                         ErrorCode.INVALID_URL, in_body=False, custom_id=line.custom_id)

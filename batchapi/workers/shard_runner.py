@@ -1,26 +1,20 @@
 """The shard runner: keeps several shards in flight in one engine, pulling by capacity.
 
-Three threads besides the engine's own:
-- the feeder claims the next shard whenever the engine's waiting queue is below the watermark
-  (and fewer than ``max_shards_in_flight`` are held), so the engine never idles on a shard's
-  tail; an idle feeder looks again every ``worker_poll_seconds`` or when woken;
-- the monitor, once a second, aborts the requests of shards whose batch was cancelled or
-  expired, and every ``heartbeat_seconds`` extends the leases (a shard whose lease was taken
-  away is dropped without writing anything);
-- the result writer (``result_writer``) makes each finished request durable within about a
-  second, counted in its batch at once; a shard taken over after a crash runs only the requests
-  without a durable result;
-- the finisher writes a finished shard's objects to its attempt's keys, completes it and
-  finalizes the batch when it was the last shard; a store the storage or the database refuses
-  is tried again with backoff, and if it keeps failing the shard's results go to the result
-  writer and its lease is left to run out (``_keep``), so nothing finished is lost.
-Celery tasks and the embedded worker share this class; the broker only wakes the feeder.
+Its feeder thread claims the next shard whenever the engine's waiting queue is below the
+watermark (and fewer than ``max_shards_in_flight`` are held), so the engine never idles on a
+shard's tail; an idle feeder looks again every ``worker_poll_seconds`` or when woken. Beside it
+run the lease monitor (``lease_monitor``: cancels, expiries, heartbeats), the result writer
+(``result_writer``: each finished request durable within about a second, so a shard taken over
+after a crash runs only the rest) and the finisher (``shard_finisher``: a finished shard's
+objects, its completion, its batch's finalize; a shard it cannot store is kept here until the
+result writer has written its results, ``_let_go_kept``). Celery tasks and the embedded worker
+share this class; the broker only wakes the feeder.
 
 A dead engine thread (a BaseException escaped it) is final: within a second the monitor stops
 claiming, writes the results it has, gives the unfinished shards back to the queue (whoever runs
 them next runs only their requests without a result), lets the finished ones be stored, and
 calls ``on_engine_death``, whose host stops the process so its supervisor restarts it with a
-fresh engine. An engine thread that lives but hangs is noticed later, by ``_stalled``.
+fresh engine. An engine thread that lives but hangs is noticed later (``LeaseMonitor.stalled``).
 """
 
 from __future__ import annotations
@@ -29,40 +23,25 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
-from sqlalchemy import select
 from sqlalchemy.exc import OperationalError
 
+from batchapi.background import Background
 from batchapi.batches import leases, request_results
-from batchapi.batches.finalize import finalize_batch
 from batchapi.batches.leases import Claimed
 from batchapi.batches.shard_input import read_shard
-from batchapi.batches.states import BatchStatus
 from batchapi.context import Context
-from batchapi.db.clock import now
-from batchapi.db.models import Batch
-from batchapi.engine import EngineFront, GenerationResult
-from batchapi.engine import ErrorCode as EngineError
+from batchapi.engine import EngineFront
 from batchapi.errors import TRANSIENT, NotFound
-from batchapi.openai.errors import ErrorCode, RequestError
-from batchapi.storage import discard
-from batchapi.storage.keys import shard_error_key, shard_output_key, superseded_shard_keys
-from batchapi.workers.codec import Codec
+from batchapi.openai.errors import ErrorCode
+from batchapi.workers.codec import Codec, LineCodec
+from batchapi.workers.lease_monitor import LeaseMonitor
 from batchapi.workers.result_writer import ResultWriter
-from batchapi.workers.shard_work import ShardWork
+from batchapi.workers.shard_finisher import ShardFinisher
+from batchapi.workers.shard_work import ShardWork, engine_failure
 
 log = logging.getLogger(__name__)
-
-MONITOR_SECONDS = 1.0
-# a finisher that cannot store a shard tries again after 0.5, 1, 2 and 4 s, under a lease it renews
-STORE_TRIES = 5
-STORE_BACKOFF_SECONDS = 0.5
-
-
-def engine_failure(request_id: str, exc: BaseException) -> GenerationResult:
-    return GenerationResult(request_id, 0, 0, [], error=f"the engine failed while running this request: {exc}",
-                            error_code=EngineError.ENGINE_FAILURE)
 
 
 class ShardRunner:
@@ -88,21 +67,17 @@ class ShardRunner:
         self._kept: dict[str, ShardWork] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._last_progress = time.monotonic()  # when the engine's state last moved (or work arrived)
-        self._engine_state: tuple = ()
-        self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchapi-finish")
-        self._writer = ResultWriter(ctx, owner, self._unstored, lambda work: self._backend(work)[1])
-        self._threads = [
-            threading.Thread(target=self._feed_loop, name="batchapi-feeder", daemon=True),
-            threading.Thread(target=self._monitor_loop, name="batchapi-monitor", daemon=True),
-        ]
+        self._stop = threading.Event()  # the feeder's and the monitor's: they stop together
+        self._writer = ResultWriter(ctx, owner, self._unstored, self._codec_of)
+        self._finisher = ShardFinisher(ctx, owner, self._writer, self._codec_of, self._stop, self._stored)
+        self._monitor = LeaseMonitor(ctx, owner, self.fronts, self._held, self._close, self._tick, self._stop)
+        self._feeder = Background("batchapi-feeder", self._feed_loop, wake=self._wake.set, stopping=self._stop)
 
     # ---- control ----
 
     def start(self) -> ShardRunner:
-        for thread in self._threads:
-            thread.start()
+        self._feeder.start()
+        self._monitor.start()
         self._writer.start()
         return self
 
@@ -136,15 +111,13 @@ class ShardRunner:
 
     def shutdown(self) -> None:
         """Stop pulling, give held shards back to the queue, stop the engine."""
-        self._stop.set()
-        self._wake.set()
-        for thread in self._threads:
-            thread.join(timeout=10)
+        self._feeder.stop(timeout=10)  # sets the monitor's stop too
+        self._monitor.stop(timeout=10)
         works = self._held()
         for work in works:
             work.close(None, lost=True)
         self._writer.stop()
-        self._save_results()  # before the leases go: what finished is not run again
+        self._writer.write_last()  # before the leases go: what finished is not run again
         for work in works:
             work.stored.set()
         with self._lock:
@@ -152,28 +125,25 @@ class ShardRunner:
         released = leases.release(self.ctx, [w.shard.id for w in works + kept], self.owner)
         if released:
             log.info("gave %d shards back to the queue", released)
-        self._finisher.shutdown(wait=True)
+        self._finisher.shutdown()
         for front in self.fronts:
             front.shutdown()
-
-    def _save_results(self) -> None:
-        try:
-            self._writer.write()
-        except Exception:  # noqa: BLE001 - on the way out (shutdown, a dead engine): give the shards back anyway
-            log.warning("could not write the last results; their requests run again", exc_info=True)
 
     def _held(self) -> list[ShardWork]:
         with self._lock:
             return list(self._inflight.values())
 
     def _unstored(self) -> list[ShardWork]:
-        """What the result writer writes: the held shards and the kept ones (``_keep``)."""
+        """What the result writer writes: the held shards and the kept ones (``_let_go_kept``)."""
         with self._lock:
             return list(self._inflight.values()) + list(self._kept.values())
 
     def _backend(self, work: ShardWork) -> tuple:
         """The (front, codec) of the shard's model (a row from before models were recorded: the first)."""
         return self.backends.get(work.shard.model) or next(iter(self.backends.values()))
+
+    def _codec_of(self, work: ShardWork) -> LineCodec:
+        return self._backend(work)[1]
 
     def _alive(self) -> bool:
         return all(front.is_alive() for front in self.fronts)
@@ -188,21 +158,9 @@ class ShardRunner:
             return False
         with self._lock:
             held = len(self._inflight)
-        if held and self._stalled():
+        if held and self._monitor.stalled():
             return False
         return held < self.settings.max_shards_in_flight and self._waiting() <= self.settings.engine_watermark
-
-    def _stalled(self) -> bool:
-        """The engine's queues and KV cache have not moved for a whole lease while requests are
-        in flight: its thread hangs (a dead one is noticed at once, by ``_give_up_engine``). Its
-        leases are then left to run out, so other workers take the shards over."""
-        return time.monotonic() - self._last_progress > self.settings.lease_seconds
-
-    def _watch_engine(self) -> None:
-        state = tuple((f.num_waiting(), f.num_running(), f.kv_usage()) for f in self.fronts)
-        if state != self._engine_state:
-            self._engine_state = state
-            self._last_progress = time.monotonic()
 
     def _feed_loop(self) -> None:
         while not self._stop.is_set():
@@ -235,27 +193,13 @@ class ShardRunner:
             return None
         work = ShardWork(claimed, lines, earlier)
         front, codec = self._backend(work)
-        requests = []
-        for seq, line in work.to_run():
-            try:
-                requests.append(codec.request(line, work.request_id(seq)))
-            except RequestError as exc:  # options the model does not have: that request's error
-                exc.custom_id = line.custom_id
-                line.body, line.error = None, exc
-            except ValueError as exc:  # sampling settings the engine refuses: that request's error
-                line.body, line.error = None, RequestError(str(exc), custom_id=line.custom_id)
-            except Exception as exc:  # the chat template failed on this request: its error, not the feeder's
-                log.warning("could not build the engine request of line %d of shard %s", line.line, claimed.id,
-                            exc_info=True)
-                line.body, line.error = None, RequestError(
-                    f"the request could not be prepared for the model: {exc}", None, ErrorCode.SERVER_ERROR,
-                    custom_id=line.custom_id)
+        requests = work.requests(codec)
         work.expect([r.request_id for r in requests])
         with self._lock:
             dead = self.engine_dead.is_set()
             if not dead:
                 if not self._inflight:
-                    self._last_progress = time.monotonic()
+                    self._monitor.moved()
                 earlier_work = self._inflight.get(claimed.id)
                 if earlier_work is not None:  # an earlier attempt of ours, whose lease ran out: fenced off
                     earlier_work.lost = True
@@ -285,83 +229,21 @@ class ShardRunner:
             self._wake.set()  # the queue drained: let the feeder claim now, not at its next tick
 
     def _finish(self, work: ShardWork) -> None:
-        self._finisher.submit(self._write, work)
+        self._finisher.submit(work)
         self._wake.set()
 
-    # ---- finisher ----
+    # ---- after the finisher ----
 
-    def _write(self, work: ShardWork) -> None:
+    def _stored(self, work: ShardWork) -> None:
+        """The finisher is done with the shard (stored, dropped, or kept: ``ShardFinisher._keep``)."""
         shard = work.shard
-        try:
-            if not work.lost:
-                self._store(work)
-        finally:
-            with self._lock:
-                if self._inflight.get(shard.id) is work:  # not a later attempt that took its place
-                    del self._inflight[shard.id]
-                    if work.kept:
-                        self._kept[shard.id] = work
-            work.stored.set()
-            self._wake.set()
-
-    def _store(self, work: ShardWork) -> None:
-        """Store the shard, trying again with backoff when the storage or the database is briefly
-        away (the monitor keeps renewing the lease meanwhile). If it stays away, the shard is
-        left to the sweeper, its results kept for the result writer (``_keep``)."""
-        delay = STORE_BACKOFF_SECONDS
-        for attempt in range(1, STORE_TRIES + 1):
-            try:
-                self._store_once(work)
-                return
-            except TRANSIENT as exc:
-                if attempt == STORE_TRIES or self._stop.is_set():
-                    log.error("could not store shard %s after %d tries (%s); its lease is left to run out, its "
-                              "results to the result writer", work.shard.id, attempt, exc, exc_info=True)
-                    break
-                log.warning("could not store shard %s (try %d of %d: %s); trying again in %.1f s", work.shard.id,
-                            attempt, STORE_TRIES, exc, delay)
-                self._stop.wait(delay)
-                delay *= 2
-        self._keep(work)
-
-    def _keep(self, work: ShardWork) -> None:
-        """The shard could not be stored: its lease is no longer renewed, so it runs out and the
-        shard is run again, by whoever takes it, for only its requests without a durable result.
-        The results this attempt has go to the result writer, which writes them while the lease
-        is still ours (then the work is let go: ``_let_go_kept``), or drops them, logged, if the
-        shard was taken over first."""
-        work.kept = True
-        self._writer.notify_now()
-
-    def _store_once(self, work: ShardWork) -> None:
-        shard = work.shard
-        rendered = work.render(self._backend(work)[1])
-        out_key = shard_output_key(shard.batch_id, shard.index, shard.attempts)
-        err_key = shard_error_key(shard.batch_id, shard.index, shard.attempts)
-        if shard.id not in leases.heartbeat(self.ctx, [shard.id], self.owner):
-            log.warning("lost the lease of shard %s before writing; dropping its results", shard.id)
-            return
-        # objects of this attempt only: if the lease runs out while they are written and someone
-        # else completes the shard, these are never read (the completed attempt's keys are)
-        self.ctx.storage.put_chunks(out_key, [rendered.output])
-        self.ctx.storage.put_chunks(err_key, [rendered.errors])
-        with self._writer.lock:  # no rows of this shard are being written meanwhile
-            completed = leases.complete(self.ctx, shard, self.owner, rendered.outcome, out_key, err_key)
-            if completed:
-                work.take_unsaved()  # in the objects now: nothing left for the writer
-        if not completed:
-            log.warning("lost the lease of shard %s while writing; its retry counts", shard.id)
-            discard(self.ctx.storage, [out_key, err_key])  # this attempt's alone: nobody reads them
-            return
-        discard(self.ctx.storage, superseded_shard_keys(shard.batch_id, shard.index, shard.attempts))
-        writer = self._writer
-        log.info("shard %s done: %d ok, %d failed%s; request results written so far: %d rows in %d writes (%.3f s)",
-                 shard.id, rendered.outcome.completed, rendered.outcome.failed,
-                 f" ({work.reason})" if work.reason else "", writer.rows_written, writer.writes, writer.write_seconds)
-        try:
-            finalize_batch(self.ctx, shard.batch_id)
-        except TRANSIENT:
-            log.warning("could not finalize batch %s now; the sweeper will", shard.batch_id, exc_info=True)
+        with self._lock:
+            if self._inflight.get(shard.id) is work:  # not a later attempt that took its place
+                del self._inflight[shard.id]
+                if work.kept:
+                    self._kept[shard.id] = work
+        work.stored.set()
+        self._wake.set()
 
     def _let_go_kept(self) -> None:
         """Forget the kept shards whose results are all written (or were dropped: taken over)."""
@@ -372,54 +254,13 @@ class ShardRunner:
         for sid in done:
             log.info("the results of shard %s, which could not be stored, are written; it is the sweeper's", sid)
 
-    # ---- monitor ----
+    # ---- on the monitor's thread ----
 
-    def _monitor_loop(self) -> None:
-        last_beat = time.monotonic()
-        while not self._stop.wait(MONITOR_SECONDS):
-            if not self.engine_dead.is_set() and not self._alive():
-                self._give_up_engine()
-            self._watch_engine()
-            self._let_go_kept()
-            try:
-                self._check_batches()
-                if time.monotonic() - last_beat >= self.settings.heartbeat_seconds:
-                    last_beat = time.monotonic()
-                    self._beat()
-            except OperationalError:
-                log.warning("database unavailable in the monitor; retrying", exc_info=True)
-
-    def _check_batches(self) -> None:
-        works = self._held()
-        if not works:
-            return
-        with self.ctx.sessions() as session:
-            rows = {
-                batch_id: (status, expires_at)
-                for batch_id, status, expires_at in session.execute(
-                    select(Batch.id, Batch.status, Batch.expires_at)
-                    .where(Batch.id.in_({w.shard.batch_id for w in works}))
-                )
-            }
-        t = now()
-        for work in works:
-            status, expires_at = rows.get(work.shard.batch_id, (None, work.shard.expires_at))
-            if status in (BatchStatus.CANCELLING, BatchStatus.CANCELLED):
-                self._close(work, ErrorCode.BATCH_CANCELLED)
-            elif status == BatchStatus.EXPIRED or t >= expires_at:
-                self._close(work, ErrorCode.BATCH_EXPIRED)
-
-    def _beat(self) -> None:
-        works = self._held()
-        if works and self._stalled():
-            log.error("the engine returned nothing for %ds; leaving %d shards' leases to run out",
-                      self.settings.lease_seconds, len(works))
-            return
-        held = leases.heartbeat(self.ctx, [w.shard.id for w in works], self.owner)
-        for work in works:
-            if work.shard.id not in held and not work.done.is_set():
-                log.warning("lease of shard %s was taken away; dropping it", work.shard.id)
-                self._close(work, None, lost=True)
+    def _tick(self) -> None:
+        """Each second, before the monitor looks at the leases."""
+        if not self.engine_dead.is_set() and not self._alive():
+            self._give_up_engine()
+        self._let_go_kept()
 
     def _give_up_engine(self) -> None:
         """The engine thread is gone and nothing it held will come back: give the unfinished
@@ -429,7 +270,7 @@ class ShardRunner:
             self.engine_dead.set()
             works = list(self._inflight.values())
         unfinished = [w for w in works if w.close(None, lost=True)]  # lost: this worker writes no objects
-        self._save_results()  # while the leases are still ours
+        self._writer.write_last()  # while the leases are still ours
         try:
             released = leases.release(self.ctx, [w.shard.id for w in unfinished], self.owner)
         except OperationalError:

@@ -9,15 +9,25 @@ requests an earlier attempt already made durable (``earlier``) are not run again
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass, field
 
 from batchapi.batches.leases import CUT_OFF, Claimed, Outcome
 from batchapi.batches.request_results import Finished
+from batchapi.engine import ErrorCode as EngineError
 from batchapi.engine import GenerationResult
-from batchapi.openai.errors import ErrorCode
+from batchapi.openai.errors import ErrorCode, RequestError
 from batchapi.openai.lines import InputLine
-from batchapi.workers.codec import Codec
+from batchapi.workers.codec import LineCodec
+
+log = logging.getLogger(__name__)
+
+
+def engine_failure(request_id: str, exc: BaseException) -> GenerationResult:
+    """The result of a request whose future the engine failed (a crash, a shutdown)."""
+    return GenerationResult(request_id, 0, 0, [], error=f"the engine failed while running this request: {exc}",
+                            error_code=EngineError.ENGINE_FAILURE)
 
 
 @dataclass
@@ -54,6 +64,26 @@ class ShardWork:
         """The requests this attempt runs: those no earlier attempt finished. The lines that
         cannot run (refused by validation or by ``refuse``) are finished without the engine."""
         return [(seq, line) for seq, line in enumerate(self.lines) if seq not in self.earlier and line.body is not None]
+
+    def requests(self, codec: LineCodec) -> list:
+        """The engine requests of the lines ``to_run``; a line the codec cannot turn into one is
+        refused instead, with that request's error."""
+        requests = []
+        for seq, line in self.to_run():
+            try:
+                requests.append(codec.request(line, self.request_id(seq)))
+            except RequestError as exc:  # options the model does not have: that request's error
+                exc.custom_id = line.custom_id
+                line.body, line.error = None, exc
+            except ValueError as exc:  # sampling settings the engine refuses: that request's error
+                line.body, line.error = None, RequestError(str(exc), custom_id=line.custom_id)
+            except Exception as exc:  # the chat template failed on this request: its error, not the feeder's
+                log.warning("could not build the engine request of line %d of shard %s", line.line, self.shard.id,
+                            exc_info=True)
+                line.body, line.error = None, RequestError(
+                    f"the request could not be prepared for the model: {exc}", None, ErrorCode.SERVER_ERROR,
+                    custom_id=line.custom_id)
+        return requests
 
     def expect(self, request_ids: list[str]) -> None:
         """Await ``request_ids``; every other line not finished earlier is finished now (refused)."""
@@ -103,7 +133,7 @@ class ShardWork:
             self.done.set()
             return aborted
 
-    def finish(self, codec: Codec, seqs: list[int]) -> list[Finished]:
+    def finish(self, codec: LineCodec, seqs: list[int]) -> list[Finished]:
         """The result rows of finished requests (rendered once: ``render`` reuses them)."""
         rows = []
         for seq in seqs:
@@ -112,14 +142,14 @@ class ShardWork:
             rows.append(row)
         return rows
 
-    def _render(self, codec: Codec, seq: int, not_run: ErrorCode) -> Finished:
+    def _render(self, codec: LineCodec, seq: int, not_run: ErrorCode) -> Finished:
         result = self.results.get(seq)
         rendered, ok = codec.line(self.lines[seq], result, not_run)
         if not ok:
             return Finished(seq, False, rendered)
         return Finished(seq, True, rendered, result.prompt_tokens, result.cached_tokens, result.completion_tokens)
 
-    def render(self, codec: Codec) -> Rendered:
+    def render(self, codec: LineCodec) -> Rendered:
         """The output and error lines in input order: earlier attempts' rows, this attempt's
         results, and the reason for the rest."""
         output, errors = [], []

@@ -7,14 +7,10 @@ before it consumes anything, and installed here with ``install``.
 from __future__ import annotations
 
 from celery import Celery
-from sqlalchemy.exc import OperationalError
 
-from batchapi.errors import StorageError
+from batchapi.errors import TASK_RETRY
 from batchapi.workers.celery_app import RUN_SHARD
 from batchapi.workers.shard_runner import ShardRunner
-
-# named transient failures a task is retried for (the database or storage briefly away)
-TRANSIENT = (OperationalError, StorageError)
 
 _runner: ShardRunner | None = None
 
@@ -31,4 +27,4 @@ def run_shard(shard_id: str) -> str:
 
 
 def register(app: Celery) -> None:
-    app.task(name=RUN_SHARD, autoretry_for=TRANSIENT, retry_backoff=True, max_retries=5)(run_shard)
+    app.task(name=RUN_SHARD, autoretry_for=TASK_RETRY, retry_backoff=True, max_retries=5)(run_shard)

@@ -157,9 +157,9 @@ def test_the_objects_a_dead_attempt_left_go_once_a_later_attempt_completes(serve
 
 
 def test_a_store_that_keeps_failing_loses_no_finished_request(server, monkeypatch):
-    from batchapi.workers import shard_runner
+    from batchapi.workers import shard_finisher
 
-    monkeypatch.setattr(shard_runner, "STORE_BACKOFF_SECONDS", 0.05)
+    monkeypatch.setattr(shard_finisher, "STORE_BACKOFF_SECONDS", 0.05)
     ctx = server.ctx
     batch_id, shard_id = started_batch(server, "refused")
     refusing = ShardObjects(make_storage(ctx.settings))
