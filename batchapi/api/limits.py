@@ -5,14 +5,20 @@ nothing more of the request is read."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import inspect
 import json
+import logging
 from fnmatch import fnmatchcase
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+import uvicorn
 
 from batchapi.api.errors import ANTHROPIC_PATHS, anthropic_error, error_response
 from batchapi.api.request_id import new_request_id
 from batchapi.storage.streams import TooLarge
+
+log = logging.getLogger(__name__)
 
 MAX_HEAD_BYTES = 64 * 1024  # request line and headers of one request
 MAX_JSON_BODY_BYTES = 1024 * 1024  # every body but an upload's (a batch's is a few KiB)
@@ -35,21 +41,55 @@ def head_too_large_response(request_id: str) -> bytes:
             % (len(body), request_id.encode(), body))
 
 
-class HeadLimitProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with a bound on the head of a request: past ``MAX_HEAD_BYTES``
+class HeadLimitProtocol(asyncio.Protocol):
+    """uvicorn's httptools protocol behind a bound on the head of a request: past ``MAX_HEAD_BYTES``
     the client gets a 431 at once. httptools itself has none and copies a growing header value on
-    every read, so a 100 MB header ties up the event loop for seconds; h11's bound answers 400."""
+    every read, so a 100 MB header ties up the event loop for seconds; h11's bound answers 400.
+
+    Built on public interfaces, none of uvicorn's internals: uvicorn creates it as any protocol class
+    given as ``http``; it creates the protocol that ``http="httptools"`` names with the same
+    arguments and hands it every byte and event as asyncio would; and it finds where each head
+    begins and ends with a parser of its own (httptools' public one, which copies nothing without
+    header or body callbacks)."""
 
     def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+        import httptools  # both imports as head_limit_problem checks them
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+        self.inner = HttpToolsProtocol(*args, **kwargs)  # uvicorn's arguments: config, server_state, ...
+        self.heads = httptools.HttpRequestParser(self)  # calls on_message_begin and on_headers_complete
+        self.parse_errors = (httptools.HttpParserError, httptools.HttpParserUpgrade)
+        self.transport: asyncio.Transport = None  # type: ignore[assignment]
         self.head_bytes = 0
         self.in_head = False
+        self.watching = True  # until the request is malformed or upgraded: the inner protocol takes over
         self.refused = False
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self.transport = transport
+        self.inner.connection_made(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.inner.connection_lost(exc)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
 
     def data_received(self, data: bytes) -> None:
         if self.refused:
             return  # draining until the connection closes
-        super().data_received(data)
+        self.inner.data_received(data)
+        if self.watching:
+            try:
+                self.heads.feed_data(data)
+            except self.parse_errors:
+                self.watching = self.in_head = False  # the inner protocol refused it (400) or upgraded
         if not self.in_head or self.transport.is_closing():
             return
         # the chunk may end the previous request too; counting all of it errs on the safe side
@@ -58,32 +98,58 @@ class HeadLimitProtocol(HttpToolsProtocol):
             self.refuse_head()
 
     def on_message_begin(self) -> None:
-        super().on_message_begin()
         self.in_head, self.head_bytes = True, 0
 
     def on_headers_complete(self) -> None:
         self.in_head = False
-        super().on_headers_complete()
 
     def refuse_head(self) -> None:
         """Answer 431, then read and drop what the client still sends for a moment before closing:
         closing at once with unread data resets the connection, and the client may lose the answer."""
         self.refused = True
         request_id = new_request_id()
-        client = "{}:{}".format(*self.client) if self.client else "-"  # as uvicorn's access log names it
-        self.logger.info("%s - 431: refused a request whose head passed %d bytes", client, MAX_HEAD_BYTES,
-                         extra={"request_id": request_id})
+        peer = self.transport.get_extra_info("peername")
+        client = "{}:{}".format(*peer) if isinstance(peer, tuple) else "-"  # as uvicorn's access log names it
+        logging.getLogger("uvicorn.error").info("%s - 431: refused a request whose head passed %d bytes", client,
+                                                MAX_HEAD_BYTES, extra={"request_id": request_id})
         self.transport.write(head_too_large_response(request_id))
         if self.transport.can_write_eof():
             self.transport.write_eof()
-            self.loop.call_later(LINGER_SECONDS, self.transport.close)
+            asyncio.get_running_loop().call_later(LINGER_SECONDS, self.transport.close)
         else:
             self.transport.close()
 
 
+# where uvicorn's httptools protocol is gone: h11's public bound on the head, which answers 400
+H11_FALLBACK = {"http": "h11", "h11_max_incomplete_event_size": MAX_HEAD_BYTES}
+
+
 def server_options() -> dict:
     """The uvicorn options of every API server (``batchapi serve`` and the tests' live server)."""
-    return {"http": HeadLimitProtocol}
+    problem = head_limit_problem()
+    if problem is None:
+        return {"http": HeadLimitProtocol}
+    log.warning("no 431 head limit (%s): the server runs h11, whose bound on a head answers 400", problem)
+    return H11_FALLBACK
+
+
+@functools.cache
+def head_limit_problem() -> str | None:
+    """What keeps ``HeadLimitProtocol`` from running on the installed uvicorn, or None: it needs
+    httptools and uvicorn's httptools protocol, created as uvicorn creates a protocol class.
+    tests/api/test_header_limit.py fails on anything named here."""
+    try:
+        import httptools  # noqa: F401  (uvicorn[standard]'s parser)
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError as exc:
+        return f"uvicorn {uvicorn.__version__} without its httptools protocol: {exc}"
+    try:
+        inspect.signature(HttpToolsProtocol).bind(config=None, server_state=None, app_state=None, _loop=None)
+    except TypeError as exc:
+        return f"uvicorn {uvicorn.__version__} creates its httptools protocol otherwise: {exc}"
+    if not issubclass(HttpToolsProtocol, asyncio.Protocol):
+        return f"uvicorn {uvicorn.__version__}'s httptools protocol is no asyncio.Protocol"
+    return None
 
 
 class BodyLimit:

@@ -3,7 +3,7 @@
 from batchapi.engine.config import EngineConfig
 from batchapi.engine.engine import LLMEngine
 from batchapi.engine.front import EngineFront
-from batchapi.engine.loader import UnsupportedModelError
+from batchapi.engine.model.loader import UnsupportedModelError
 from batchapi.engine.request import (
     CompletionOutput,
     DuplicateRequestId,

@@ -25,7 +25,7 @@ class EngineConfig:
     block_size: int = 16
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     num_threads: int | None = None  # CPU intra-op threads; None leaves torch's default
-    # a request's tokens do not depend on the batch it runs in (engine/linears.py, README)
+    # a request's tokens do not depend on the batch it runs in (engine/model/linears.py, README)
     batch_invariant: bool = True
     # a step's detokenizing and stop-string search run while the next step computes (None: on CUDA,
     # where the forward runs on the device; on CPU the forward holds the cores and nothing overlaps)

@@ -9,9 +9,9 @@ import numpy as np
 import torch
 
 from batchapi.engine.config import EngineConfig
-from batchapi.engine.linears import make_invariant, pack_linears
-from batchapi.engine.loader import ModelConfig, load_config, load_weights
-from batchapi.engine.model import AttentionMetadata, CausalLM
+from batchapi.engine.model.linears import make_invariant, pack_linears
+from batchapi.engine.model.llama import AttentionMetadata, CausalLM
+from batchapi.engine.model.loader import ModelConfig, load_config, load_weights
 from batchapi.engine.platform import keep_freed_memory, resolve_dtype
 from batchapi.engine.sampler import OutputTokens, Sampler, SampleRow
 from batchapi.engine.scheduler import ScheduledBatch

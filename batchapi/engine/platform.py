@@ -8,6 +8,7 @@ import logging
 import torch
 
 from batchapi.engine.config import DTYPES
+from batchapi.engine.model import onednn
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +45,6 @@ def fastest_cpu_dtype(hidden_size: int = 0) -> torch.dtype:
     Decided by the instruction sets, never by timing: a choice by a race between the dtypes (as
     before) flipped with the machine's load, so two workers on one machine ran different dtypes
     and gave different answers to the same request (tests/workers/test_invariance_celery.py)."""
-    native = _has_bf16_matmul_kernels() and any(
+    native = onednn.bf16_native() and any(
         getattr(torch.cpu, probe, lambda: False)() for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
     return torch.bfloat16 if native else torch.float32
-
-
-def _has_bf16_matmul_kernels() -> bool:
-    ops = torch.ops.mkldnn
-    return (torch.backends.mkldnn.is_available() and hasattr(ops, "_is_mkldnn_bf16_supported")
-            and ops._is_mkldnn_bf16_supported())

@@ -7,13 +7,23 @@ import io
 import itertools
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 import pytest
+import uvicorn
 
-from batchapi.api.limits import MAX_HEAD_BYTES
+from batchapi.api.limits import (
+    H11_FALLBACK,
+    MAX_HEAD_BYTES,
+    HeadLimitProtocol,
+    head_limit_problem,
+    server_options,
+)
 from tests.api.raw_http import send_until_answered
 from tests.utils.batch_service import jsonl, request_line
+from tests.utils.services import free_port
 
 # the socket buffers on both ends hold this much before the server has even looked
 READ_AHEAD = 2 << 20
@@ -93,3 +103,69 @@ def test_health_stays_fast_while_oversized_heads_stream_in(pg_server):
     print(f"/health under {len(refused)} oversized heads: {len(latencies)} polls, "
           f"p50 {latencies[len(latencies) // 2] * 1000:.1f} ms, max {latencies[-1] * 1000:.1f} ms")
     assert latencies[-1] < 3.0  # before the limit, one 64 MB header stalled it for 7 s
+
+
+def test_the_head_limit_runs_on_the_installed_uvicorn():
+    """HeadLimitProtocol needs httptools and the protocol uvicorn's ``http="httptools"`` names, created
+    as uvicorn creates a protocol class; an upgrade that takes either away fails here by name (the
+    server itself would run h11's bound instead, which answers 400)."""
+    assert head_limit_problem() is None, head_limit_problem()
+    assert server_options() == {"http": HeadLimitProtocol}, f"uvicorn {uvicorn.__version__}"
+
+
+async def echo_app(scope, receive, send):
+    """Reads the whole body, answers 200 with its length: the protocol alone, no service."""
+    size, more = 0, True
+    while more:
+        message = await receive()
+        size, more = size + len(message.get("body", b"")), message.get("more_body", False)
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+    await send({"type": "http.response.body", "body": str(size).encode()})
+
+
+@contextmanager
+def bare_server(**options) -> Iterator[str]:
+    """``echo_app`` under uvicorn with ``options`` on a free port in a thread; its base URL."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(echo_app, host="127.0.0.1", port=port, log_level="warning",
+                                           lifespan="off", **options))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def test_on_a_bare_uvicorn_the_protocol_answers_431_and_serves_everything_else():
+    """The same checks as above without the service: what an upgrade of uvicorn or httptools would
+    break shows here, whatever else the app does."""
+    with bare_server(**server_options()) as url:
+        for case, (head, rest) in CASES.items():
+            answer = send_until_answered(url, head, rest, timeout=30)
+            assert answer.status == 431, (case, uvicorn.__version__, answer.body)
+            assert answer.json()["error"]["code"] == "request_header_fields_too_large"
+            assert answer.sent < MAX_HEAD_BYTES + READ_AHEAD, (case, answer.sent)
+        body = b"x" * (3 << 20)
+        with httpx.Client(base_url=url) as http:  # one kept-alive connection
+            for _ in range(3):
+                assert http.get("/", headers={"X-Big": "a" * (MAX_HEAD_BYTES // 2)}).status_code == 200
+                assert http.post("/", content=body).text == str(len(body))
+                assert http.post("/", content=iter([body[:1 << 20]] * 3)).text == str(len(body))  # chunked
+
+
+def test_the_h11_fallback_bounds_the_head_with_a_400():
+    """Where uvicorn's httptools protocol is gone, the server runs h11 with its public bound: a head
+    past MAX_HEAD_BYTES is still refused before much more is read, in h11's 400."""
+    with bare_server(**H11_FALLBACK) as url:
+        head, rest = CASES["one endless header"]
+        answer = send_until_answered(url, head, rest, timeout=30)
+        assert answer.status == 400, answer.body
+        assert answer.sent < MAX_HEAD_BYTES + READ_AHEAD, answer.sent
+        response = httpx.get(url + "/", headers={"X-Big": "a" * (MAX_HEAD_BYTES // 2)})
+        assert response.status_code == 200  # h11's own default bound is 16 KiB: the option is in force

@@ -1,7 +1,7 @@
 """Batch invariance of every CPU op the engine runs: each token's or row's bits do not depend on the
 row count, its position among the rows, or the split of its sequence into steps. The attention of
 the C kernel and of the twin's invariant path; the elementwise ops of both sets; the linear
-layers at the real default model's shapes through engine.linears. (The Triton ones: triton/.)"""
+layers at the real default model's shapes through engine.model.linears. (The Triton ones: triton/.)"""
 
 from __future__ import annotations
 
@@ -9,7 +9,13 @@ import pytest
 import torch
 from torch import nn
 
-from batchapi.engine.linears import InvariantLinear, PackedLinear, can_pack, min_invariant_rows, probe_rows
+from batchapi.engine.model.linears import (
+    InvariantLinear,
+    PackedLinear,
+    can_pack,
+    min_invariant_rows,
+    probe_rows,
+)
 from batchapi.kernels import CPU_OPS, TORCH_OPS, get_ops
 from batchapi.kernels.torch.attention import invariant_paged_attention
 from batchapi.kernels.torch.rope import build_rope_cache

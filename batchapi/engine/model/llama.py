@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from batchapi.engine.loader import ModelConfig
+from batchapi.engine.model.loader import ModelConfig
 
 
 @dataclass

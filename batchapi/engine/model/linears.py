@@ -1,6 +1,7 @@
 """The model's linear layers on CPU and CUDA: oneDNN-packed weights, and batch invariance.
 
-**Packing.** bf16 and fp32 linear layers on CPU with their weights reordered for oneDNN once, at load.
+**Packing.** bf16 and fp32 linear layers on CPU with their weights reordered for oneDNN once, at load
+(through onednn.py, which holds torch's private oneDNN ops and falls back to F.linear without them).
 
 F.linear on a bf16 weight makes oneDNN reorder the weight into its blocked (AMX/AVX-512) layout
 on every call, which at decode batch sizes costs about as much as the matmul itself: a step's
@@ -42,6 +43,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchapi.engine.model import onednn
+
+log = logging.getLogger(__name__)
+
 
 class PackedLinear(nn.Linear):
     """An nn.Linear sharing the original's parameters, plus a packed copy of the weight."""
@@ -50,26 +55,17 @@ class PackedLinear(nn.Linear):
     def from_linear(cls, linear: nn.Linear, batch_hint: int) -> PackedLinear:
         packed = cls(linear.in_features, linear.out_features, bias=False, device="meta")
         packed.weight, packed.bias = linear.weight, linear.bias  # shared: ties and state stay as they were
-        # an opaque oneDNN tensor; batch_hint picks the blocking, any batch size may use it
-        packed.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
+        packed.packed_weight = onednn.pack(linear.weight.detach(), batch_hint)
         return packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        return onednn.linear(x, self.packed_weight, self.bias)
 
 
 def can_pack(module: nn.Module) -> bool:
+    """bf16 only where native; where torch's oneDNN ops are gone or changed, no layer is packed."""
     return (type(module) is nn.Linear and module.weight.device.type == "cpu"
-            and module.weight.dtype in (torch.bfloat16, torch.float32) and _packing_available(module.weight.dtype))
-
-
-def _packing_available(dtype: torch.dtype) -> bool:
-    # private oneDNN ops: a torch build without them keeps plain nn.Linear; bf16 only where native
-    ops = torch.ops.mkldnn
-    return (torch.backends.mkldnn.is_available()
-            and all(hasattr(ops, name) for name in ("_reorder_linear_weight", "_linear_pointwise",
-                                                    "_is_mkldnn_bf16_supported"))
-            and (dtype != torch.bfloat16 or ops._is_mkldnn_bf16_supported()))
+            and module.weight.dtype in (torch.bfloat16, torch.float32) and onednn.available(module.weight.dtype))
 
 
 def pack_linears(model: nn.Module, batch_hint: int) -> int:
@@ -80,11 +76,6 @@ def pack_linears(model: nn.Module, batch_hint: int) -> int:
         setattr(parent, name, PackedLinear.from_linear(child, batch_hint))
     return len(targets)
 
-
-
-
-
-log = logging.getLogger(__name__)
 
 CANDIDATE_MIN_ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 33, 48, 64)
 BLOCK_ROWS = 64  # the fallback's rows per call

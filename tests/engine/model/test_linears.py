@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from batchapi.engine.linears import PackedLinear, can_pack, pack_linears
+from batchapi.engine.model.linears import PackedLinear, can_pack, pack_linears
 
 
 def _linear(bias: bool, dtype=torch.bfloat16) -> nn.Linear:
