@@ -6,12 +6,13 @@ import os
 from pathlib import Path
 
 import pytest
+from openai import OpenAI
 
 from batchapi.config import DEFAULT_EMBEDDING_MODEL, DEFAULT_MODEL
 from batchapi.context import open_context
 from batchapi.db.migrate import upgrade
 from tests.utils import services
-from tests.utils.batch_service import service_settings
+from tests.utils.batch_service import live_server, new_key, service_settings
 from tests.utils.tiny_models import build_tiny_model
 
 MODEL_CACHE = Path(os.environ.get("BATCHAPI_MODEL_CACHE", "~/.cache/batchapi")).expanduser()
@@ -95,6 +96,31 @@ def sqlite_jobs(tmp_path, tiny_llama_dir):
 @pytest.fixture(params=["postgresql", "sqlite"])
 def any_jobs(request):
     return request.getfixturevalue("pg_jobs" if request.param == "postgresql" else "sqlite_jobs")
+
+
+# the live server the API tests (tests/api) and the SDK tests (tests/e2e) share
+@pytest.fixture(scope="session")
+def pg_server(tmp_path_factory, pg_url, s3, tiny_llama_dir):
+    """One live server on PostgreSQL and SeaweedFS, no worker; tests stay apart by project."""
+    settings = service_settings(tmp_path_factory.mktemp("api-pg"), tiny_llama_dir, pg_url=pg_url, s3=s3)
+    upgrade(settings)
+    with live_server(settings) as server:
+        yield server
+
+
+@pytest.fixture
+def api_key(pg_server, request) -> str:
+    return new_key(pg_server, f"project-{request.node.name}")
+
+
+@pytest.fixture
+def client(pg_server, api_key) -> OpenAI:
+    return OpenAI(base_url=pg_server.base_url + "/v1", api_key=api_key, max_retries=0)
+
+
+@pytest.fixture
+def model_id(pg_server) -> str:
+    return pg_server.app.state.model.id
 
 
 @pytest.fixture(autouse=True)

@@ -16,6 +16,7 @@ import pytest
 
 from batchapi import logs
 from tests.utils import services
+from tests.utils.waiting import wait_until
 
 BATCHAPI = str(Path(sys.executable).parent / "batchapi")
 
@@ -91,7 +92,7 @@ def test_the_api_server_logs_json_lines_with_the_request_id(tmp_path, tiny_llama
         proc = subprocess.Popen([BATCHAPI, "serve"], env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     try:
-        services.wait_for(lambda: services.port_open("127.0.0.1", port), 60, "batchapi serve")
+        wait_until(lambda: services.port_open("127.0.0.1", port), 60, 0.2, "batchapi serve")
         response = httpx.get(f"http://127.0.0.1:{port}/v1/batches/batch_0123456789abcdef0123",
                              headers={"x-request-id": "logs-test-1"})
         assert response.status_code == 404 and response.headers["x-request-id"] == "logs-test-1"

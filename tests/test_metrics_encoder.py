@@ -10,7 +10,7 @@ import pytest
 
 from batchapi import metrics
 from batchapi.encoder import EmbeddingRequest, EncoderConfig, EncoderFront
-from tests.utils.batch_service import wait_until
+from tests.utils.waiting import wait_until
 
 MODEL = (("model", "all-minilm-l6-v2"),)
 

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import io
-import time
 
 import httpx
 import pytest
 
 from batchapi.db.projects import list_keys, revoke_key
-from tests.api.conftest import new_key
-from tests.utils.batch_service import jsonl, request_line, wait_until
+from tests.utils.batch_service import jsonl, new_key, request_line
+from tests.utils.waiting import PAST_VALIDATION, wait_for_batch, wait_until
 
 ENDPOINTS = [
     ("POST", "/v1/files"), ("GET", "/v1/files"), ("GET", "/v1/files/file-x"), ("GET", "/v1/files/file-x/content"),
@@ -39,7 +38,9 @@ def test_a_revoked_key_gets_401(pg_server):
         assert http.get("/v1/files").status_code == 200
         [info] = list_keys(pg_server.ctx.settings, "revoked-key-project")
         assert revoke_key(pg_server.ctx.settings, info.id)
-        time.sleep(pg_server.ctx.settings.auth_cache_seconds)  # a known key is cached this long
+        cache = pg_server.app.state.key_cache  # a known key is cached this long after its last lookup
+        wait_until(lambda: cache.get(key) is None, pg_server.ctx.settings.auth_cache_seconds,
+                   message="the key's cache entry to run out")
         response = http.get("/v1/files")
     assert response.status_code == 401
     assert response.headers["www-authenticate"] == "Bearer"
@@ -65,7 +66,7 @@ def test_another_projects_objects_are_invisible(pg_server, model_id):
         fid = upload.json()["id"]
         bid = mine.post("/v1/batches", json={"input_file_id": fid, "endpoint": "/v1/chat/completions",
                                              "completion_window": "24h"}).json()["id"]
-        wait_until(lambda: mine.get(f"/v1/batches/{bid}").json()["status"] != "validating")
+        wait_for_batch(mine, bid, PAST_VALIDATION, timeout=30)
         for method, path in [("GET", f"/v1/files/{fid}"), ("GET", f"/v1/files/{fid}/content"),
                              ("DELETE", f"/v1/files/{fid}"), ("GET", f"/v1/batches/{bid}"),
                              ("POST", f"/v1/batches/{bid}/cancel"), ("GET", f"/v1/batches/{bid}/partial_results"),

@@ -17,8 +17,8 @@ from batchapi.db.clock import now
 from batchapi.db.models import ApiKey, Batch, Shard
 from batchapi.db.projects import hash_key
 from batchapi.db.session import session_scope
-from tests.api.conftest import new_key
-from tests.utils.batch_service import CHAT, embedded_stack, jsonl, request_line, wait_until
+from tests.utils.batch_service import CHAT, embedded_stack, jsonl, new_key, request_line
+from tests.utils.waiting import wait_for_batch
 
 CHROMIUM = "/usr/bin/chromium"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -49,7 +49,7 @@ def project(stack):
     lines = [request_line(f"d{i}", model, f"Say {i}.", max_tokens=4, temperature=0) for i in range(3)]
     uploaded = client.files.create(file=("d.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
     done = client.batches.create(input_file_id=uploaded.id, endpoint=CHAT, completion_window="24h")
-    wait_until(lambda: client.batches.retrieve(done.id).status == "completed", timeout=300, interval=0.3)
+    wait_for_batch(client, done.id, {"completed"}, timeout=300, interval=0.3)
     held = hold_running_batch(stack, key, uploaded.id, model)
     return key, done.id, held
 

@@ -11,8 +11,7 @@ import httpx
 import pytest
 
 from batchapi.db.migrate import upgrade
-from tests.api.conftest import new_key
-from tests.utils.batch_service import live_server, service_settings
+from tests.utils.batch_service import live_server, new_key, service_settings
 
 HTTPS_PROXY = {"X-Forwarded-Proto": "https"}
 

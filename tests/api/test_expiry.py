@@ -15,7 +15,8 @@ from sqlalchemy import func, select, update
 from batchapi.batches.sweeper import sweep
 from batchapi.db.models import File
 from batchapi.db.session import session_scope
-from tests.utils.batch_service import jsonl, request_line, wait_until
+from tests.utils.batch_service import jsonl, request_line
+from tests.utils.waiting import wait_for_batch, wait_until
 
 DAY = 86400
 
@@ -113,7 +114,7 @@ def test_an_expired_file_a_running_batch_reads_is_removed_once_the_batch_ends(cl
     f = upload(client, model_id)
     key = storage_key(pg_server, f.id)
     batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
-    wait_until(lambda: client.batches.retrieve(batch.id).status == "in_progress")
+    wait_for_batch(client, batch.id, {"in_progress"}, timeout=30)
     expire(pg_server, f.id)
     sweep(pg_server.ctx, shards=True)  # the batch still reads its input (no worker runs it here)
     assert pg_server.ctx.storage.exists(key) and row_count(pg_server, f.id) == 1
@@ -127,7 +128,7 @@ def test_a_deleted_file_a_running_batch_kept_is_removed_once_the_batch_ends(clie
     f = upload(client, model_id)
     key = storage_key(pg_server, f.id)
     batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
-    wait_until(lambda: client.batches.retrieve(batch.id).status == "in_progress")
+    wait_for_batch(client, batch.id, {"in_progress"}, timeout=30)
     assert client.files.delete(f.id).deleted
     sweep(pg_server.ctx)
     assert pg_server.ctx.storage.exists(key)  # the batch still reads it

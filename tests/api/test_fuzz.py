@@ -11,8 +11,8 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis.generation.modes import GenerationMode
 
-from tests.api.conftest import new_key
 from tests.api.test_openapi_doc import EXPECTED
+from tests.utils.batch_service import new_key
 
 CASES_PER_ROUTE = 30  # per route and mode
 RAW_BODIES = {"/v1/files/{file_id}/content", "/v1/batches/{batch_id}/partial_results", "/health"}

@@ -68,7 +68,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def objects(pg_server, model_id_module):
-    from tests.api.conftest import new_key
+    from tests.utils.batch_service import new_key
 
     key = new_key(pg_server, "malformed")
     with httpx.Client(base_url=pg_server.base_url, headers={"Authorization": f"Bearer {key}"}) as http:

@@ -16,9 +16,10 @@ import httpx
 from batchapi.api.schemas import BatchObject
 from batchapi.db.models import Batch, Project
 from batchapi.db.projects import list_keys, revoke_key
-from tests.api.conftest import new_key
+from tests.utils.batch_service import new_key
 from tests.utils.job_rows import make_batch
-from tests.utils.services import free_port, fresh_database, wait_for
+from tests.utils.services import free_port, fresh_database
+from tests.utils.waiting import wait_until
 
 BIN = Path(sys.executable).parent / "batchapi"
 
@@ -94,7 +95,7 @@ def test_serve_with_workers_runs_processes_that_answer(tmp_path, redis_url, tiny
         server = _serve(env, "--workers", "2")
         try:
             base = f"http://127.0.0.1:{port}"
-            wait_for(lambda: _answers(base + "/health"), 120, "batchapi serve --workers 2")
+            wait_until(lambda: _answers(base + "/health"), 120, 0.2, "batchapi serve --workers 2")
             with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}) as http:
                 assert {http.get("/v1/batches").status_code for _ in range(20)} == {200}
             workers = [pid for pid in _children(server.pid)

@@ -9,8 +9,8 @@ import re
 import httpx
 import pytest
 
-from tests.api.conftest import new_key
 from tests.api.raw_http import send_until_answered
+from tests.utils.batch_service import new_key
 
 GENERATED = re.compile(r"req_[0-9a-f]{32}")
 

@@ -9,8 +9,8 @@ from openai import OpenAI
 
 from batchapi.config import load_settings
 from batchapi.db.migrate import upgrade
-from tests.api.conftest import new_key
-from tests.utils.batch_service import jsonl, live_server, request_line, wait_until
+from tests.utils.batch_service import jsonl, live_server, new_key, request_line
+from tests.utils.waiting import PAST_VALIDATION, wait_for_batch
 
 
 def test_sdk_flow_on_sqlite(sqlite_server):
@@ -21,14 +21,14 @@ def test_sdk_flow_on_sqlite(sqlite_server):
     assert client.files.content(f.id).content == data
     batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="2d")
     assert batch.expires_at - batch.created_at == 2 * 86400
-    batch = wait_until(lambda: (b := client.batches.retrieve(batch.id)).status != "validating" and b)
+    batch = wait_for_batch(client, batch.id, PAST_VALIDATION, timeout=30)
     assert (batch.status, batch.request_counts.total) == ("in_progress", 6)
     assert [b.id for b in client.batches.list(limit=1)] == [batch.id]
     assert client.batches.cancel(batch.id).status == "cancelling"
     assert (sqlite_server.ctx.settings.data_dir / "storage" / "files" / f.id).is_file()
     bad = client.files.create(file=("bad.jsonl", io.BytesIO(b"\xff\n")), purpose="batch")
     failed = client.batches.create(input_file_id=bad.id, endpoint="/v1/chat/completions", completion_window="24h")
-    failed = wait_until(lambda: (b := client.batches.retrieve(failed.id)).status != "validating" and b)
+    failed = wait_for_batch(client, failed.id, PAST_VALIDATION, timeout=30)
     assert [(e.code, e.line) for e in failed.errors.data] == [("invalid_encoding", 1)]
 
 
@@ -63,5 +63,5 @@ def test_a_batch_left_validating_is_picked_up_at_start_up(tmp_path, tiny_llama_d
         session.execute(update(Batch).where(Batch.id == bid).values(validation_lease_expires_at=1))
     ctx.close()
     with live_server(settings) as server, httpx.Client(base_url=server.base_url) as http:
-        batch = wait_until(lambda: (b := http.get(f"/v1/batches/{bid}").json())["status"] != "validating" and b)
+        batch = wait_for_batch(http, bid, PAST_VALIDATION, timeout=30)
     assert batch["status"] == "in_progress" and batch["request_counts"]["total"] == 1

@@ -7,7 +7,8 @@ import time
 
 from batchapi.db.migrate import upgrade
 from batchapi.storage.local import PARTIAL_GRACE_SECONDS
-from tests.utils.batch_service import live_server, service_settings, wait_until
+from tests.utils.batch_service import live_server, service_settings
+from tests.utils.waiting import wait_until
 
 
 def test_start_up_removes_stale_temp_files_and_keeps_the_rest(tmp_path, tiny_llama_dir):

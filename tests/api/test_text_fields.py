@@ -12,8 +12,7 @@ from sqlalchemy import func, select
 from batchapi.batches.files import upload_file
 from batchapi.db.models import File
 from batchapi.errors import InvalidRequest
-from tests.api.conftest import new_key
-from tests.utils.batch_service import CHAT, jsonl, request_line
+from tests.utils.batch_service import CHAT, jsonl, new_key, request_line
 
 
 @pytest.fixture

@@ -17,9 +17,8 @@ from batchapi.api.multipart import FORM_OVERHEAD_BYTES
 from batchapi.db.migrate import upgrade
 from batchapi.db.models import File
 from batchapi.storage.s3 import S3Storage
-from tests.api.conftest import new_key
 from tests.api.raw_http import chunked, request_head, send_until_answered
-from tests.utils.batch_service import jsonl, live_server, request_line, service_settings
+from tests.utils.batch_service import jsonl, live_server, new_key, request_line, service_settings
 
 BOUNDARY = "test-boundary-1234"
 CHUNK = b"x" * (1 << 16)

@@ -19,9 +19,9 @@ from batchapi.batches.uploads import MAX_PART_BYTES, expire_uploads
 from batchapi.db.models import Upload, UploadPart
 from batchapi.db.session import session_scope
 from batchapi.storage.s3 import MIN_COPY_PART, S3Storage
-from tests.api.conftest import new_key
 from tests.api.raw_http import chunked, request_head, send_until_answered
-from tests.utils.batch_service import jsonl, request_line, wait_until
+from tests.utils.batch_service import jsonl, new_key, request_line
+from tests.utils.waiting import PAST_VALIDATION, wait_for_batch
 
 
 @pytest.fixture(params=["postgresql+s3", "sqlite+local"])
@@ -83,7 +83,7 @@ def test_a_chunked_upload_is_byte_identical_and_a_batch_input(server, sdk, tmp_p
     assert objects_under(server.ctx.storage, f"uploads/{upload.id}/") == []
 
     batch = sdk.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
-    batch = wait_until(lambda: (b := sdk.batches.retrieve(batch.id)).status != "validating" and b)
+    batch = wait_for_batch(sdk, batch.id, PAST_VALIDATION, timeout=30)
     assert batch.status == "in_progress", batch.errors
     assert batch.request_counts.total == data.count(b"\n")  # left in_progress: no worker runs this server's shards
 

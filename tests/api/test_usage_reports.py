@@ -17,7 +17,8 @@ from batchapi.db.clock import now
 from batchapi.db.models import Batch, Project
 from batchapi.db.projects import create_api_key, get_or_create_project
 from batchapi.db.session import session_scope
-from tests.utils.batch_service import CHAT, embedded_stack, jsonl, request_line, wait_until
+from tests.utils.batch_service import CHAT, embedded_stack, jsonl, request_line
+from tests.utils.waiting import wait_for_batch
 
 DAY = 86400
 COMPLETIONS = "/v1/organization/usage/completions"
@@ -48,8 +49,7 @@ def run_batch(stack, key: str, n: int, max_tokens: int) -> dict:
     uploaded = client.files.create(file=("b.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
     batch = client.batches.create(input_file_id=uploaded.id, endpoint=CHAT, completion_window="24h")
     http = httpx.Client(base_url=stack.base_url, headers={"Authorization": f"Bearer {key}"})
-    return wait_until(lambda: (b := http.get(f"/v1/batches/{batch.id}").json())["status"] == "completed" and b,
-                      timeout=300, interval=0.3)
+    return wait_for_batch(http, batch.id, {"completed"}, timeout=300, interval=0.3)
 
 
 @pytest.fixture(scope="module")

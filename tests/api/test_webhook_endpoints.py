@@ -13,8 +13,8 @@ import pytest
 
 from batchapi.batches.sweeper import sweep
 from batchapi.webhooks.delivery import deliver_due
-from tests.api.conftest import new_key
-from tests.utils.batch_service import jsonl, request_line, wait_until
+from tests.utils.batch_service import jsonl, new_key, request_line
+from tests.utils.waiting import wait_for_batch, wait_until
 from tests.webhooks.receiver import Receiver
 
 
@@ -70,7 +70,7 @@ def test_deliveries_show_what_was_sent(client, pg_server, api_key, model_id):
         endpoint = client.webhooks.create(url=receiver.url, event_types=["batch.cancelled"], name="c")
         f = client.files.create(file=("b.jsonl", io.BytesIO(jsonl([request_line("a", model_id)]))), purpose="batch")
         batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
-        wait_until(lambda: client.batches.retrieve(batch.id).status == "in_progress")
+        wait_for_batch(client, batch.id, {"in_progress"}, timeout=30)
         client.batches.cancel(batch.id)
         wait_until(lambda: sweep(pg_server.ctx) and client.batches.retrieve(batch.id).status == "cancelled")
         url = f"{pg_server.base_url}/v1/webhook_endpoints/{endpoint.id}/deliveries"

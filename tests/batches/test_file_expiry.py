@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import io
 import threading
-import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 from sqlalchemy import event, text
@@ -20,7 +21,8 @@ from batchapi.db.projects import get_or_create_project
 from batchapi.db.session import session_scope
 from batchapi.errors import NotFound
 from batchapi.models.registry import served_model_id
-from tests.utils.batch_service import jsonl, request_line, wait_until
+from tests.utils.batch_service import jsonl, request_line
+from tests.utils.waiting import wait_until
 
 CHAT = "/v1/chat/completions"
 
@@ -39,12 +41,42 @@ def expiring_file(ctx, project: str, seconds: int) -> str:
     return f.id
 
 
+def expires_at(ctx, fid: str) -> int:
+    with ctx.sessions() as session:
+        return session.get(File, fid).expires_at
+
+
 def waiting_on_a_lock(ctx) -> bool:
     """Some other connection of this database waits for a row lock (PostgreSQL)."""
     with ctx.engine.connect() as conn:
         return bool(conn.execute(text(
             "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
         )).scalar())
+
+
+@contextmanager
+def statements_of(ctx, thread: threading.Thread) -> Iterator[list[str]]:
+    """The SQL ``thread`` sends on ``ctx``'s engine while inside, each noted as it goes out."""
+    sent: list[str] = []
+
+    def note(_conn, _cursor, statement, *_) -> None:
+        if threading.get_ident() == thread.ident:
+            sent.append(statement)
+
+    event.listen(ctx.engine, "before_cursor_execute", note)
+    try:
+        yield sent
+    finally:
+        event.remove(ctx.engine, "before_cursor_execute", note)
+
+
+def at_its_lock(ctx, sent: list[str], write: str) -> bool:
+    """The other thread waits for the lock this one holds: on PostgreSQL as the server reports it;
+    on SQLite, which reports no waits, once it has sent ``write`` (one writer at a time: that write
+    waits for this one's transaction)."""
+    if ctx.engine.dialect.name == "postgresql":
+        return waiting_on_a_lock(ctx)
+    return any(statement.startswith(write) for statement in sent)
 
 
 def test_a_file_expiring_while_a_batch_is_created_from_it_stays_for_the_batch(any_jobs, project):
@@ -61,18 +93,16 @@ def test_a_file_expiring_while_a_batch_is_created_from_it_stays_for_the_batch(an
         pending = [*session.new, *session.identity_map.values()]
         if threading.get_ident() != creating or not any(isinstance(o, Batch) for o in pending):
             return
-        wait_until(lambda: now() >= expires_at, timeout=10)
+        wait_until(lambda: now() >= expiry, timeout=10)
         sweeper.start()  # the file has expired: the sweeper removes it now, if it can
-        if ctx.engine.dialect.name == "postgresql":
-            wait_until(lambda: swept or waiting_on_a_lock(ctx), timeout=30)
-        else:  # one writer at a time: give it a moment to get as far as it can
-            sweeper.join(1.0)
+        wait_until(lambda: swept or at_its_lock(ctx, sent, "DELETE FROM files"), timeout=30,
+                   message="the sweeper to wait for this create")
 
-    with ctx.sessions() as session:
-        expires_at = session.get(File, fid).expires_at
+    expiry = expires_at(ctx, fid)
     event.listen(ctx.sessions, "before_commit", before_commit)
     try:
-        batch = service.create_batch(ctx, project, fid, CHAT, "24h")
+        with statements_of(ctx, sweeper) as sent:
+            batch = service.create_batch(ctx, project, fid, CHAT, "24h")
     finally:
         event.remove(ctx.sessions, "before_commit", before_commit)
     sweeper.join(30)
@@ -88,7 +118,8 @@ def test_a_create_after_the_expiry_removed_the_file_fails_cleanly(any_jobs, proj
     create fails with NotFound (the API's 404 error) and leaves no batch behind."""
     ctx = any_jobs
     fid = expiring_file(ctx, project, 1)
-    time.sleep(1.1)
+    expiry = expires_at(ctx, fid)
+    wait_until(lambda: now() >= expiry, timeout=10)
     gate, inside = threading.Event(), threading.Event()
     real_delete = ctx.storage.delete
 
@@ -112,8 +143,10 @@ def test_a_create_after_the_expiry_removed_the_file_fails_cleanly(any_jobs, proj
                 failed.append(exc)
 
         creator = threading.Thread(target=create)
-        creator.start()
-        creator.join(1.0)
+        with statements_of(ctx, creator) as sent:
+            creator.start()
+            wait_until(lambda: not creator.is_alive() or at_its_lock(ctx, sent, "INSERT INTO batches"), timeout=30,
+                       message="the create to wait for the sweeper")
         gate.set()
         creator.join(30)
         sweeper.join(30)

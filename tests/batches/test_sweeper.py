@@ -161,7 +161,7 @@ def test_the_loop_removes_partial_writes_at_start_and_again_later(sqlite_jobs, m
 
     from batchapi.batches import sweeper
     from batchapi.storage.local import PARTIAL_GRACE_SECONDS
-    from tests.utils.batch_service import wait_until
+    from tests.utils.waiting import wait_until
 
     root = sqlite_jobs.storage.root / "files"
     root.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from batchapi.storage.local import PARTIAL_GRACE_SECONDS, LocalStorage
 from batchapi.storage.s3 import MULTIPART_THRESHOLD, S3Storage
-from tests.utils.batch_service import wait_until
+from tests.utils.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,10 +1,10 @@
-"""Factories for the service tests: settings per backend, request lines, a live uvicorn server."""
+"""Factories for the service tests: settings per backend, request lines, a live uvicorn server,
+API keys for it."""
 
 from __future__ import annotations
 
 import json
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -12,7 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from batchapi.config import Settings, load_settings
+from batchapi.db.projects import create_api_key
+from batchapi.db.session import session_scope
 from tests.utils.services import S3Server, free_port
+from tests.utils.waiting import wait_for_batch, wait_until
 
 CHAT = "/v1/chat/completions"
 
@@ -81,10 +84,12 @@ def live_server(settings: Settings, **app_kwargs) -> Iterator[LiveServer]:
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", **server_options()))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
+
+    def started() -> bool:
+        assert thread.is_alive(), "uvicorn exited before it started"
+        return server.started
+
+    wait_until(started, timeout=30, interval=0.02, message="uvicorn to start")
     try:
         yield LiveServer(f"http://127.0.0.1:{port}", app)
     finally:
@@ -92,14 +97,10 @@ def live_server(settings: Settings, **app_kwargs) -> Iterator[LiveServer]:
         thread.join(timeout=30)
 
 
-def wait_until(predicate, timeout: float = 30.0, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(interval)
+def new_key(server: LiveServer, project: str) -> str:
+    """A fresh API key of ``project`` (made if new) on ``server``'s database."""
+    with session_scope(server.ctx.sessions) as session:
+        return create_api_key(session, project)
 
 
 # the live stack of the end-to-end API tests: quick sweeps and leases, the embedded worker on CPU
@@ -133,8 +134,7 @@ def run_to_end(client, lines: list, endpoint: str, timeout: float = 600):
 
     uploaded = client.files.create(file=("batch.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
     batch = client.batches.create(input_file_id=uploaded.id, endpoint=endpoint, completion_window="24h")
-    batch = wait_until(lambda: (b := client.batches.retrieve(batch.id)).status in ("completed", "failed") and b,
-                       timeout=timeout, interval=0.3)
+    batch = wait_for_batch(client, batch.id, timeout=timeout, interval=0.3)
     assert batch.status == "completed", batch.errors
 
     def read(file_id):

@@ -12,11 +12,12 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from tests.utils.waiting import wait_until
 
 PG_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 REDIS_HOST, REDIS_PORT = "127.0.0.1", 6379
@@ -34,15 +35,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise RuntimeError(f"timed out after {timeout}s waiting for {what}")
-
-
 def ensure_postgres() -> None:
     if port_open("127.0.0.1", 5432):
         return
@@ -50,7 +42,7 @@ def ensure_postgres() -> None:
     subprocess.run(
         ["pg_ctlcluster", "--skip-systemctl-redirect", versions[-1], "main", "start"], check=True
     )
-    wait_for(lambda: port_open("127.0.0.1", 5432), 30, "PostgreSQL on 5432")
+    wait_until(lambda: port_open("127.0.0.1", 5432), 30, 0.2, "PostgreSQL on 5432")
 
 
 def ensure_redis() -> None:
@@ -61,7 +53,7 @@ def ensure_redis() -> None:
          "--save", "", "--appendonly", "no"],
         check=True,
     )
-    wait_for(lambda: port_open(REDIS_HOST, REDIS_PORT), 30, "Redis on 6379")
+    wait_until(lambda: port_open(REDIS_HOST, REDIS_PORT), 30, 0.2, "Redis on 6379")
 
 
 @contextlib.contextmanager
@@ -133,7 +125,7 @@ def seaweedfs(workdir: Path, bucket: str = "batchapi-test") -> Iterator[S3Server
     proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
     server = S3Server(f"http://127.0.0.1:{ports['s3.port']}", bucket, key, secret)
     try:
-        wait_for(lambda: proc.poll() is None and _bucket_ready(server), 90, "SeaweedFS S3")
+        wait_until(lambda: proc.poll() is None and _bucket_ready(server), 90, 0.2, "SeaweedFS S3")
         yield server
     finally:
         proc.terminate()

@@ -18,8 +18,8 @@ from batchapi.db.models import Batch, WebhookDelivery
 from batchapi.db.session import session_scope
 from batchapi.webhooks import endpoints
 from tests.utils import services
-from tests.utils.batch_service import wait_until
 from tests.utils.job_rows import make_batch
+from tests.utils.waiting import wait_until
 from tests.webhooks.receiver import Receiver
 from tests.workers import processes
 from tests.workers.processes import RedisServer

@@ -19,9 +19,9 @@ from batchapi.errors import InvalidRequest
 from batchapi.webhooks import endpoints
 from batchapi.webhooks.delivery import deliver_due, deliver_one
 from batchapi.webhooks.signing import new_secret
-from tests.utils.batch_service import wait_until
 from tests.utils.job_rows import make_batch
 from tests.utils.services import free_port
+from tests.utils.waiting import wait_until
 from tests.webhooks.receiver import Receiver
 
 SDK = openai.OpenAI(api_key="unused", base_url="http://127.0.0.1:9/v1")

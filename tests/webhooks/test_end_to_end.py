@@ -12,8 +12,8 @@ import pytest
 from batchapi.db.models import Project
 from batchapi.db.session import session_scope
 from batchapi.webhooks import endpoints
-from tests.api.conftest import new_key
-from tests.utils.batch_service import embedded_stack, jsonl, request_line, run_to_end, wait_until
+from tests.utils.batch_service import embedded_stack, jsonl, new_key, request_line, run_to_end
+from tests.utils.waiting import wait_for_batch, wait_until
 from tests.webhooks.receiver import Receiver
 
 pytestmark = pytest.mark.slow
@@ -34,8 +34,7 @@ def test_finished_and_cancelled_batches_send_their_events(tmp_path, tiny_llama_d
         batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
                                       completion_window="24h", output_expires_after={"anchor": "created_at",
                                                                                      "seconds": 7200})
-        batch = wait_until(lambda: (b := client.batches.retrieve(batch.id)).status in ("completed", "failed") and b,
-                           timeout=300, interval=0.3)
+        batch = wait_for_batch(client, batch.id, timeout=300, interval=0.3)
         assert batch.status == "completed", batch.errors
         output = client.files.retrieve(batch.output_file_id)
         assert output.expires_at == output.created_at + 7200
@@ -50,7 +49,7 @@ def test_finished_and_cancelled_batches_send_their_events(tmp_path, tiny_llama_d
         cancelled = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
                                           completion_window="24h")
         client.batches.cancel(cancelled.id)
-        wait_until(lambda: client.batches.retrieve(cancelled.id).status == "cancelled", timeout=60, interval=0.3)
+        wait_for_batch(client, cancelled.id, {"cancelled"}, timeout=60, interval=0.3)
         wait_until(lambda: len(receiver.received) == 3, timeout=30)
         events = [client.webhooks.unwrap(r.body, r.headers, secret=secret) for r in receiver.received]
         assert sorted((e.data.id, e.type) for e in events) == sorted([  # sent in parallel: in any order

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import json
-import time
 from collections import Counter
 
 import httpx
 
 from tests.utils.batch_service import jsonl, request_line
-
-TERMINAL = {"completed", "failed", "expired", "cancelled"}
 
 
 def lines_for(model: str, n: int, prefix: str = "req", max_tokens: int = 4, **body) -> list[dict]:
@@ -29,33 +26,6 @@ def submit(http: httpx.Client, lines: list[dict]) -> str:
     })
     assert created.status_code == 200, created.text
     return created.json()["id"]
-
-
-def get(http: httpx.Client, batch_id: str) -> dict:
-    response = http.get(f"/v1/batches/{batch_id}")
-    assert response.status_code == 200, response.text
-    return response.json()
-
-
-def wait_for(http: httpx.Client, batch_id: str, predicate, timeout: float, what: str) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        batch = get(http, batch_id)
-        if predicate(batch):
-            return batch
-        assert batch["status"] not in TERMINAL, f"batch ended {batch['status']} while waiting for {what}: {batch}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}: {batch}"
-        time.sleep(0.25)
-
-
-def wait_done(http: httpx.Client, batch_id: str, timeout: float = 120) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        batch = get(http, batch_id)
-        if batch["status"] in TERMINAL:
-            return batch
-        assert time.monotonic() < deadline, f"batch still {batch['status']} after {timeout}s: {batch}"
-        time.sleep(0.25)
 
 
 def file_lines(http: httpx.Client, file_id: str | None) -> list[dict]:

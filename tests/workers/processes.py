@@ -13,6 +13,7 @@ from pathlib import Path
 
 from batchapi.config import Settings
 from tests.utils import services
+from tests.utils.waiting import wait_until
 
 BATCHAPI = str(Path(sys.executable).parent / "batchapi")
 
@@ -35,7 +36,7 @@ class RedisServer:
              "--dir", str(self.workdir)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
-        services.wait_for(lambda: services.port_open("127.0.0.1", self.port), 30, "private redis-server")
+        wait_until(lambda: services.port_open("127.0.0.1", self.port), 30, 0.2, "private redis-server")
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -69,11 +70,14 @@ def spawn(args: list[str], env: dict[str, str], log_path: Path, prelude: str | N
 
 def wait_ready(proc: subprocess.Popen, log_path: Path, what: str, timeout: float = 120) -> None:
     """Until Celery logs the node ready: it consumes its queue from now on."""
-    deadline = time.monotonic() + timeout
-    while b" ready." not in log_path.read_bytes():
+
+    def ready() -> bool:
+        if b" ready." in log_path.read_bytes():
+            return True
         assert proc.poll() is None, f"{what} exited {proc.returncode}: {log_path.read_text(errors='replace')[-3000:]}"
-        assert time.monotonic() < deadline, f"{what} not ready after {timeout}s"
-        time.sleep(0.2)
+        return False
+
+    wait_until(ready, timeout, 0.2, f"{what} to be ready")
 
 
 def stop(proc: subprocess.Popen) -> None:

@@ -21,8 +21,8 @@ from batchapi.db.models import Shard
 from batchapi.db.session import session_scope
 from batchapi.workers.celery_app import RUN_SHARD
 from tests.utils import services
-from tests.utils.batch_service import wait_until
 from tests.utils.job_rows import make_batch, shard
+from tests.utils.waiting import wait_until
 from tests.workers import processes
 from tests.workers.processes import RedisServer
 

@@ -11,17 +11,8 @@ from sqlalchemy import select
 from batchapi.batches import leases
 from batchapi.db.models import Shard
 from batchapi.workers.celery_app import make_celery, send_shards
-from tests.utils.batch_service import wait_until
-from tests.workers.helpers import (
-    assert_each_once,
-    assert_usage_matches,
-    get,
-    lines_for,
-    results,
-    submit,
-    wait_done,
-    wait_for,
-)
+from tests.utils.waiting import read_batch, wait_for_batch, wait_until
+from tests.workers.helpers import assert_each_once, assert_usage_matches, lines_for, results, submit
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +42,7 @@ def model(cluster) -> str:
 
 def wait_completed(http, batch_id: str, lines: list[dict], timeout: float) -> tuple[dict, list[dict]]:
     """Waits for the batch to complete with no errors, each line answered once and usage that adds up."""
-    batch = wait_done(http, batch_id, timeout=timeout)
+    batch = wait_for_batch(http, batch_id, timeout=timeout)
     assert batch["status"] == "completed", batch
     output, errors = results(http, batch)
     assert errors == []
@@ -81,7 +72,7 @@ def test_duplicated_task_messages_do_no_work_twice(cluster, two_workers, model):
     lines = lines_for(model, 30, prefix="dup")
     with cluster.http() as http:
         batch_id = submit(http, lines)
-        first = wait_done(http, batch_id, timeout=120)
+        first = wait_for_batch(http, batch_id)
         assert first["status"] == "completed", first
         before = [(s.id, s.attempts, s.finished_at, s.output_key) for s in shards_of(cluster, batch_id)]
         # the same messages again, twice: every claim finds the shard done
@@ -92,7 +83,7 @@ def test_duplicated_task_messages_do_no_work_twice(cluster, two_workers, model):
         wait_consumed(cluster, cluster.settings.celery_queue)  # the workers have handled every copy
         after = [(s.id, s.attempts, s.finished_at, s.output_key) for s in shards_of(cluster, batch_id)]
         assert after == before
-        again = get(http, batch_id)
+        again = read_batch(http, batch_id)
         assert again["request_counts"] == first["request_counts"] and again["usage"] == first["usage"]
         output, errors = results(http, again)
     assert_each_once(lines, output, errors)
@@ -111,10 +102,10 @@ def test_cancel_mid_run_keeps_finished_results(cluster, two_workers, model):
     lines = long_lines(model, "cancel", n=600)  # still running when the cancel lands, on a fast machine too
     with cluster.http() as http:
         batch_id = submit(http, lines)
-        wait_for(http, batch_id, some_done, 120, "some finished requests")
+        wait_for_batch(http, batch_id, until=some_done, message="some finished requests")
         cancelled = http.post(f"/v1/batches/{batch_id}/cancel")
         assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelling", cancelled.text
-        batch = wait_done(http, batch_id, timeout=90)  # aborted, not run out: len(output) < len(lines)
+        batch = wait_for_batch(http, batch_id, timeout=90)  # aborted, not run out: len(output) < len(lines)
         assert batch["status"] == "cancelled", batch
         output, errors = results(http, batch)
     assert_each_once(lines, output, errors)
@@ -135,10 +126,10 @@ def test_expiry_mid_run_keeps_finished_results(cluster, two_workers, model):
     lines = long_lines(model, "expire", n=600)
     with cluster.http() as http:
         batch_id = submit(http, lines)
-        wait_for(http, batch_id, some_done, 120, "some finished requests")
+        wait_for_batch(http, batch_id, until=some_done, message="some finished requests")
         with session_scope(cluster.ctx.sessions) as session:  # the completion window runs out now
             session.execute(update(Batch).where(Batch.id == batch_id).values(expires_at=now()))
-        batch = wait_done(http, batch_id, timeout=90)
+        batch = wait_for_batch(http, batch_id, timeout=90)
         assert batch["status"] == "expired", batch
         output, errors = results(http, batch)
     assert_each_once(lines, output, errors)
@@ -151,17 +142,17 @@ def test_redis_restart_mid_batch(cluster, two_workers, model):
     lines = long_lines(model, "redis", n=600)  # still running when the broker is back
     with cluster.http() as http:
         batch_id = submit(http, lines)
-        wait_for(http, batch_id, lambda b: b["status"] == "in_progress", 60, "validation")
+        wait_for_batch(http, batch_id, {"in_progress"}, timeout=60)
         # the shards' messages go with the broker; the database still knows the work
         cluster.redis.restart(down_seconds=1.0)
-        assert get(http, batch_id)["status"] == "in_progress"
+        assert read_batch(http, batch_id)["status"] == "in_progress"
         wait_completed(http, batch_id, lines, timeout=180)
     for name in two_workers:
         assert cluster.workers[name].poll() is None, cluster.worker_log(name)
     # and the restarted broker carries new work
     after = lines_for(model, 20, prefix="after-restart")
     with cluster.http() as http:
-        batch = wait_done(http, submit(http, after), timeout=60)
+        batch = wait_for_batch(http, submit(http, after), timeout=60)
         assert batch["status"] == "completed", batch
         assert_each_once(after, *results(http, batch))
 
@@ -177,7 +168,7 @@ def test_kill_9_of_a_worker_mid_batch(cluster, two_workers, model):
             running = [s for s in shards_of(cluster, batch_id) if s.status == "running"]
             return some_done(batch) and any(s.lease_owner.split(":")[1] == victim_pid for s in running)
 
-        wait_for(http, batch_id, victim_busy, 120, "the victim to hold a shard")
+        wait_for_batch(http, batch_id, until=victim_busy, message="the victim to hold a shard")
         cluster.kill_worker(victim)
         wait_completed(http, batch_id, lines, timeout=240)
     shards = shards_of(cluster, batch_id)

@@ -9,6 +9,7 @@ import time
 from batchapi.encoder import EmbeddingRequest, EncoderConfig, EncoderFront
 from batchapi.engine import EngineConfig, EngineFront, GenerationRequest, SamplingParams
 from batchapi.workers.engine_setup import TakeTurns
+from tests.utils.waiting import wait_until
 
 
 def test_turns_go_in_the_order_asked_so_a_loop_cannot_starve_a_waiter():
@@ -22,7 +23,7 @@ def test_turns_go_in_the_order_asked_so_a_loop_cannot_starve_a_waiter():
 
     looper = threading.Thread(target=loop)
     looper.start()
-    time.sleep(0.01)
+    wait_until(lambda: order, message="the loop's first turn")  # the turns below are asked of a running loop
     for _ in range(5):
         with turn:
             order.append("other")

@@ -8,7 +8,6 @@ the test can say which requests were computed, and by whom."""
 
 from __future__ import annotations
 
-import time
 import uuid
 from pathlib import Path
 
@@ -16,20 +15,13 @@ import httpx
 import pytest
 from sqlalchemy import select, update
 
+from batchapi.batches.states import TERMINAL
 from batchapi.db.clock import now
 from batchapi.db.models import Batch, RequestResult, Shard
 from batchapi.db.session import session_scope
+from tests.utils.waiting import read_batch, wait_for_batch
 from tests.workers.conftest import WORKER_SETTINGS, running_cluster
-from tests.workers.helpers import (
-    assert_each_once,
-    assert_usage_matches,
-    get,
-    lines_for,
-    results,
-    submit,
-    wait_done,
-    wait_for,
-)
+from tests.workers.helpers import assert_each_once, assert_usage_matches, lines_for, results, submit
 
 pytestmark = pytest.mark.slow
 
@@ -119,13 +111,14 @@ def test_counts_and_partial_results_move_per_request_inside_one_shard(cluster, w
     seen, partial = set(), set()
     with cluster.http() as http:
         batch_id = submit(http, lines)
-        deadline = time.monotonic() + 120
-        while (batch := get(http, batch_id))["status"] not in ("completed", "failed", "expired", "cancelled"):
+
+        def ended_noting_progress(batch: dict) -> bool:
             if batch["status"] == "in_progress":
                 seen.add(batch["request_counts"]["completed"])
                 partial.add(partial_count(http, batch_id))
-            assert time.monotonic() < deadline, batch
-            time.sleep(0.05)
+            return batch["status"] in TERMINAL
+
+        batch = wait_for_batch(http, batch_id, until=ended_noting_progress, interval=0.05, message="the batch to end")
         assert batch["status"] == "completed", batch
         output, errors = results(http, batch)
     shard = the_shard(cluster, batch_id)
@@ -146,10 +139,11 @@ def cancelled(cluster, worker, model):
     lines = shard_lines(model, "cancel")
     with cluster.http() as http:
         batch_id = submit(http, lines)
-        before = wait_for(http, batch_id, mid_shard, 120, "some finished requests")["request_counts"]["completed"]
+        mid = wait_for_batch(http, batch_id, until=mid_shard, message="some finished requests")
+        before = mid["request_counts"]["completed"]
         response = http.post(f"/v1/batches/{batch_id}/cancel")
         assert response.status_code == 200, response.text
-        batch = wait_done(http, batch_id, timeout=60)
+        batch = wait_for_batch(http, batch_id, timeout=60)
     assert batch["status"] == "cancelled", batch
     return batch, lines, before
 
@@ -180,7 +174,7 @@ def test_retry_runs_exactly_the_unfinished_requests_once_per_key(cluster, cancel
         assert again.status_code == 200 and again.json()["id"] == retry["id"]
         running = http.post(f"/v1/batches/{retry['id']}/retry")  # it has not ended
         assert running.status_code == 409 and running.json()["error"]["code"] == "invalid_state", running.text
-        done = wait_done(http, retry["id"], timeout=120)
+        done = wait_for_batch(http, retry["id"])
         assert done["status"] == "completed", done
         output, retry_errors = results(http, done)
         nothing = http.post(f"/v1/batches/{done['id']}/retry")
@@ -197,10 +191,11 @@ def test_expiry_mid_shard_keeps_every_finished_request(cluster, worker, model):
     lines = shard_lines(model, "expire")
     with cluster.http() as http:
         batch_id = submit(http, lines)
-        before = wait_for(http, batch_id, mid_shard, 120, "some finished requests")["request_counts"]["completed"]
+        mid = wait_for_batch(http, batch_id, until=mid_shard, message="some finished requests")
+        before = mid["request_counts"]["completed"]
         with session_scope(cluster.ctx.sessions) as session:  # the completion window runs out now
             session.execute(update(Batch).where(Batch.id == batch_id).values(expires_at=now()))
-        batch = wait_done(http, batch_id, timeout=60)
+        batch = wait_for_batch(http, batch_id, timeout=60)
         assert batch["status"] == "expired", batch
         output, errors = results(http, batch)
     assert_each_once(lines, output, errors)
@@ -214,14 +209,14 @@ def test_kill_9_mid_shard_recomputes_only_the_requests_without_a_result(cluster,
     lines = shard_lines(model, "kill")
     with cluster.http() as http:
         batch_id = submit(http, lines)
-        wait_for(http, batch_id, mid_shard, 120, "some finished requests")
+        wait_for_batch(http, batch_id, until=mid_shard, message="some finished requests")
         cluster.kill_worker(victim)
         shard = the_shard(cluster, batch_id)
         with cluster.ctx.sessions() as session:  # frozen: nobody holds the shard until its lease runs out
             durable = set(session.scalars(select(RequestResult.seq).where(RequestResult.shard_id == shard.id)))
-        counted = get(http, batch_id)["request_counts"]["completed"]
+        counted = read_batch(http, batch_id)["request_counts"]["completed"]
         survivor, survivor_record = start_recording_worker(cluster)
-        batch = wait_done(http, batch_id, timeout=120)
+        batch = wait_for_batch(http, batch_id)
         assert batch["status"] == "completed", batch
         output, errors = results(http, batch)
     assert len(durable) >= 8 and counted == len(durable)  # counted once, as they were written

@@ -24,13 +24,13 @@ from batchapi.db.models import Shard
 from batchapi.db.session import session_scope
 from batchapi.workers.embedded import EmbeddedWorker
 from tests.utils.batch_service import jsonl, live_server, service_settings
+from tests.utils.waiting import wait_for_batch, wait_until
 from tests.workers.helpers import assert_each_once, assert_usage_matches, lines_for
 
 EMBEDDED = dict(
     shard_size=8, sweep_seconds=0.5, worker_poll_seconds=0.5, max_num_seqs=8, max_num_batched_tokens=256,
     kv_cache_gb=0.05, device="cpu", auth_required=False, lease_seconds=10, heartbeat_seconds=1.0,
 )
-TERMINAL = {"completed", "failed", "expired", "cancelled"}
 
 
 @pytest.fixture(scope="module")
@@ -52,16 +52,6 @@ def run(client: OpenAI, lines: list[dict]):
     return client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
 
 
-def wait(client: OpenAI, batch_id: str, until=lambda b: b.status in TERMINAL, timeout: float = 90):
-    deadline = time.monotonic() + timeout
-    while True:
-        batch = client.batches.retrieve(batch_id)
-        if until(batch):
-            return batch
-        assert time.monotonic() < deadline, f"timed out: {batch}"
-        time.sleep(0.2)
-
-
 def contents(client: OpenAI, file_id: str | None) -> list[dict]:
     if file_id is None:
         return []
@@ -75,7 +65,7 @@ def without_worker(settings, prefix: str, n: int):
     with live_server(settings) as server:
         client = OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
         lines = lines_for(server.app.state.model.id, n, prefix=prefix)
-        batch = wait(client, run(client, lines).id, lambda b: b.status == "in_progress")
+        batch = wait_for_batch(client, run(client, lines).id, {"in_progress"}, timeout=90)
         yield server, client, lines, batch
 
 
@@ -83,7 +73,7 @@ def test_upload_to_results_with_the_openai_sdk(client, embedded):
     model = embedded.app.state.model.id
     lines = lines_for(model, 40, prefix="sdk", max_tokens=5)
     lines[7]["body"]["max_tokens"] = 1
-    batch = wait(client, run(client, lines).id)
+    batch = wait_for_batch(client, run(client, lines).id, timeout=90)
     assert batch.status == "completed", batch
     assert batch.request_counts.total == 40 and batch.request_counts.completed == 40
     output, errors = contents(client, batch.output_file_id), contents(client, batch.error_file_id)
@@ -103,14 +93,14 @@ def test_a_finalize_that_died_is_finished_by_the_sweeper(client, embedded):
     from batchapi.db.models import Batch
 
     lines = lines_for(embedded.app.state.model.id, 12, prefix="refinal")
-    batch = wait(client, run(client, lines).id)
+    batch = wait_for_batch(client, run(client, lines).id, timeout=90)
     first = contents(client, batch.output_file_id)
     with session_scope(embedded.ctx.sessions) as session:  # as if the finalizer died half-way
         session.execute(update(Batch).where(Batch.id == batch.id).values(
             status="finalizing", finalizing_at=now() - 3600, completed_at=None, output_file_id=None,
             request_completed=0, input_tokens=0, cached_tokens=0, output_tokens=0,
         ))
-    again = wait(client, batch.id)
+    again = wait_for_batch(client, batch.id, timeout=90)
     assert again.status == "completed" and again.output_file_id != batch.output_file_id
     assert contents(client, again.output_file_id) == first
     assert again.request_counts == batch.request_counts and again.usage == batch.usage
@@ -134,9 +124,10 @@ def test_cancel_aborts_in_flight_requests(client, embedded):
     model = embedded.app.state.model.id
     lines = lines_for(model, 120, prefix="stop", max_tokens=48, ignore_eos=True)
     batch = run(client, lines)
-    wait(client, batch.id, lambda b: b.status == "in_progress" and b.request_counts.completed >= 8)
+    wait_for_batch(client, batch.id, until=lambda b: b.status == "in_progress" and b.request_counts.completed >= 8,
+                   timeout=90)
     client.batches.cancel(batch.id)
-    batch = wait(client, batch.id, timeout=90)  # aborted, not run out: len(output) < 120 below
+    batch = wait_for_batch(client, batch.id, timeout=90)  # aborted, not run out: len(output) < 120 below
     assert batch.status == "cancelled", batch
     output, errors = contents(client, batch.output_file_id), contents(client, batch.error_file_id)
     assert_each_once(lines, output, errors)
@@ -198,13 +189,7 @@ def test_a_stuck_engine_lets_its_leases_run_out(tmp_path, tiny_llama_dir, monkey
         front = started_front(settings, monkeypatch, lambda real: unstuck.wait() and [])
         runner = ShardRunner(server.ctx, front, Codec(front.tokenizer, "tiny-llama"), "stuck-worker").start()
         try:
-            deadline = time.monotonic() + 30
-            while True:
-                report = sweep(server.ctx)
-                if report.requeued:
-                    break
-                assert time.monotonic() < deadline, "the stuck runner kept its lease"
-                time.sleep(0.5)
+            wait_until(lambda: sweep(server.ctx).requeued, 30, 0.5, "the sweeper to take the stuck runner's lease")
             time.sleep(2)  # the stuck runner does not take it back
             (shard,) = shards_of(server.ctx, batch.id)
             assert (shard.status, shard.attempts, shard.lease_owner) == ("queued", 1, None)
@@ -235,14 +220,9 @@ def test_a_dead_engine_gives_its_shards_back_at_once(tmp_path, tiny_llama_dir, m
         doomed = ShardRunner(ctx, front, Codec(front.tokenizer, "tiny-llama"), "doomed-worker",
                              on_engine_death=lambda: deaths.append(time.monotonic())).start()
         try:
-            deadline = time.monotonic() + 60
-            while front.is_alive():
-                assert time.monotonic() < deadline, "the engine never took a third step"
-                time.sleep(0.05)
-            died = time.monotonic()
-            while not deaths or any(s.status == "running" for s in shards_of(ctx, batch.id)):
-                assert time.monotonic() - died < 10, f"shards still held: {shards_of(ctx, batch.id)}"
-                time.sleep(0.1)
+            wait_until(lambda: not front.is_alive(), 60, 0.05, "the engine to take a third step")
+            wait_until(lambda: shards_of(ctx, batch.id), 10, 0.1, "the dead engine's shards to be given back",
+                       until=lambda shards: deaths and not any(s.status == "running" for s in shards))
             assert len(deaths) == 1 and doomed._held() == []
             shards = shards_of(ctx, batch.id)
             assert {s.status for s in shards} == {"queued"} and {s.lease_owner for s in shards} == {None}
@@ -255,7 +235,7 @@ def test_a_dead_engine_gives_its_shards_back_at_once(tmp_path, tiny_llama_dir, m
         front = started_front(settings, monkeypatch, lambda real: real())
         healthy = ShardRunner(ctx, front, Codec(front.tokenizer, "tiny-llama"), "healthy-worker").start()
         try:
-            done = wait(client, batch.id, timeout=120)
+            done = wait_for_batch(client, batch.id)
         finally:
             healthy.shutdown()
         assert done.status == "completed" and done.request_counts.completed == 24, done

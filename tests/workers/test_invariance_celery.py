@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from tests.utils.batch_service import request_line
-from tests.workers.helpers import results, submit, wait_done
+from tests.utils.waiting import wait_for_batch
+from tests.workers.helpers import results, submit
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +27,7 @@ def answers(cluster, workers: int, model: str) -> dict[str, tuple]:
         cluster.wait_ready(name)
     try:
         with cluster.http() as http:
-            batch = wait_done(http, submit(http, lines(model)), timeout=240)
+            batch = wait_for_batch(http, submit(http, lines(model)), timeout=240)
             assert batch["status"] == "completed", batch
             output, errors = results(http, batch)
     finally:

@@ -8,9 +8,10 @@ import json
 import httpx
 import pytest
 
-from tests.api.test_metrics import scrape, usage_counters
 from tests.utils import services
-from tests.workers.helpers import lines_for, submit, wait_done
+from tests.utils.scrape import scrape, usage_counters
+from tests.utils.waiting import wait_for_batch
+from tests.workers.helpers import lines_for, submit
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +27,7 @@ def test_counters_equal_the_batches_usage_with_celery_workers(cluster):
     model = cluster.server.app.state.model.id
     with cluster.http() as http:
         ids = [submit(http, lines_for(model, n, prefix=f"m{n}", max_tokens=5)) for n in (12, 7)]
-        batches = [wait_done(http, batch_id, timeout=180) for batch_id in ids]
+        batches = [wait_for_batch(http, batch_id, timeout=180) for batch_id in ids]
     assert [b["status"] for b in batches] == ["completed", "completed"]
 
     api = scrape(cluster.base_url)

@@ -10,8 +10,9 @@ from sqlalchemy import select
 from batchapi.db.models import Batch, File
 from batchapi.workers.embedded import EmbeddedWorker
 from tests.utils.batch_service import live_server, service_settings
+from tests.utils.waiting import wait_for_batch
 from tests.workers.helpers import lines_for
-from tests.workers.test_embedded import EMBEDDED, contents, run, wait, without_worker
+from tests.workers.test_embedded import EMBEDDED, contents, run, without_worker
 
 
 def test_a_poison_row_ends_with_its_error_and_the_next_batch_completes(tmp_path, tiny_llama_dir):
@@ -29,7 +30,7 @@ def test_a_poison_row_ends_with_its_error_and_the_next_batch_completes(tmp_path,
     worker = EmbeddedWorker()  # the restart: the worker runs the poisoned shard, the sweeper sweeps
     with live_server(settings, dispatcher=worker, hook=worker.run, sweep_shards=True) as server:
         client = OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
-        done = wait(client, batch.id)
+        done = wait_for_batch(client, batch.id, timeout=90)
         assert done.status == "completed", done
         assert (done.request_counts.completed, done.request_counts.failed) == (9, 1)
         output, errors = contents(client, done.output_file_id), contents(client, done.error_file_id)
@@ -42,16 +43,16 @@ def test_a_poison_row_ends_with_its_error_and_the_next_batch_completes(tmp_path,
         bad = lines_for(model, 3, prefix="new")
         bad[1]["custom_id"] = "new-\ud800"
         bad[2]["body"]["messages"][0]["content"] = "hi \udfff"
-        refused = wait(client, run(client, bad).id)
+        refused = wait_for_batch(client, run(client, bad).id, timeout=90)
         assert refused.status == "failed"
         assert [(e.code, e.line, e.param) for e in refused.errors.data] == [
             ("invalid_encoding", 2, "custom_id"), ("invalid_encoding", 3, "body.messages[0].content")]
 
         # the sweeper is alive: a cancel ends, and the next batch completes
         slow = run(client, lines_for(model, 40, prefix="slow", max_tokens=48, ignore_eos=True))
-        wait(client, slow.id, lambda b: b.status == "in_progress")
+        wait_for_batch(client, slow.id, {"in_progress"}, timeout=90)
         client.batches.cancel(slow.id)
-        assert wait(client, slow.id).status == "cancelled"
+        assert wait_for_batch(client, slow.id, timeout=90).status == "cancelled"
         after = lines_for(model, 6, prefix="after")
-        finished = wait(client, run(client, after).id)
+        finished = wait_for_batch(client, run(client, after).id, timeout=90)
         assert finished.status == "completed" and finished.request_counts.completed == 6

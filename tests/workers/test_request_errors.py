@@ -12,7 +12,8 @@ from batchapi.db.migrate import upgrade
 from batchapi.workers.embedded import EmbeddedWorker
 from tests.utils import services
 from tests.utils.batch_service import live_server, service_settings
-from tests.workers.helpers import assert_each_once, get, lines_for, results, submit, wait_done, wait_for
+from tests.utils.waiting import PAST_VALIDATION, read_batch, wait_for_batch
+from tests.workers.helpers import assert_each_once, lines_for, results, submit
 
 SETTINGS = dict(
     shard_size=4, sweep_seconds=0.5, worker_poll_seconds=0.5, max_num_seqs=8, max_num_batched_tokens=256,
@@ -51,13 +52,13 @@ def test_a_refused_body_is_a_400_and_the_rest_of_the_batch_runs(http, model):
     lines = lines_for(model, 10, prefix="mixed", max_tokens=2)
     lines[3]["body"]["frobnicate"] = 1
     batch_id = submit(http, lines)
-    early = wait_for(http, batch_id, lambda b: b["status"] != "validating", 60, "validation")
+    early = wait_for_batch(http, batch_id, PAST_VALIDATION, timeout=60)
     assert early["errors"] is None and early["request_counts"]["total"] == 10
     assert early["request_errors"] == {"object": "list", "total": 1, "data": [{
         "code": "unknown_parameter", "message": "unrecognized request argument: 'frobnicate'",
         "param": "body.frobnicate", "line": 4}]}
 
-    batch = wait_done(http, batch_id)
+    batch = wait_for_batch(http, batch_id)
     assert batch["status"] == "completed", batch
     assert batch["request_counts"] == {"total": 10, "completed": 9, "failed": 1}
     assert batch["request_errors"] == early["request_errors"]
@@ -72,7 +73,7 @@ def test_a_refused_body_is_a_400_and_the_rest_of_the_batch_runs(http, model):
 
 def test_a_batch_whose_every_body_is_refused_runs_and_every_request_is_a_400(http, model):
     lines = lines_for(model, 6, prefix="allbad", top_p=0)
-    batch = wait_done(http, submit(http, lines))
+    batch = wait_for_batch(http, submit(http, lines))
     assert batch["status"] == "completed", batch
     assert batch["request_counts"] == {"total": 6, "completed": 0, "failed": 6}
     assert batch["request_errors"]["total"] == 6
@@ -87,8 +88,8 @@ def test_a_file_problem_still_fails_the_batch_with_its_line(http, model):
     lines = lines_for(model, 3, prefix="badfile")
     lines[0]["body"]["frobnicate"] = 1
     batch_id = submit(http, [lines[0], "{oops", lines[2]])
-    batch = wait_done(http, batch_id)
+    batch = wait_for_batch(http, batch_id)
     assert batch["status"] == "failed"
     assert [(e["code"], e["line"]) for e in batch["errors"]["data"]] == [("invalid_json_line", 2)]
     assert [(e["code"], e["line"]) for e in batch["request_errors"]["data"]] == [("unknown_parameter", 1)]
-    assert get(http, batch_id)["output_file_id"] is None
+    assert read_batch(http, batch_id)["output_file_id"] is None

@@ -16,13 +16,12 @@ import httpx
 import jsonschema
 import pytest
 from anthropic.types import Message
-from anthropic.types.messages import MessageBatch
 from sqlalchemy import func, select
 
 from batchapi.batches.billing import cost
 from batchapi.db.models import Batch, Shard
-from tests.api.conftest import new_key
-from tests.utils.batch_service import embedded_stack, wait_until
+from tests.utils.batch_service import embedded_stack, new_key
+from tests.utils.waiting import wait_for_message_batch
 
 SETTINGS = dict(shard_size=4, max_num_seqs=16, auth_required=True)
 WEATHER = {"type": "object",
@@ -47,18 +46,8 @@ def client(server, key) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=server.base_url, api_key=key, max_retries=0)
 
 
-@pytest.fixture(scope="module")
-def model(server) -> str:
-    return server.app.state.model.id
-
-
 def params(model: str, text: str = "Say hello.", **extra) -> dict:
     return {"model": model, "max_tokens": 8, "messages": [{"role": "user", "content": text}], **extra}
-
-
-def ended(client: anthropic.Anthropic, batch_id: str) -> MessageBatch:
-    return wait_until(lambda: (b := client.messages.batches.retrieve(batch_id)).processing_status == "ended" and b,
-                      timeout=300, interval=0.3)
 
 
 def results(client: anthropic.Anthropic, batch_id: str) -> dict:
@@ -78,7 +67,7 @@ def test_create_retrieve_and_results_with_one_errored_request(client, model, ser
     assert batch.id.startswith("msgbatch_") and batch.type == "message_batch"
     assert batch.processing_status == "in_progress" and batch.results_url is None
     assert batch.request_counts.processing == 7 and batch.created_at.tzinfo is not None
-    batch = ended(client, batch.id)
+    batch = wait_for_message_batch(client, batch.id)
     assert batch.request_counts.model_dump() == {"processing": 0, "succeeded": 6, "errored": 1, "canceled": 0,
                                                  "expired": 0}
     assert batch.ended_at is not None and batch.results_url.endswith(f"/v1/messages/batches/{batch.id}/results")
@@ -110,7 +99,8 @@ def test_create_retrieve_and_results_with_one_errored_request(client, model, ser
 
 
 def test_results_url_is_on_the_public_url_when_one_is_set(client, model, server, monkeypatch):
-    batch = ended(client, client.messages.batches.create(requests=[{"custom_id": "a", "params": params(model)}]).id)
+    created = client.messages.batches.create(requests=[{"custom_id": "a", "params": params(model)}])
+    batch = wait_for_message_batch(client, created.id)
     assert batch.results_url.startswith(server.base_url)  # the request's own host by default
     monkeypatch.setattr(server.ctx.settings, "public_url", "https://batch.example.com/api")
     again = client.messages.batches.retrieve(batch.id)
@@ -128,7 +118,7 @@ def test_list_pages_newest_first_with_after_and_before(client, model):
     assert [b.id for b in client.messages.batches.list(limit=5, before_id=ids[0]).data] == [ids[2], ids[1]]
     assert [b.id for b in client.messages.batches.list(limit=1)] == ids[::-1]  # the SDK pages on its own
     for batch_id in ids:
-        ended(client, batch_id)
+        wait_for_message_batch(client, batch_id)
 
 
 def test_cancel_ends_canceled_and_delete_removes_an_ended_batch(client, model):
@@ -138,7 +128,7 @@ def test_cancel_ends_canceled_and_delete_removes_an_ended_batch(client, model):
         client.messages.batches.delete(batch.id)  # not ended yet
     canceled = client.messages.batches.cancel(batch.id)
     assert canceled.processing_status in ("canceling", "ended") and canceled.cancel_initiated_at is not None
-    batch = ended(client, batch.id)
+    batch = wait_for_message_batch(client, batch.id)
     got = results(client, batch.id)
     assert set(got) == {r["custom_id"] for r in requests}
     kinds = [r.type for r in got.values()]
@@ -168,7 +158,7 @@ def test_a_forced_tool_call_validates_against_its_input_schema(client, model):
                                                    "tools": [tool], "tool_choice": {"type": "tool",
                                                                                     "name": "get_weather"}}}
                 for i in range(2)]
-    batch = ended(client, client.messages.batches.create(requests=requests).id)
+    batch = wait_for_message_batch(client, client.messages.batches.create(requests=requests).id)
     got = results(client, batch.id)
     for result in got.values():
         assert result.type == "succeeded", result
@@ -209,7 +199,7 @@ def test_another_projects_batch_is_not_found(server, client, model):
     other = anthropic.Anthropic(base_url=server.base_url, api_key=new_key(server, "project-other"), max_retries=0)
     with pytest.raises(anthropic.NotFoundError):
         other.messages.batches.retrieve(batch.id)
-    ended(client, batch.id)
+    wait_for_message_batch(client, batch.id)
 
 
 def test_a_request_for_a_model_not_served_or_past_the_context_errors_alone(client, model):
@@ -219,7 +209,7 @@ def test_a_request_for_a_model_not_served_or_past_the_context_errors_alone(clien
                 {"custom_id": "long", "params": params(model, "word " * 600)},
                 {"custom_id": "wants", "params": {**params(model), "max_tokens": 600}}]
     batch = client.messages.batches.create(requests=requests)
-    batch = ended(client, batch.id)
+    batch = wait_for_message_batch(client, batch.id)
     assert (batch.request_counts.succeeded, batch.request_counts.errored) == (1, 3)
     got = results(client, batch.id)
     assert got["ok"].type == "succeeded" and got["ok"].message.model == model
@@ -231,7 +221,7 @@ def test_a_request_for_a_model_not_served_or_past_the_context_errors_alone(clien
 
 def test_a_deleted_batch_stays_billed_and_is_gone_from_every_route(server, client, key, model):
     requests = [{"custom_id": f"u{i}", "params": params(model, f"Name {i} fruits.")} for i in range(3)]
-    batch = ended(client, client.messages.batches.create(requests=requests).id)
+    batch = wait_for_message_batch(client, client.messages.batches.create(requests=requests).id)
     http = httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {key}"})
     span = {"start_time": int(batch.created_at.timestamp()) - 60, "end_time": int(time.time()) + 3600}
     paths = ("/v1/organization/usage/completions", "/v1/organization/costs")
@@ -267,7 +257,7 @@ def test_a_deleted_batchs_idempotency_key_makes_a_new_batch(server, client, key,
     create = {"input_file_id": file_id, "endpoint": "/v1/messages", "completion_window": "24h"}
     first = http.post("/v1/batches", json=create, headers={"Idempotency-Key": "nightly"}).json()["id"]
     assert http.post("/v1/batches", json=create, headers={"Idempotency-Key": "nightly"}).json()["id"] == first
-    ended(client, "msgbatch_" + first.removeprefix("batch_"))
+    wait_for_message_batch(client, "msgbatch_" + first.removeprefix("batch_"))
     client.messages.batches.delete("msgbatch_" + first.removeprefix("batch_"))
     file_id = http.post("/v1/files", files={"file": ("m.jsonl", json.dumps(line).encode())},
                         data={"purpose": "batch"}).json()["id"]

@@ -13,8 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.api.test_metrics import scrape
 from tests.utils import services
+from tests.utils.scrape import scrape
+from tests.utils.waiting import wait_until
 
 BATCHAPI = str(Path(sys.executable).parent / "batchapi")
 ROUTE = (("method", "GET"), ("route", "/v1/models"), ("status", "200"))
@@ -45,8 +46,8 @@ def two_processes(tmp_path, tiny_llama_dir, redis_url):
             proc = subprocess.Popen([BATCHAPI, "serve", "--workers", "2"], env=env, stdout=log,
                                     stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            services.wait_for(lambda: services.port_open("127.0.0.1", port), 90, "batchapi serve --workers 2")
-            services.wait_for(lambda: len(children(proc.pid)) >= 2, 30, "two API processes")
+            wait_until(lambda: services.port_open("127.0.0.1", port), 90, 0.2, "batchapi serve --workers 2")
+            wait_until(lambda: len(children(proc.pid)) >= 2, 30, 0.2, "two API processes")
             yield f"http://127.0.0.1:{port}", proc
         finally:
             if proc.poll() is None:

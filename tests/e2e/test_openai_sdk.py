@@ -13,8 +13,8 @@ from batchapi.batches.sweeper import sweep
 from batchapi.db.migrate import upgrade
 from batchapi.db.models import Shard
 from batchapi.db.session import session_scope
-from tests.api.conftest import new_key
-from tests.utils.batch_service import jsonl, live_server, request_line, service_settings, wait_until
+from tests.utils.batch_service import jsonl, live_server, new_key, request_line, service_settings
+from tests.utils.waiting import PAST_VALIDATION, wait_for_batch, wait_until
 
 
 def upload(client, lines, name="batch.jsonl"):
@@ -22,7 +22,7 @@ def upload(client, lines, name="batch.jsonl"):
 
 
 def validated(client, batch_id):
-    return wait_until(lambda: (b := client.batches.retrieve(batch_id)).status != "validating" and b)
+    return wait_for_batch(client, batch_id, PAST_VALIDATION, timeout=30)
 
 
 def test_upload_create_retrieve_cancel_download(client, model_id):
@@ -64,7 +64,8 @@ def test_shards_are_recorded(client, model_id, pg_server):
             shards = session.query(Shard).filter_by(batch_id=batch.id).order_by(Shard.index).all()
         return all(s.tokens_counted for s in shards) and shards
 
-    shards = wait_until(counted_shards)  # exact counts arrive shortly after validation
+    # exact counts arrive shortly after validation
+    shards = wait_until(counted_shards, message="every shard's exact token counts")
     assert [(s.first_line, s.last_line, s.request_count, s.status) for s in shards] == [
         (1, 4, 4, "queued"), (5, 8, 4, "queued"), (9, 10, 2, "queued")]
     assert shards[0].start_byte == 0 and shards[-1].end_byte == f.bytes
@@ -215,4 +216,4 @@ def test_large_file_streams_through_s3_multipart_and_validates(big_shard_server,
     client.batches.cancel(batch.id)  # stop the background count from running on
     # and end it (no worker runs here): its 49 shards close in a second or two
     wait_until(lambda: sweep(big_shard_server.ctx).finalized or client.batches.retrieve(batch.id).status == "cancelled",
-               timeout=120)
+               timeout=120, message="the cancelled batch to end")

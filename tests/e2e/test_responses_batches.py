@@ -14,7 +14,8 @@ import pytest
 from openai import OpenAI
 from openai.types.responses import Response
 
-from tests.utils.batch_service import embedded_stack, jsonl, run_to_end, wait_until
+from tests.utils.batch_service import embedded_stack, jsonl, run_to_end
+from tests.utils.waiting import PAST_VALIDATION, wait_for_batch
 
 SETTINGS = dict(shard_size=4, max_num_seqs=16, auth_required=False)
 URL = "/v1/responses"
@@ -35,23 +36,13 @@ def server(tmp_path_factory, smollm2_dir, s3):
         yield server
 
 
-@pytest.fixture(scope="module")
-def client(server) -> OpenAI:
-    return OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(server) -> str:
-    return server.app.state.model.id
-
-
 def line(custom_id: str, model: str, input, **body) -> dict:
     return {"custom_id": custom_id, "method": "POST", "url": URL,
             "body": {"model": model, "input": input, "temperature": 0, "max_output_tokens": 120, **body}}
 
 
-def run(client: OpenAI, lines: list[dict]):
-    return run_to_end(client, lines, URL)
+def run(openai_client: OpenAI, lines: list[dict]):
+    return run_to_end(openai_client, lines, URL)
 
 
 def response(record: dict) -> Response:
@@ -59,7 +50,7 @@ def response(record: dict) -> Response:
     return Response.model_validate(record["response"]["body"])
 
 
-def test_a_responses_batch_of_text_schemas_calls_and_a_built_in_tool(client, model):
+def test_a_responses_batch_of_text_schemas_calls_and_a_built_in_tool(openai_client, model):
     lines = [
         line("hello", model, "Say hello in one short sentence.", instructions="You are terse."),
         line("chat", model, [{"role": "developer", "content": "Answer in one word."},
@@ -71,7 +62,7 @@ def test_a_responses_batch_of_text_schemas_calls_and_a_built_in_tool(client, mod
              tool_choice={"type": "function", "name": "get_weather"}),
         line("web", model, "Find today's news.", tools=[{"type": "web_search"}]),
     ]
-    batch, output, errors = run(client, lines)
+    batch, output, errors = run(openai_client, lines)
     assert batch.endpoint == URL
     assert sorted(output) == ["call", "chat", "hello", "schema"] and list(errors) == ["web"]
     assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (5, 4, 1)
@@ -110,7 +101,7 @@ def test_a_responses_batch_of_text_schemas_calls_and_a_built_in_tool(client, mod
     assert float(batch.model_extra["cost"]["amount"]) > 0
 
 
-def test_a_function_call_conversation_is_answered(client, model):
+def test_a_function_call_conversation_is_answered(openai_client, model):
     conversation = [
         {"role": "user", "content": "What is the weather in Paris?"},
         {"type": "function_call", "call_id": "call_1", "name": "get_weather",
@@ -119,7 +110,7 @@ def test_a_function_call_conversation_is_answered(client, model):
     ]
     lines = [line("answer", model, conversation, tools=[WEATHER], tool_choice="none", max_output_tokens=40),
              line("short", model, "Count from one to fifty in words.", max_output_tokens=3)]
-    batch, output, errors = run(client, lines)
+    batch, output, errors = run(openai_client, lines)
     assert errors == {} and sorted(output) == ["answer", "short"]
     answer = response(output["answer"])
     assert answer.output[0].type == "message" and answer.usage.input_tokens > 0
@@ -130,12 +121,12 @@ def test_a_function_call_conversation_is_answered(client, model):
     assert batch.usage.output_tokens == answer.usage.output_tokens + 3
 
 
-def test_a_line_for_another_endpoint_fails_the_responses_batch(client, model):
+def test_a_line_for_another_endpoint_fails_the_responses_batch(openai_client, model):
     chat_line = {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
                  "body": {"model": model, "messages": [{"role": "user", "content": "hi"}]}}
-    uploaded = client.files.create(file=("batch.jsonl", io.BytesIO(jsonl([line("r", model, "hi"), chat_line]))),
+    uploaded = openai_client.files.create(file=("batch.jsonl", io.BytesIO(jsonl([line("r", model, "hi"), chat_line]))),
                                    purpose="batch")
-    batch = client.batches.create(input_file_id=uploaded.id, endpoint=URL, completion_window="24h")
-    batch = wait_until(lambda: (b := client.batches.retrieve(batch.id)).status != "validating" and b, timeout=60)
+    batch = openai_client.batches.create(input_file_id=uploaded.id, endpoint=URL, completion_window="24h")
+    batch = wait_for_batch(openai_client, batch.id, PAST_VALIDATION, timeout=60)
     assert batch.status == "failed"
     assert [(e.code, e.line, e.param) for e in batch.errors.data] == [("invalid_url", 2, "url")]

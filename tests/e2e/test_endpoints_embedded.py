@@ -10,11 +10,11 @@ import json
 
 import anthropic
 import pytest
-from openai import OpenAI
 from openai.types import CreateEmbeddingResponse
 from openai.types.responses import Response
 
-from tests.utils.batch_service import embedded_stack, jsonl, run_to_end, wait_until
+from tests.utils.batch_service import embedded_stack, jsonl, run_to_end
+from tests.utils.waiting import wait_for_batch, wait_for_message_batch
 
 SETTINGS = dict(shard_size=2, max_num_seqs=8, kv_cache_gb=0.05, auth_required=False)
 
@@ -25,11 +25,6 @@ def server(tmp_path_factory, tiny_llama_dir, minilm_dir):
                         models=[str(tiny_llama_dir), str(minilm_dir)], **SETTINGS) as server:
         assert server.ctx.settings.sqlalchemy_url.startswith("sqlite")
         yield server
-
-
-@pytest.fixture(scope="module")
-def openai_client(server) -> OpenAI:
-    return OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +65,7 @@ def test_message_batches_run_on_the_embedded_default(anthropic_client, models):
                                                   "messages": [{"role": "user", "content": f"Hi {i}"}]}}
                 for i in range(3)]
     batch = anthropic_client.messages.batches.create(requests=requests)
-    batch = wait_until(lambda: (b := anthropic_client.messages.batches.retrieve(batch.id)).processing_status
-                       == "ended" and b, timeout=300, interval=0.3)
+    batch = wait_for_message_batch(anthropic_client, batch.id)
     results = {r.custom_id: r.result for r in anthropic_client.messages.batches.results(batch.id)}
     assert sorted(results) == ["m0", "m1", "m2"] and {r.type for r in results.values()} == {"succeeded"}
     assert batch.request_counts.succeeded == 3
@@ -87,11 +81,7 @@ def test_a_cancel_right_after_create_accounts_for_every_request_once(openai_clie
     uploaded = openai_client.files.create(file=("batch.jsonl", jsonl(requests)), purpose="batch")
     batch = openai_client.batches.create(input_file_id=uploaded.id, endpoint=url, completion_window="24h")
     openai_client.batches.cancel(batch.id)
-    try:
-        batch = wait_until(lambda: (b := openai_client.batches.retrieve(batch.id)).status == "cancelled" and b,
-                           timeout=60, interval=0.3)
-    except AssertionError:
-        raise AssertionError(f"not cancelled: {openai_client.batches.retrieve(batch.id)}") from None
+    batch = wait_for_batch(openai_client, batch.id, {"cancelled"}, timeout=60, interval=0.3)
     seen = []
     for file_id in (batch.output_file_id, batch.error_file_id):
         if file_id is not None:
@@ -110,8 +100,7 @@ def test_a_message_batch_cancel_ends_it_with_every_request_once(anthropic_client
     requests[5]["params"]["temperature"] = 9  # refused alone: errored, whatever the cancel does
     batch = anthropic_client.messages.batches.create(requests=requests)
     assert anthropic_client.messages.batches.cancel(batch.id).processing_status in ("canceling", "ended")
-    batch = wait_until(lambda: (b := anthropic_client.messages.batches.retrieve(batch.id)).processing_status
-                       == "ended" and b, timeout=300, interval=0.3)
+    batch = wait_for_message_batch(anthropic_client, batch.id)
     results = {r.custom_id: r.result.type for r in anthropic_client.messages.batches.results(batch.id)}
     assert sorted(results) == sorted(r["custom_id"] for r in requests)
     kinds = list(results.values())

@@ -55,16 +55,6 @@ def server(tmp_path_factory, smollm2_dir, s3):
         yield server
 
 
-@pytest.fixture(scope="module")
-def client(server) -> OpenAI:
-    return OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(server) -> str:
-    return server.app.state.model.id
-
-
 def line(custom_id: str, model: str, messages: list[dict] | str, **body) -> dict:
     if isinstance(messages, str):
         messages = [{"role": "user", "content": messages}]
@@ -72,8 +62,8 @@ def line(custom_id: str, model: str, messages: list[dict] | str, **body) -> dict
             "body": {"model": model, "messages": messages, "temperature": 0, "max_tokens": 200, **body}}
 
 
-def run(client: OpenAI, lines: list[dict]):
-    return run_to_end(client, lines, "/v1/chat/completions")
+def run(openai_client: OpenAI, lines: list[dict]):
+    return run_to_end(openai_client, lines, "/v1/chat/completions")
 
 
 def message(record: dict) -> tuple[dict, dict]:
@@ -90,12 +80,12 @@ REVIEWS = ["I love this phone, the battery is great.", "Terrible service, I want
            "The manual is twelve pages long."]
 
 
-def test_a_classification_batch_follows_its_enum_schema_and_compiles_it_once(client, server, model):
+def test_a_classification_batch_follows_its_enum_schema_and_compiles_it_once(openai_client, server, model):
     before = compiles(server)
     response_format = {"type": "json_schema", "json_schema": {"name": "sentiment", "schema": CLASSIFY, "strict": True}}
     lines = [line(f"c{i}", model, f"Classify the sentiment of this review: {text}", response_format=response_format)
              for i, text in enumerate(REVIEWS)]
-    batch, output, errors = run(client, lines)
+    batch, output, errors = run(openai_client, lines)
     assert errors == {} and sorted(output) == [f"c{i}" for i in range(len(REVIEWS))]
     assert batch.request_counts.completed == len(REVIEWS)
     for record in output.values():
@@ -109,13 +99,13 @@ def test_a_classification_batch_follows_its_enum_schema_and_compiles_it_once(cli
     assert compiles(server) - before == 1  # six requests, one schema: one compile
 
 
-def test_an_extraction_batch_with_nested_objects_arrays_and_refs_validates(client, model):
+def test_an_extraction_batch_with_nested_objects_arrays_and_refs_validates(openai_client, model):
     response_format = {"type": "json_schema", "json_schema": {"name": "people", "schema": EXTRACT, "strict": True}}
     texts = ["Anna (34) lives in Oslo and Ben (29) in Rome; they met at a chess club.",
              "Carlos is 51 and works in Lima.", "Dana, 40, moved from Paris to Berlin last year."]
     lines = [line(f"x{i}", model, f"Extract the people, their ages and cities from: {text}",
                   response_format=response_format, max_tokens=300) for i, text in enumerate(texts)]
-    _, output, errors = run(client, lines)
+    _, output, errors = run(openai_client, lines)
     assert errors == {} and len(output) == len(texts)
     for record in output.values():
         choice, _ = message(record)
@@ -125,10 +115,10 @@ def test_an_extraction_batch_with_nested_objects_arrays_and_refs_validates(clien
         assert 1 <= len(value["people"]) <= 3
 
 
-def test_json_object_outputs_one_json_object(client, model):
+def test_json_object_outputs_one_json_object(openai_client, model):
     lines = [line(f"j{i}", model, f'Reply with a JSON object like {{"name": "...", "color": "..."}} for a {thing}.',
                   response_format={"type": "json_object"}) for i, thing in enumerate(["cat", "car", "city"])]
-    _, output, errors = run(client, lines)
+    _, output, errors = run(openai_client, lines)
     assert errors == {} and len(output) == 3
     for record in output.values():
         choice, _ = message(record)
@@ -148,7 +138,7 @@ def assert_valid_calls(choice: dict, allowed: set[str]) -> list[dict]:
     return calls
 
 
-def test_tools_with_each_tool_choice(client, model):
+def test_tools_with_each_tool_choice(openai_client, model):
     ask = "What is the weather in Paris right now?"
     tools = [WEATHER, TIME]
     lines = [
@@ -158,7 +148,7 @@ def test_tools_with_each_tool_choice(client, model):
         line("auto", model, ask, tools=tools, tool_choice="auto"),
         line("none", model, ask, tools=tools, tool_choice="none"),
     ]
-    _, output, errors = run(client, lines)
+    _, output, errors = run(openai_client, lines)
     assert errors == {} and len(output) == 5
     assert len(assert_valid_calls(message(output["required"])[0], {"get_weather", "get_time"})) == 1
     assert assert_valid_calls(message(output["required-parallel"])[0], {"get_weather", "get_time"})
@@ -173,7 +163,7 @@ def test_tools_with_each_tool_choice(client, model):
     assert isinstance(none["message"]["content"], str) and "tool_calls" not in none["message"]
 
 
-def test_a_multi_turn_tool_conversation_is_accepted_and_answered(client, model):
+def test_a_multi_turn_tool_conversation_is_accepted_and_answered(openai_client, model):
     conversation = [
         {"role": "user", "content": "What is the weather in Paris?"},
         {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
@@ -184,7 +174,7 @@ def test_a_multi_turn_tool_conversation_is_accepted_and_answered(client, model):
              line("again", model, conversation + [{"role": "assistant", "content": "It is 18 C and clear."},
                                                   {"role": "user", "content": "And the time there?"}],
                   tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_time"}})]
-    _, output, errors = run(client, lines)
+    _, output, errors = run(openai_client, lines)
     assert errors == {} and len(output) == 2
     answer, body = message(output["answer"])
     assert answer["finish_reason"] in ("stop", "length", "tool_calls")
@@ -193,7 +183,7 @@ def test_a_multi_turn_tool_conversation_is_accepted_and_answered(client, model):
     assert call["function"]["name"] == "get_time"
 
 
-def test_a_line_with_a_schema_the_service_cannot_enforce_fails_alone(client, model):
+def test_a_line_with_a_schema_the_service_cannot_enforce_fails_alone(openai_client, model):
     unsupported = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"],
                    "additionalProperties": False, "if": {"required": ["a"]}}
     good = {"type": "json_schema", "json_schema": {"name": "ok", "schema": CLASSIFY}}
@@ -201,7 +191,7 @@ def test_a_line_with_a_schema_the_service_cannot_enforce_fails_alone(client, mod
     lines = [line("good-0", model, "Classify: great!", response_format=good),
              line("bad", model, "Classify: awful!", response_format=bad),
              line("good-1", model, "Classify: fine.", response_format=good)]
-    batch, output, errors = run(client, lines)
+    batch, output, errors = run(openai_client, lines)
     assert sorted(output) == ["good-0", "good-1"] and list(errors) == ["bad"]
     refusal = errors["bad"]["response"]
     assert refusal["status_code"] == 400

@@ -7,28 +7,12 @@ from __future__ import annotations
 import httpx
 import pytest
 from openai import OpenAI
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.api.conftest import new_key
-from tests.utils.batch_service import CHAT, embedded_stack, request_line, run_to_end
+from tests.utils.batch_service import CHAT, embedded_stack, new_key, request_line, run_to_end
+from tests.utils.scrape import scrape, usage_counters
 
 EMBEDDINGS = "/v1/embeddings"
 EMBEDDING = "all-minilm-l6-v2"  # the embedded default's embedding model
-
-
-def scrape(base_url: str) -> dict[tuple[str, tuple], float]:
-    """``/metrics`` as {(sample name, sorted labels): value}."""
-    response = httpx.get(f"{base_url}/metrics")
-    assert response.status_code == 200
-    assert response.headers["content-type"].startswith("text/plain")
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(response.text) for s in family.samples}
-
-
-def usage_counters(samples: dict, model: str) -> dict[str, float]:
-    labels = (("model", model),)
-    return {name: samples[(f"batchapi_{name}_total", labels)]
-            for name in ("input_tokens", "cached_input_tokens", "output_tokens", "model_requests")}
 
 
 @pytest.fixture(scope="module")

@@ -19,11 +19,8 @@ from openai import OpenAI
 from openai.types import CreateEmbeddingResponse
 from transformers import AutoModel, AutoTokenizer
 
-from tests.utils.batch_service import (
-    embedded_stack,
-    jsonl,
-    wait_until,
-)
+from tests.utils.batch_service import embedded_stack, jsonl
+from tests.utils.waiting import wait_for_batch
 
 EMBEDDINGS = "/v1/embeddings"
 MAX_INPUTS = 40  # the batch's embedding input limit on this server (OpenAI's 50,000 by default)
@@ -38,11 +35,6 @@ def server(tmp_path_factory, smollm2_dir, minilm_dir, s3):
     with embedded_stack(tmp_path_factory.mktemp("embeddings"), smollm2_dir, "embeddings", s3,
                         models=[str(smollm2_dir), str(minilm_dir)], **SETTINGS) as server:
         yield server
-
-
-@pytest.fixture(scope="module")
-def client(server) -> OpenAI:
-    return OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
 
 
 @pytest.fixture(scope="module")
@@ -72,17 +64,16 @@ def line(custom_id: str, model: str, value, url: str = EMBEDDINGS, **body) -> di
     return {"custom_id": custom_id, "method": "POST", "url": url, "body": {"model": model, "input": value, **body}}
 
 
-def submit(client: OpenAI, lines: list, endpoint: str = EMBEDDINGS):
-    uploaded = client.files.create(file=("batch.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
-    batch = client.batches.create(input_file_id=uploaded.id, endpoint=endpoint, completion_window="24h")
-    return wait_until(lambda: (b := client.batches.retrieve(batch.id)).status in ("completed", "failed") and b,
-                      timeout=600, interval=0.3)
+def submit(openai_client: OpenAI, lines: list, endpoint: str = EMBEDDINGS):
+    uploaded = openai_client.files.create(file=("batch.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
+    batch = openai_client.batches.create(input_file_id=uploaded.id, endpoint=endpoint, completion_window="24h")
+    return wait_for_batch(openai_client, batch.id, {"completed", "failed"}, timeout=600, interval=0.3)
 
 
-def records(client: OpenAI, file_id: str | None) -> dict:
+def records(openai_client: OpenAI, file_id: str | None) -> dict:
     if file_id is None:
         return {}
-    return {r["custom_id"]: r for r in map(json.loads, client.files.content(file_id).text.splitlines())}
+    return {r["custom_id"]: r for r in map(json.loads, openai_client.files.content(file_id).text.splitlines())}
 
 
 def floats(value) -> list[float]:
@@ -96,12 +87,12 @@ def cosine(a: list[float], b: list[float]) -> float:
     return float(torch.nn.functional.cosine_similarity(torch.tensor([a]), torch.tensor([b]))[0])
 
 
-def test_both_models_are_listed(client):
-    assert {m.id for m in client.models.list().data} == {"smollm2-135m-instruct", "all-minilm-l6-v2"}
-    assert client.models.retrieve("all-minilm-l6-v2").id == "all-minilm-l6-v2"
+def test_both_models_are_listed(openai_client):
+    assert {m.id for m in openai_client.models.list().data} == {"smollm2-135m-instruct", "all-minilm-l6-v2"}
+    assert openai_client.models.retrieve("all-minilm-l6-v2").id == "all-minilm-l6-v2"
 
 
-def test_an_embeddings_batch_matches_sentence_transformers_and_reconciles(client, reference):
+def test_an_embeddings_batch_matches_sentence_transformers_and_reconciles(openai_client, reference):
     model = "all-minilm-l6-v2"
     ids = [reference.tokenizer(t)["input_ids"] for t in TEXTS[:2]]
     inputs = {
@@ -111,9 +102,9 @@ def test_an_embeddings_batch_matches_sentence_transformers_and_reconciles(client
     options = {"b64": {"encoding_format": "base64"}, "dims": {"dimensions": 384, "user": "u-1"}}
     lines = [line(cid, model, value, **options.get(cid, {})) for cid, value in inputs.items()]
     lines += [line("bad-format", model, "x", encoding_format="int8"), line("bad-dims", model, "x", dimensions=128)]
-    batch = submit(client, lines)
+    batch = submit(openai_client, lines)
     assert batch.status == "completed", batch.errors
-    output, errors = records(client, batch.output_file_id), records(client, batch.error_file_id)
+    output, errors = records(openai_client, batch.output_file_id), records(openai_client, batch.error_file_id)
     assert sorted(output) == sorted(inputs) and sorted(errors) == ["bad-dims", "bad-format"]
     assert (batch.request_counts.completed, batch.request_counts.failed) == (len(inputs), 2)
 
@@ -146,43 +137,43 @@ def test_an_embeddings_batch_matches_sentence_transformers_and_reconciles(client
     assert Decimal(cost["amount"]) == (expected_list / 2).quantize(Decimal("0.00000001"))
 
 
-def test_a_chat_batch_runs_on_the_same_server(client):
+def test_a_chat_batch_runs_on_the_same_server(openai_client):
     lines = [{"custom_id": "c1", "method": "POST", "url": "/v1/chat/completions",
               "body": {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Say hi."}],
                        "max_tokens": 4, "temperature": 0}}]
-    batch = submit(client, lines, "/v1/chat/completions")
+    batch = submit(openai_client, lines, "/v1/chat/completions")
     assert batch.status == "completed" and batch.request_counts.completed == 1
-    body = records(client, batch.output_file_id)["c1"]["response"]["body"]
+    body = records(openai_client, batch.output_file_id)["c1"]["response"]["body"]
     assert body["object"] == "chat.completion" and body["usage"]["completion_tokens"] >= 1
 
 
-def test_a_batch_for_a_model_nobody_serves_is_refused_at_create(client):
-    uploaded = client.files.create(file=("b.jsonl", io.BytesIO(jsonl([line("a", "text-embedding-3-small", "x")]))),
+def test_a_batch_for_a_model_nobody_serves_is_refused_at_create(openai_client):
+    uploaded = openai_client.files.create(file=("b.jsonl", io.BytesIO(jsonl([line("a", "text-embedding-3-small", "x")]))),
                                    purpose="batch")
     with pytest.raises(openai.BadRequestError) as caught:
-        client.batches.create(input_file_id=uploaded.id, endpoint=EMBEDDINGS, completion_window="24h")
+        openai_client.batches.create(input_file_id=uploaded.id, endpoint=EMBEDDINGS, completion_window="24h")
     assert caught.value.code == "model_not_found" and "text-embedding-3-small" in caught.value.message
 
 
-def test_a_model_of_the_wrong_kind_fails_the_file(client):
-    batch = submit(client, [line("a", "smollm2-135m-instruct", "x")])
+def test_a_model_of_the_wrong_kind_fails_the_file(openai_client):
+    batch = submit(openai_client, [line("a", "smollm2-135m-instruct", "x")])
     assert batch.status == "failed"
     assert [(e.code, e.param) for e in batch.errors.data] == [("model_not_found", "body.model")]
     assert "embedding" in batch.errors.data[0].message
 
 
-def test_lines_of_two_models_are_a_mismatch(client):
+def test_lines_of_two_models_are_a_mismatch(openai_client):
     lines = [line("a", "all-minilm-l6-v2", "x"), line("b", "all-minilm-l6-v2", "y"),
              {"custom_id": "c", "method": "POST", "url": EMBEDDINGS,
               "body": {"model": "smollm2-135m-instruct", "input": "z"}}]
-    batch = submit(client, lines)
+    batch = submit(openai_client, lines)
     assert batch.status == "failed"
     assert [(e.code, e.line) for e in batch.errors.data] == [("mismatched_model", 3)]
 
 
-def test_the_batch_input_limit_is_a_file_problem_at_the_line_that_crosses_it(client):
+def test_the_batch_input_limit_is_a_file_problem_at_the_line_that_crosses_it(openai_client):
     per_line = MAX_INPUTS // 3 + 1  # the third line crosses the limit
     lines = [line(f"l{i}", "all-minilm-l6-v2", [f"text {i}-{j}" for j in range(per_line)]) for i in range(4)]
-    batch = submit(client, lines)
+    batch = submit(openai_client, lines)
     assert batch.status == "failed"
     assert [(e.code, e.line, e.param) for e in batch.errors.data] == [("too_many_inputs", 3, "body.input")]
