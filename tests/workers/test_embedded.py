@@ -172,6 +172,24 @@ def started_front(settings, monkeypatch, step):
     return front.start()
 
 
+def counted(obj, name: str) -> list[float]:
+    """The times ``obj.name`` is called from now on (wrapped on the instance, in the test only):
+    evidence that a loop of the runner had its chances, for an assertion that it did nothing."""
+    calls, method = [], getattr(obj, name)
+
+    def wrapper(*args, **kwargs):
+        calls.append(time.monotonic())
+        return method(*args, **kwargs)
+
+    setattr(obj, name, wrapper)
+    return calls
+
+
+def looked_again(calls: list[float], times: int, what: str) -> None:
+    start = len(calls)
+    wait_until(lambda: len(calls) >= start + times, 30, 0.05, f"{what} {times} more times")
+
+
 def shards_of(ctx, batch_id: str) -> list[Shard]:
     with ctx.sessions() as session:
         return list(session.scalars(select(Shard).where(Shard.batch_id == batch_id).order_by(Shard.index)))
@@ -187,10 +205,14 @@ def test_a_stuck_engine_lets_its_leases_run_out(tmp_path, tiny_llama_dir, monkey
     unstuck = threading.Event()
     with without_worker(settings, "stuck", 4) as (server, _, _, batch):
         front = started_front(settings, monkeypatch, lambda real: unstuck.wait() and [])
-        runner = ShardRunner(server.ctx, front, Codec(front.tokenizer, "tiny-llama"), "stuck-worker").start()
+        runner = ShardRunner(server.ctx, front, Codec(front.tokenizer, "tiny-llama"), "stuck-worker")
+        beats, room = counted(runner._monitor, "_beat"), counted(runner, "_has_room")
+        runner.start()
         try:
             wait_until(lambda: sweep(server.ctx).requeued, 30, 0.5, "the sweeper to take the stuck runner's lease")
-            time.sleep(2)  # the stuck runner does not take it back
+            # the stuck runner does not take it back: not by a heartbeat, not by a claim
+            looked_again(beats, 2, "the monitor to beat")
+            looked_again(room, 5, "the feeder to look for room")
             (shard,) = shards_of(server.ctx, batch.id)
             assert (shard.status, shard.attempts, shard.lease_owner) == ("queued", 1, None)
             assert front.is_alive() and not runner.engine_dead.is_set()
@@ -218,7 +240,9 @@ def test_a_dead_engine_gives_its_shards_back_at_once(tmp_path, tiny_llama_dir, m
         ctx, deaths = server.ctx, []
         front = started_front(settings, monkeypatch, dies_on_the_third_step)
         doomed = ShardRunner(ctx, front, Codec(front.tokenizer, "tiny-llama"), "doomed-worker",
-                             on_engine_death=lambda: deaths.append(time.monotonic())).start()
+                             on_engine_death=lambda: deaths.append(time.monotonic()))
+        beats, room = counted(doomed._monitor, "_beat"), counted(doomed, "_has_room")
+        doomed.start()
         try:
             wait_until(lambda: not front.is_alive(), 60, 0.05, "the engine to take a third step")
             wait_until(lambda: shards_of(ctx, batch.id), 10, 0.1, "the dead engine's shards to be given back",
@@ -228,7 +252,8 @@ def test_a_dead_engine_gives_its_shards_back_at_once(tmp_path, tiny_llama_dir, m
             assert {s.status for s in shards} == {"queued"} and {s.lease_owner for s in shards} == {None}
             assert 1 in {s.attempts for s in shards}  # some were claimed, and given back
             assert doomed.run_shard(shards[0].id) == "skipped"  # a dead engine claims nothing more
-            time.sleep(2)
+            looked_again(beats, 2, "the monitor to beat")
+            looked_again(room, 5, "the feeder to look for room")
             assert all(s.lease_owner is None for s in shards_of(ctx, batch.id))
         finally:
             doomed.shutdown()
