@@ -50,6 +50,11 @@ def tiny_qwen2_dir(tmp_path_factory, smollm2_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory, smollm2_dir: Path) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen3", smollm2_dir, "qwen3")
+
+
+@pytest.fixture(scope="session")
 def pg_url() -> str:
     """A fresh, empty PostgreSQL database for this test session (plain postgresql:// URL)."""
     with services.fresh_database() as url:

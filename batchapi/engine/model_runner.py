@@ -11,12 +11,13 @@ import torch
 from batchapi.engine.config import EngineConfig
 from batchapi.engine.model.linears import make_invariant, pack_linears
 from batchapi.engine.model.llama import AttentionMetadata, CausalLM
-from batchapi.engine.model.loader import ModelConfig, load_config, load_weights
+from batchapi.engine.model.loader import ModelConfig, UnsupportedModelError, load_config, load_weights
 from batchapi.engine.platform import keep_freed_memory, resolve_dtype
 from batchapi.engine.sampler import OutputTokens, Sampler, SampleRow
 from batchapi.engine.scheduler import ScheduledBatch
 from batchapi.engine.sequence import Sequence
 from batchapi.kernels import get_ops
+from batchapi.kernels.torch.rope import rope_type
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +55,12 @@ class ModelRunner:
         model = model.to_empty(device=self.device).to(self.dtype)
         model.load(load_weights(self.config.model_path))
         max_pos = self.config.max_model_len or cfg.max_position_embeddings
+        if rope_type(cfg.rope_scaling) == "dynamic" and max_pos > cfg.max_position_embeddings:
+            raise UnsupportedModelError(
+                f"max_model_len {max_pos} passes the model's {cfg.max_position_embeddings} positions: dynamic rope "
+                "scales there by the batch's longest sequence, which batch-invariant results cannot follow")
         model.cos_sin = self.ops.build_rope_cache(cfg.head_dim, max_pos, cfg.rope_theta, cfg.rope_scaling,
-                                                  self.device, self.dtype)  # [max_pos, D]
+                                                  self.device, self.dtype, cfg.max_position_embeddings)  # [max_pos, D]
         model = model.eval().requires_grad_(False)
         if self.device.type == "cpu":
             packed = pack_linears(model, batch_hint=self.config.max_num_seqs)

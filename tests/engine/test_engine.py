@@ -64,7 +64,7 @@ def tokenize(model_dir, texts):
     return [tok(t)["input_ids"] for t in texts]
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"])
 def test_greedy_parity_with_hf_on_tiny_models(fixture, request):
     model_dir = request.getfixturevalue(fixture)
     prompts = tokenize(model_dir, PROMPTS)
@@ -75,6 +75,22 @@ def test_greedy_parity_with_hf_on_tiny_models(fixture, request):
     assert [r.outputs[0].token_ids for r in results] == expected
     assert all(r.outputs[0].finish_reason == "length" and r.completion_tokens == 24 for r in results)
     assert [r.prompt_tokens for r in results] == [len(p) for p in prompts]
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0},
+    {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+], ids=["yarn", "linear"])
+def test_greedy_parity_with_hf_under_scaled_rope(tmp_path, smollm2_dir, rope):
+    """Prompts past the original context, so the scaled frequencies (and YaRN's attention factor) count."""
+    from tests.utils.tiny_models import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / "scaled", smollm2_dir, "llama", rope_parameters=rope)
+    prompts = tokenize(model_dir, [PROMPTS[1] + " " + PROMPTS[3], PROMPTS[0]])
+    assert len(prompts[0]) > 32
+    expected = hf_greedy(model_dir, prompts, 16)
+    results = run(engine_for(model_dir, max_num_seqs=2, max_num_batched_tokens=32), prompts, greedy(16))
+    assert [r.outputs[0].token_ids for r in results] == expected
 
 
 def test_greedy_parity_with_hf_on_smollm2(smollm2_dir):
@@ -227,3 +243,28 @@ def test_unsupported_architecture_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
     with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel.*not supported"):
         LLMEngine(EngineConfig(model_path=tmp_path))
+
+
+def test_what_the_engine_cannot_run_yet_is_refused_by_name(tmp_path, tiny_llama_dir):
+    config = json.loads((tiny_llama_dir / "config.json").read_text())
+    cases = {
+        "sliding-window attention": {"use_sliding_window": True, "sliding_window": 64},
+        "rope scaling 'longrope'": {"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                                                        "short_factor": [1.0], "long_factor": [1.0]}},
+    }
+    for message, change in cases.items():
+        (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(UnsupportedModelError, match=message):
+            LLMEngine(EngineConfig(model_path=tmp_path))
+
+
+def test_dynamic_rope_runs_within_the_trained_context_only(tmp_path, smollm2_dir):
+    from tests.utils.tiny_models import build_tiny_model
+
+    dynamic = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    model_dir = build_tiny_model(tmp_path / "dynamic", smollm2_dir, "llama", rope_parameters=dynamic)
+    prompts = tokenize(model_dir, PROMPTS[:2])
+    assert [r.outputs[0].token_ids for r in run(engine_for(model_dir), prompts, greedy(8))] == \
+        hf_greedy(model_dir, prompts, 8)
+    with pytest.raises(UnsupportedModelError, match="max_model_len 1024 passes the model's 512 positions"):
+        engine_for(model_dir, max_model_len=1024)

@@ -19,9 +19,17 @@ def copy_tokenizer(source_dir: Path, out_dir: Path) -> None:
 
 
 def build_tiny_model(out_dir: Path, tokenizer_dir: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
-    """Save a 2-layer random model of ``arch`` ("llama" or "qwen2") in ``out_dir``."""
+    """Save a 2-layer random model of ``arch`` ("llama", "qwen2" or "qwen3") in ``out_dir``."""
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        AutoTokenizer,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     common = dict(
@@ -44,6 +52,8 @@ def build_tiny_model(out_dir: Path, tokenizer_dir: Path, arch: str = "llama", se
         model = LlamaForCausalLM(LlamaConfig(**common))
     elif arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))
+    elif arch == "qwen3":  # head_dim apart from hidden/heads, as Qwen3's own configs have it
+        model = Qwen3ForCausalLM(Qwen3Config(**{"head_dim": 32, **common}))
     else:
         raise ValueError(f"unknown tiny architecture {arch!r}")
     # random init gives near-uniform logits; a wider spread makes greedy decoding well separated
@@ -51,6 +61,9 @@ def build_tiny_model(out_dir: Path, tokenizer_dir: Path, arch: str = "llama", se
         for param in model.parameters():
             if param.dim() == 2:
                 param.normal_(0.0, 0.08)
+        for name, param in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):  # not all ones, so a skipped norm shows
+                param.uniform_(0.5, 1.5)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.to(torch.float32).save_pretrained(out_dir, safe_serialization=True)
     copy_tokenizer(tokenizer_dir, out_dir)

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) over a paged KV cache.
 
 Tokens of all sequences in a step are packed into one flat batch [T]; attention finds each
 sequence's keys and values through its block table. q/k/v and gate/up projections are fused
@@ -37,6 +37,8 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim**-0.5
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_cache = self.v_cache = torch.empty(0)  # set by the model runner
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
@@ -47,6 +49,9 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # each head's q and k normed over D, before rope (Qwen3)
+            q = self._head_norm(q, self.q_norm)
+            k = self._head_norm(k, self.k_norm)
         q = self.ops.rotary_store(q, k, v, positions, cos_sin, self.k_cache, self.v_cache, meta.slot_mapping)
         for src, dst in meta.kv_copies:  # prefix reuse inside a block (scheduler.KVCopy)
             for cache in (self.k_cache, self.v_cache):
@@ -57,6 +62,10 @@ class Attention(nn.Module):
                                        max_seqlen_q=meta.max_seqlen_q,
                                        max_context_len=meta.max_context_len)  # [T, Hq, D]
         return self.o_proj.forward(out.reshape(num_tokens, self.q_size))
+
+    def _head_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        tokens, heads, dim = x.shape
+        return self.ops.rms_norm(x.reshape(tokens * heads, dim), norm.weight, norm.eps).view(tokens, heads, dim)
 
 
 class MLP(nn.Module):
@@ -145,6 +154,9 @@ class CausalLM(nn.Module):
             if self.cfg.qkv_bias:
                 put(me + "self_attn.qkv_proj.bias", torch.cat([tensors[attn + p + "_proj.bias"] for p in "qkv"]))
             put(me + "self_attn.o_proj.weight", tensors[attn + "o_proj.weight"])
+            if self.cfg.qk_norm:
+                put(me + "self_attn.q_norm.weight", tensors[attn + "q_norm.weight"])
+                put(me + "self_attn.k_norm.weight", tensors[attn + "k_norm.weight"])
             put(me + "mlp.gate_up_proj.weight",
                 torch.cat([tensors[hf + "mlp.gate_proj.weight"], tensors[hf + "mlp.up_proj.weight"]]))
             put(me + "mlp.down_proj.weight", tensors[hf + "mlp.down_proj.weight"])

@@ -9,13 +9,15 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from batchapi.kernels.torch.rope import rope_type
+from batchapi.kernels.torch.rope import KINDS, rope_type
 
 SUPPORTED = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",  # Qwen2's layers with a per-head RMSNorm of q and k before rope, no qkv bias
 }
+QK_NORM = {"qwen3"}
 
 
 class UnsupportedModelError(ValueError):
@@ -39,6 +41,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     qkv_bias: bool
     eos_token_ids: list[int]
+    qk_norm: bool = False  # an RMSNorm over head_dim of each head's q and k, before rope (Qwen3)
 
     def __post_init__(self):
         assert self.num_heads % self.num_kv_heads == 0, (
@@ -53,8 +56,8 @@ def _rope(raw: dict) -> tuple[float, dict | None]:
     scaling = raw.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
     if scaling is not None:
         kind = rope_type(scaling)
-        if kind not in ("default", "llama3"):
-            raise UnsupportedModelError(f"rope scaling {kind!r} is not supported (default and llama3 are)")
+        if kind not in KINDS:
+            raise UnsupportedModelError(f"rope scaling {kind!r} is not supported ({', '.join(KINDS)} are)")
     return float(theta), scaling
 
 
@@ -84,6 +87,8 @@ def load_config(model_dir: Path) -> ModelConfig:
         )
     if raw.get("mlp_bias"):
         raise UnsupportedModelError("MLP biases are not supported")
+    if raw.get("use_sliding_window"):
+        raise UnsupportedModelError("sliding-window attention is not supported yet")
     theta, scaling = _rope(raw)
     heads = raw["num_attention_heads"]
     return ModelConfig(
@@ -102,6 +107,7 @@ def load_config(model_dir: Path) -> ModelConfig:
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=SUPPORTED[arch] == "qwen2" or bool(raw.get("attention_bias")),
         eos_token_ids=_eos_ids(raw, Path(model_dir)),
+        qk_norm=SUPPORTED[arch] in QK_NORM,
     )
 
 
