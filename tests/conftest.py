@@ -55,6 +55,16 @@ def tiny_qwen3_dir(tmp_path_factory, smollm2_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_moe_dir(tmp_path_factory, smollm2_dir: Path) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen3-moe", smollm2_dir, "qwen3_moe")
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral_dir(tmp_path_factory, smollm2_dir: Path) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-mixtral", smollm2_dir, "mixtral")
+
+
+@pytest.fixture(scope="session")
 def pg_url() -> str:
     """A fresh, empty PostgreSQL database for this test session (plain postgresql:// URL)."""
     with services.fresh_database() as url:

@@ -64,7 +64,8 @@ def tokenize(model_dir, texts):
     return [tok(t)["input_ids"] for t in texts]
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"])
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_qwen3_moe_dir",
+                                     "tiny_mixtral_dir"])
 def test_greedy_parity_with_hf_on_tiny_models(fixture, request):
     model_dir = request.getfixturevalue(fixture)
     prompts = tokenize(model_dir, PROMPTS)

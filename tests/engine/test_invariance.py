@@ -187,3 +187,29 @@ def test_the_sampler_draws_each_row_alone_as_in_any_batch():
     for index in ([0], [7], list(range(5, 40)), list(range(299, 100, -3))):
         part = sampler(logits[index], [rows[i] for i in index])
         assert [(o.token_id, o.logprob, o.top_logprobs) for o in part] == [full[i] for i in index]
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe", "mixtral"])
+def family_dir(request, tmp_path_factory, smollm2_dir):
+    """The newer families at head size 64: Qwen3's q/k norm, the MoE routing and its expert GEMMs."""
+    return build_tiny_model(tmp_path_factory.mktemp("invariance") / request.param, smollm2_dir, request.param,
+                            seed=5, hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                            num_key_value_heads=1, head_dim=64, max_position_embeddings=1024)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_each_family_answers_alike_alone_and_in_a_crowd(family_dir, dtype):
+    """A MoE token's experts see other row counts in every step here: its routing, its experts'
+    rows and the sum of its slots must still give the same bits."""
+    engine = engine_for(family_dir, dtype, max_num_seqs=64)
+    expected = alone(engine, GREEDY)
+    for others, position in ((1, 1), (7, 3), (33, 17), (63, 40)):
+        crowd = [(ids, SamplingParams(max_tokens=random.Random(others).randrange(1, 14), temperature=0.0,
+                                      ignore_eos=True)) for ids in prompts(others, seed=others)]
+        batch = crowd[:position] + [(PROBE, GREEDY)] + crowd[position:]
+        assert answer(run(engine, batch)[position]) == expected, (dtype, others, position)
+    assert answer(run(engine, [(PROBE, GREEDY)] * 3 + prompts_with(5), staged=2)[1]) == expected
+
+
+def prompts_with(count: int) -> list[tuple[list[int], SamplingParams]]:
+    return [(ids, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)) for ids in prompts(count, seed=7)]

@@ -19,16 +19,21 @@ def copy_tokenizer(source_dir: Path, out_dir: Path) -> None:
 
 
 def build_tiny_model(out_dir: Path, tokenizer_dir: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
-    """Save a 2-layer random model of ``arch`` ("llama", "qwen2" or "qwen3") in ``out_dir``."""
+    """Save a 2-layer random model of ``arch`` ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral") in
+    ``out_dir``."""
     import torch
     from transformers import (
         AutoTokenizer,
         LlamaConfig,
         LlamaForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
     )
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -54,6 +59,12 @@ def build_tiny_model(out_dir: Path, tokenizer_dir: Path, arch: str = "llama", se
         model = Qwen2ForCausalLM(Qwen2Config(**common))
     elif arch == "qwen3":  # head_dim apart from hidden/heads, as Qwen3's own configs have it
         model = Qwen3ForCausalLM(Qwen3Config(**{"head_dim": 32, **common}))
+    elif arch == "qwen3_moe":  # layer 0 sparse, layer 1 dense (mlp_only_layers), 8 experts of 32, top 2
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{"num_experts": 8, "num_experts_per_tok": 2,
+                                                      "moe_intermediate_size": 32, "norm_topk_prob": True,
+                                                      "mlp_only_layers": [1], **common}))
+    elif arch == "mixtral":  # every layer sparse: 4 experts, top 2
+        model = MixtralForCausalLM(MixtralConfig(**{"num_local_experts": 4, "num_experts_per_tok": 2, **common}))
     else:
         raise ValueError(f"unknown tiny architecture {arch!r}")
     # random init gives near-uniform logits; a wider spread makes greedy decoding well separated

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2; with sparse MoE MLPs, Qwen3-MoE
+and Mixtral) over a paged KV cache.
 
 Tokens of all sequences in a step are packed into one flat batch [T]; attention finds each
 sequence's keys and values through its block table. q/k/v and gate/up projections are fused
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 from batchapi.engine.model.loader import ModelConfig
+from batchapi.engine.model.moe import SparseMoE
 
 
 @dataclass
@@ -87,11 +89,16 @@ class RMSNorm(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops):
+    def __init__(self, cfg: ModelConfig, ops, index: int):
         super().__init__()
         self.ops = ops
         self.self_attn = Attention(cfg, ops)
-        self.mlp = MLP(cfg, ops)
+        moe = cfg.moe
+        if moe is not None and index in moe.sparse_layers:
+            self.mlp = SparseMoE(cfg.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k, moe.normalize,
+                                 moe.weights_in_dtype, ops)
+        else:
+            self.mlp = MLP(cfg, ops)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -113,7 +120,7 @@ class CausalLM(nn.Module):
         self.cfg = cfg
         self.ops = ops
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, ops) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ops, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -157,9 +164,13 @@ class CausalLM(nn.Module):
             if self.cfg.qk_norm:
                 put(me + "self_attn.q_norm.weight", tensors[attn + "q_norm.weight"])
                 put(me + "self_attn.k_norm.weight", tensors[attn + "k_norm.weight"])
-            put(me + "mlp.gate_up_proj.weight",
-                torch.cat([tensors[hf + "mlp.gate_proj.weight"], tensors[hf + "mlp.up_proj.weight"]]))
-            put(me + "mlp.down_proj.weight", tensors[hf + "mlp.down_proj.weight"])
+            if isinstance(self.layers[i].mlp, SparseMoE):
+                for name, value in moe_tensors(tensors, hf, self.cfg.moe.num_experts):
+                    put(me + name, value)
+            else:
+                put(me + "mlp.gate_up_proj.weight",
+                    torch.cat([tensors[hf + "mlp.gate_proj.weight"], tensors[hf + "mlp.up_proj.weight"]]))
+                put(me + "mlp.down_proj.weight", tensors[hf + "mlp.down_proj.weight"])
             put(me + "input_layernorm.weight", tensors[hf + "input_layernorm.weight"])
             put(me + "post_attention_layernorm.weight", tensors[hf + "post_attention_layernorm.weight"])
         put("embed_tokens.weight", tensors["model.embed_tokens.weight"])
@@ -168,3 +179,27 @@ class CausalLM(nn.Module):
             put("lm_head.weight", tensors["lm_head.weight"])
         missing = set(own) - done
         assert not missing, f"weights missing from the checkpoint: {sorted(missing)[:5]}"
+
+
+def moe_tensors(tensors: dict[str, torch.Tensor], layer: str, num_experts: int):
+    """(our name, tensor) of one layer's router and experts, from a checkpoint of one expert a tensor
+    (Qwen3-MoE's ``mlp.experts.{e}.gate_proj``, Mixtral's ``block_sparse_moe.experts.{e}.w1``, w3 the up,
+    w2 the down projection) or of fused 3-D experts (``mlp.experts.gate_up_proj`` [E, 2I, H],
+    ``mlp.experts.down_proj`` [E, H, I], as transformers holds them in memory)."""
+    prefix = layer + ("block_sparse_moe." if layer + "block_sparse_moe.gate.weight" in tensors else "mlp.")
+    yield "mlp.gate.weight", tensors[prefix + "gate.weight"]
+    fused = tensors.get(prefix + "experts.gate_up_proj")
+    for e in range(num_experts):
+        ours = f"mlp.experts.{e}."
+        if fused is not None:
+            gate_up, down = fused[e], tensors[prefix + "experts.down_proj"][e]
+        elif prefix.endswith("block_sparse_moe."):
+            theirs = f"{prefix}experts.{e}."
+            gate_up = torch.cat([tensors[theirs + "w1.weight"], tensors[theirs + "w3.weight"]])
+            down = tensors[theirs + "w2.weight"]
+        else:
+            theirs = f"{prefix}experts.{e}."
+            gate_up = torch.cat([tensors[theirs + "gate_proj.weight"], tensors[theirs + "up_proj.weight"]])
+            down = tensors[theirs + "down_proj.weight"]
+        yield ours + "gate_up_proj.weight", gate_up
+        yield ours + "down_proj.weight", down

@@ -16,12 +16,27 @@ SUPPORTED = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",  # Qwen2's layers with a per-head RMSNorm of q and k before rope, no qkv bias
+    "Qwen3MoeForCausalLM": "qwen3_moe",  # Qwen3's attention, sparse MoE MLPs (engine.model.moe)
+    "MixtralForCausalLM": "mixtral",  # Mistral's attention, a sparse MoE MLP in every layer
 }
-QK_NORM = {"qwen3"}
+QK_NORM = {"qwen3", "qwen3_moe"}
 
 
 class UnsupportedModelError(ValueError):
     """The directory holds a model this engine cannot run."""
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one expert
+    normalize: bool  # the top-k weights renormalised to sum to 1
+    weights_in_dtype: bool  # the routing weights cast to the activations' dtype before scaling
+    sparse_layers: frozenset[int]  # the layers whose MLP is the MoE; the rest are dense
+
+    def __post_init__(self):
+        assert 0 < self.top_k <= self.num_experts, f"top_k={self.top_k} of {self.num_experts} experts"
 
 
 @dataclass
@@ -42,6 +57,7 @@ class ModelConfig:
     qkv_bias: bool
     eos_token_ids: list[int]
     qk_norm: bool = False  # an RMSNorm over head_dim of each head's q and k, before rope (Qwen3)
+    moe: MoEConfig | None = None  # the sparse MLPs of a mixture-of-experts model
 
     def __post_init__(self):
         assert self.num_heads % self.num_kv_heads == 0, (
@@ -59,6 +75,20 @@ def _rope(raw: dict) -> tuple[float, dict | None]:
         if kind not in KINDS:
             raise UnsupportedModelError(f"rope scaling {kind!r} is not supported ({', '.join(KINDS)} are)")
     return float(theta), scaling
+
+
+def _moe(family: str, raw: dict) -> MoEConfig | None:
+    layers = raw["num_hidden_layers"]
+    if family == "mixtral":
+        return MoEConfig(raw["num_local_experts"], raw["num_experts_per_tok"], raw["intermediate_size"],
+                         normalize=True, weights_in_dtype=False, sparse_layers=frozenset(range(layers)))
+    if family != "qwen3_moe":
+        return None
+    experts = raw.get("num_experts") or raw.get("num_local_experts") or 0
+    step, dense = raw.get("decoder_sparse_step") or 1, set(raw.get("mlp_only_layers") or [])
+    sparse = frozenset(i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
+    return MoEConfig(experts, raw["num_experts_per_tok"], raw["moe_intermediate_size"],
+                     normalize=bool(raw.get("norm_topk_prob")), weights_in_dtype=True, sparse_layers=sparse)
 
 
 def _eos_ids(raw: dict, model_dir: Path) -> list[int]:
@@ -91,6 +121,7 @@ def load_config(model_dir: Path) -> ModelConfig:
         raise UnsupportedModelError("sliding-window attention is not supported yet")
     theta, scaling = _rope(raw)
     heads = raw["num_attention_heads"]
+    family = SUPPORTED[arch]
     return ModelConfig(
         architecture=SUPPORTED[arch],
         vocab_size=raw["vocab_size"],
@@ -107,7 +138,8 @@ def load_config(model_dir: Path) -> ModelConfig:
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=SUPPORTED[arch] == "qwen2" or bool(raw.get("attention_bias")),
         eos_token_ids=_eos_ids(raw, Path(model_dir)),
-        qk_norm=SUPPORTED[arch] in QK_NORM,
+        qk_norm=family in QK_NORM,
+        moe=_moe(family, raw),
     )
 
 
