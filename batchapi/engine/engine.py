@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from concurrent.futures import FIRST_COMPLETED, Future, wait
@@ -54,7 +55,10 @@ def system_fingerprint(config: EngineConfig, dtype: str, kernels: str) -> str:
     config and tokenizer), the dtype, the kernels and batch invariance, the device kind (the CPU's
     instruction sets, or the GPU's name), torch's version, the engine's limits and batchapi's
     version. With batch invariance on, two runs of a request with the same fingerprint give the
-    same tokens (greedy, or seeded); see README, "Reproducible results"."""
+    same tokens (greedy, or seeded); see docs/USAGE.md, "Reproducible results". The engine's and the
+    kernels' own source is hashed in too (``code_digest``), so a model family's new code path, a
+    kernel's new reduction order, or any other change of the code that computes a token names itself,
+    also between two builds of one release."""
     from importlib.metadata import PackageNotFoundError, version
 
     digest = hashlib.sha256()
@@ -69,8 +73,24 @@ def system_fingerprint(config: EngineConfig, dtype: str, kernels: str) -> str:
         release = "dev"
     digest.update(f"{dtype}|{config.device}|{device_kind(config.device)}|{kernels}|"
                   f"invariant={config.batch_invariant}|{config.block_size}|{config.max_model_len}|"
-                  f"torch {torch.__version__}|{release}".encode())
+                  f"torch {torch.__version__}|{release}|{code_digest()}".encode())
     return "fp_" + digest.hexdigest()[:12]
+
+
+@functools.cache
+def code_digest() -> str:
+    """A hash of the source of the engine and its kernels (Python and C), read once a process."""
+    root = Path(__file__).resolve().parents[1]  # batchapi/
+    digest = hashlib.sha256()
+    for path in code_files():
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def code_files() -> list[Path]:
+    root = Path(__file__).resolve().parents[1]
+    return sorted(p for folder in ("engine", "kernels") for p in (root / folder).rglob("*")
+                  if p.suffix in (".py", ".c", ".h"))
 
 
 def device_kind(device: str) -> str:

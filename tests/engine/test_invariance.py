@@ -9,6 +9,7 @@ C kernels' main path) in bfloat16 and float32, and on the real default model in 
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -137,6 +138,18 @@ def test_the_torch_twins_are_invariant_too(model_dir, kernels, dtype):
     batch = [(ids, GREEDY) for ids in prompts(9, seed=41)]
     batch = batch[:4] + [(PROBE, GREEDY)] + batch[4:]
     assert answer(run(engine, batch, staged=2)[4]) == expected
+
+
+def test_fingerprint_names_the_code_that_computes_tokens(model_dir, monkeypatch):
+    from batchapi.engine import engine as engine_module
+
+    package = Path(engine_module.__file__).resolve().parents[1]
+    names = {str(p.relative_to(package)) for p in engine_module.code_files()}
+    assert {"engine/model/moe.py", "engine/model/llama.py", "kernels/cpu/csrc/paged_decode.c",
+            "kernels/triton/matmul.py"} <= names, sorted(names)
+    before = engine_for(model_dir, "float32").system_fingerprint
+    monkeypatch.setattr(engine_module, "code_digest", lambda: "another build")
+    assert engine_for(model_dir, "float32").system_fingerprint != before
 
 
 def test_fingerprint_names_invariance(model_dir):
