@@ -9,17 +9,20 @@ from pathlib import Path
 import torch
 
 
-def build_random_llama(shape: dict, out_dir: Path, device: str, dtype: torch.dtype, std: float, seed: int = 0):
-    """Save a LlamaForCausalLM of the given config fields (random normal(0, std) matrices); return it."""
+def build_random_llama(shape: dict, out_dir: Path, device: str, dtype: torch.dtype, std: float, seed: int = 0,
+                       config_class=None, model_class=None):
+    """Save a LlamaForCausalLM (or ``model_class`` of ``config_class``: another family) of the given
+    config fields (random normal(0, std) matrices); return it."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**shape, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=1, pad_token_id=0)
+    config_class, model_class = config_class or LlamaConfig, model_class or LlamaForCausalLM
+    config = config_class(**shape, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=1, pad_token_id=0)
     torch.manual_seed(seed)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(config)
+            model = model_class(config)
     finally:
         torch.set_default_dtype(default)
     with torch.no_grad():  # wider than HF's init, so greedy choices are not near-ties

@@ -3,7 +3,8 @@
 Here, not in the suite's process, because the Triton kernels need the interpreter (conftest.py).
 
 A tiny random Llama (GQA 3, llama3 rope scaling, untied head) in fp32: the interpreter cannot do
-bf16, and fp32 keeps all three bit-close, so the greedy tokens must be identical.
+bf16, and fp32 keeps all three bit-close, so the greedy tokens must be identical. And a tiny random
+Qwen3-MoE (q/k norm through the Triton norm, yarn rope, a sparse and a dense layer).
 """
 
 import random
@@ -22,10 +23,22 @@ TINY = dict(
 NEW_TOKENS = 6
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny-random-llama")
-    model = build_random_llama(TINY, out, "cpu", torch.float32, std=0.08)
+MOE = dict(
+    TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True, mlp_only_layers=[1],
+    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16},
+)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3_moe"])
+def tiny_model(tmp_path_factory, request):
+    out = tmp_path_factory.mktemp(f"tiny-random-{request.param}")
+    if request.param == "llama":
+        model = build_random_llama(TINY, out, "cpu", torch.float32, std=0.08)
+    else:
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        model = build_random_llama(MOE, out, "cpu", torch.float32, std=0.08, config_class=Qwen3MoeConfig,
+                                   model_class=Qwen3MoeForCausalLM)
     rng = random.Random(0)
     # two prompts share a 20-token prefix: the second runs after the first, as a prefill on a cached block
     shared = [rng.randrange(2, 512) for _ in range(20)]
