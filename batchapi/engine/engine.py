@@ -114,7 +114,7 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         pool_tokens = self.runner.num_blocks * config.block_size
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, pool_tokens)
+        self.max_model_len = min(config.max_model_len or mc.context_limit, pool_tokens)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len)

@@ -12,6 +12,7 @@ from batchapi.engine.config import EngineConfig
 from batchapi.engine.model.linears import make_invariant, pack_linears
 from batchapi.engine.model.llama import AttentionMetadata, CausalLM
 from batchapi.engine.model.loader import ModelConfig, UnsupportedModelError, load_config, load_weights
+from batchapi.engine.model.moe import SparseMoE
 from batchapi.engine.platform import keep_freed_memory, resolve_dtype
 from batchapi.engine.sampler import OutputTokens, Sampler, SampleRow
 from batchapi.engine.scheduler import ScheduledBatch
@@ -20,6 +21,18 @@ from batchapi.kernels import get_ops
 from batchapi.kernels.torch.rope import rope_type
 
 log = logging.getLogger(__name__)
+
+
+def check_context(cfg: ModelConfig, max_pos: int) -> None:
+    """Refuse a context the model's attention or rope cannot serve exactly as transformers does."""
+    if cfg.sliding_window is not None and max_pos > cfg.sliding_window:
+        raise UnsupportedModelError(
+            f"max_model_len {max_pos} passes the model's {cfg.sliding_window}-token attention window: windowed "
+            "attention is not supported yet, so the context stops at the window")
+    if rope_type(cfg.rope_scaling) == "dynamic" and max_pos > cfg.max_position_embeddings:
+        raise UnsupportedModelError(
+            f"max_model_len {max_pos} passes the model's {cfg.max_position_embeddings} positions: dynamic rope "
+            "scales there by the batch's longest sequence, which batch-invariant results cannot follow")
 
 
 class ModelRunner:
@@ -36,7 +49,7 @@ class ModelRunner:
         self.matmul_plan: dict[str, int | str] = {}  # batch invariance: min rows of each linear layer
         self.model = self._load_model()
         self.block_size = config.block_size
-        self.max_context_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.max_context_len = config.max_model_len or self.model_config.context_limit
         self.num_blocks = self._num_blocks()
         self._allocate_kv_cache()
         self.sampler = Sampler(self.ops)
@@ -50,18 +63,19 @@ class ModelRunner:
 
     def _load_model(self) -> CausalLM:
         cfg = self.model_config
+        max_pos = self.config.max_model_len or cfg.context_limit
+        check_context(cfg, max_pos)  # before any weight is read
         with torch.device("meta"):
             model = CausalLM(cfg, self.ops)
         model = model.to_empty(device=self.device).to(self.dtype)
         model.load(load_weights(self.config.model_path))
-        max_pos = self.config.max_model_len or cfg.max_position_embeddings
-        if rope_type(cfg.rope_scaling) == "dynamic" and max_pos > cfg.max_position_embeddings:
-            raise UnsupportedModelError(
-                f"max_model_len {max_pos} passes the model's {cfg.max_position_embeddings} positions: dynamic rope "
-                "scales there by the batch's longest sequence, which batch-invariant results cannot follow")
         model.cos_sin = self.ops.build_rope_cache(cfg.head_dim, max_pos, cfg.rope_theta, cfg.rope_scaling,
                                                   self.device, self.dtype, cfg.max_position_embeddings)  # [max_pos, D]
         model = model.eval().requires_grad_(False)
+        if self.ops.name == "triton":  # one grouped GEMM per projection of a MoE layer
+            for module in model.modules():
+                if isinstance(module, SparseMoE):
+                    module.fuse()
         if self.device.type == "cpu":
             packed = pack_linears(model, batch_hint=self.config.max_num_seqs)
             log.info("packed %d linear layers for oneDNN", packed)

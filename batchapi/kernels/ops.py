@@ -14,6 +14,7 @@ from batchapi.kernels.cpu import elementwise as cpu_elementwise
 from batchapi.kernels.torch import attention as twin_attention
 from batchapi.kernels.torch import bitmask as twin_bitmask
 from batchapi.kernels.torch import elementwise as twin
+from batchapi.kernels.torch import moe as twin_moe
 from batchapi.kernels.torch.rope import build_rope_cache
 
 MODES = ("auto", "triton", "cpu", "torch")
@@ -34,6 +35,8 @@ class Ops:
     argmax: Callable  # greedy pick of [B, V] logits -> [B] int64: the first of ties, NaN the largest
     apply_token_bitmask: Callable  # (logits [B, V], bitmask [R, W] int32, rows: list[int]) -> None, in place
     build_rope_cache: Callable = build_rope_cache
+    # (x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k], topk_ids [T, k] int64) -> [T, H]
+    fused_moe: Callable = twin_moe.fused_moe
     invariant: bool = False  # batch invariant: each token's attention computed alike in every step
 
 
@@ -76,6 +79,7 @@ def _triton_ops() -> Ops:
     rotary = importlib.import_module("batchapi.kernels.triton.rotary")
     activation = importlib.import_module("batchapi.kernels.triton.activation")
     bitmask = importlib.import_module("batchapi.kernels.triton.bitmask")
+    moe = importlib.import_module("batchapi.kernels.triton.moe")
     return Ops(
         name="triton",
         store_kvcache=kvcache.store_kvcache,
@@ -87,6 +91,7 @@ def _triton_ops() -> Ops:
         silu_and_mul=activation.silu_and_mul,
         argmax=twin.argmax,  # torch.argmax on CUDA: one pass, no kernel of ours to win there
         apply_token_bitmask=bitmask.apply_token_bitmask,
+        fused_moe=moe.fused_moe,
     )
 
 

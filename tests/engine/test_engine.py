@@ -249,14 +249,31 @@ def test_unsupported_architecture_is_refused(tmp_path):
 def test_what_the_engine_cannot_run_yet_is_refused_by_name(tmp_path, tiny_llama_dir):
     config = json.loads((tiny_llama_dir / "config.json").read_text())
     cases = {
-        "sliding-window attention": {"use_sliding_window": True, "sliding_window": 64},
         "rope scaling 'longrope'": {"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
                                                         "short_factor": [1.0], "long_factor": [1.0]}},
+        "max_model_len 512 passes the model's 64-token attention window": {"use_sliding_window": True,
+                                                                             "sliding_window": 64},
     }
     for message, change in cases.items():
         (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
         with pytest.raises(UnsupportedModelError, match=message):
-            LLMEngine(EngineConfig(model_path=tmp_path))
+            LLMEngine(EngineConfig(model_path=tmp_path, max_model_len=config["max_position_embeddings"]))
+
+
+def test_a_sliding_window_narrower_than_the_context_bounds_it(tmp_path, tiny_llama_dir):
+    """No windowed attention yet: within the window, full attention is the window's, exactly; so the
+    context stops there (Mistral's window applies whenever set; Qwen's with use_sliding_window)."""
+    from batchapi.engine.model.loader import load_config
+
+    config = json.loads((tiny_llama_dir / "config.json").read_text())
+    for change, limit in (({"use_sliding_window": True, "sliding_window": 64}, 64),
+                          ({"use_sliding_window": False, "sliding_window": 64}, 512),
+                          ({"sliding_window": 1024, "use_sliding_window": True}, 512)):
+        (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
+        assert load_config(tmp_path).context_limit == limit, change
+    (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["MistralForCausalLM"],
+                                                      "model_type": "mistral", "sliding_window": 64}))
+    assert load_config(tmp_path).context_limit == 64
 
 
 def test_dynamic_rope_runs_within_the_trained_context_only(tmp_path, smollm2_dir):

@@ -58,6 +58,14 @@ class ModelConfig:
     eos_token_ids: list[int]
     qk_norm: bool = False  # an RMSNorm over head_dim of each head's q and k, before rope (Qwen3)
     moe: MoEConfig | None = None  # the sparse MLPs of a mixture-of-experts model
+    # a sliding attention window narrower than the context: the engine has no windowed attention
+    # yet, so its context stops at the window, where full attention and the window's agree exactly
+    sliding_window: int | None = None
+
+    @property
+    def context_limit(self) -> int:
+        """The most positions a sequence may hold here."""
+        return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
 
     def __post_init__(self):
         assert self.num_heads % self.num_kv_heads == 0, (
@@ -75,6 +83,16 @@ def _rope(raw: dict) -> tuple[float, dict | None]:
         if kind not in KINDS:
             raise UnsupportedModelError(f"rope scaling {kind!r} is not supported ({', '.join(KINDS)} are)")
     return float(theta), scaling
+
+
+def _window(family: str, raw: dict) -> int | None:
+    """The attention window transformers applies: Mistral's and Mixtral's whenever the config sets one,
+    Qwen2's and Qwen3's only with ``use_sliding_window``; None where it spans the whole context."""
+    window = raw.get("sliding_window")
+    applies = family in ("mistral", "mixtral") or bool(raw.get("use_sliding_window"))
+    if not applies or not window or window >= raw.get("max_position_embeddings", 4096):
+        return None
+    return int(window)
 
 
 def _moe(family: str, raw: dict) -> MoEConfig | None:
@@ -117,8 +135,6 @@ def load_config(model_dir: Path) -> ModelConfig:
         )
     if raw.get("mlp_bias"):
         raise UnsupportedModelError("MLP biases are not supported")
-    if raw.get("use_sliding_window"):
-        raise UnsupportedModelError("sliding-window attention is not supported yet")
     theta, scaling = _rope(raw)
     heads = raw["num_attention_heads"]
     family = SUPPORTED[arch]
@@ -140,6 +156,7 @@ def load_config(model_dir: Path) -> ModelConfig:
         eos_token_ids=_eos_ids(raw, Path(model_dir)),
         qk_norm=family in QK_NORM,
         moe=_moe(family, raw),
+        sliding_window=_window(family, raw),
     )
 
 

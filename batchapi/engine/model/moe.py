@@ -5,7 +5,9 @@ the router.
 On CPU each expert's projections are nn.Linear layers, so they are packed for oneDNN and made
 batch-invariant like every other linear (``linears.pack_linears``, ``make_invariant``). A step runs
 one GEMM per projection per active expert over the tokens routed to it (gathered by a stable sort of
-the routing), never a loop over tokens. What keeps a token's output independent of its batch:
+the routing), never a loop over tokens. With the Triton kernels (CUDA), ``fuse`` stacks the experts
+into one weight per projection per layer and the step runs ``ops.fused_moe``: tokens sorted by
+expert, one grouped GEMM per projection (kernels/triton/moe.py), its fixed tiles batch-invariant. What keeps a token's output independent of its batch:
 - the routing is per token: softmax in fp32, then a stable descending sort, so of equal
   probabilities the lower expert index wins, whatever else the step holds (``route``);
 - an expert's matmul gives each row the same bits at any row count (the invariant linears);
@@ -47,14 +49,24 @@ class SparseMoE(nn.Module):
         # Qwen3-MoE casts the routing weights to the activations' dtype before it scales by them;
         # Mixtral scales in fp32 and casts the product
         self.weights_in_dtype = weights_in_dtype
+        self.ops = ops
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
         self.experts = nn.ModuleList(Expert(hidden_size, intermediate_size, ops) for _ in range(num_experts))
+        self.w13 = self.w2 = None  # [E, 2I, H], [E, H, I] once fused
+
+    def fuse(self) -> None:
+        """The experts as one weight per projection, for ``ops.fused_moe``; the per-expert layers go."""
+        self.w13 = torch.stack([e.gate_up_proj.weight for e in self.experts])
+        self.w2 = torch.stack([e.down_proj.weight for e in self.experts])
+        self.experts = nn.ModuleList()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens, hidden = x.shape
         weights, ids = route(self.gate.forward(x), self.top_k, self.normalize)  # [T, k]
         if self.weights_in_dtype:
             weights = weights.to(x.dtype)
+        if self.w13 is not None:
+            return self.ops.fused_moe(x, self.w13, self.w2, weights, ids)  # [T, H]
         flat = ids.flatten()  # [T * k]: slot s of token t at t * k + s
         order = torch.argsort(flat, stable=True)  # the slots grouped by expert
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()  # one read-back a layer

@@ -20,11 +20,11 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from batchapi.kernels.triton import activation, attention, bitmask, kvcache, matmul, norm, rotary  # noqa: E402
+from batchapi.kernels.triton import activation, attention, bitmask, kvcache, matmul, moe, norm, rotary  # noqa: E402
 
 
 def _read_kernel_sources() -> None:
-    for module in (activation, attention, bitmask, kvcache, matmul, norm, rotary):
+    for module in (activation, attention, bitmask, kvcache, matmul, moe, norm, rotary):
         for value in list(vars(module).values()):
             if isinstance(value, InterpretedFunction):
                 value.rewrite()  # the interpreter's own first step of a launch, from the source as it is now
