@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractContextManager, asynccontextmanager, nullcontext
@@ -34,7 +35,7 @@ from batchapi.db.clock import now
 from batchapi.db.projects import DEFAULT_PROJECT, KeyCache, get_or_create_project
 from batchapi.db.reads import open_reads
 from batchapi.db.session import session_scope
-from batchapi.models.registry import served_ids, served_model_id
+from batchapi.models.registry import served_infos, served_model_id
 from batchapi.storage import Storage
 from batchapi.validation.runner import ValidationRunner
 
@@ -65,7 +66,8 @@ def create_app(
         ctx.on_batch_cancelled = lambda _batch_id: sweeper.poke()
         app.state.ctx = ctx
         app.state.model = ModelObject(id=served_model_id(settings), created=now())  # the chat model
-        app.state.models = [ModelObject(id=model, created=app.state.model.created) for model in served_ids(settings)]
+        app.state.models = [ModelObject(id=model, created=app.state.model.created, **dataclasses.asdict(info))
+                            for model, info in served_infos(settings).items()]
         app.state.key_cache = KeyCache(settings.auth_cache_seconds)
         app.state.upload_limiter = anyio.CapacityLimiter(MAX_CONCURRENT_UPLOADS)
         app.state.reads = open_reads(settings)

@@ -141,6 +141,11 @@ class ModelObject(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "batchapi"
+    # batchapi's: read from the model's config.json at start; null where it is not pulled on the API's host
+    architecture: str | None = Field(None, description="config.json's architectures[0], or its model_type")
+    context_length: int | None = Field(None, description="the tokens one input may hold: max_position_embeddings,"
+                                       " or an embedding model's sentence-transformers max_seq_length")
+    kind: Literal["chat", "embedding"] | None = None
 
 
 class ModelList(BaseModel):

