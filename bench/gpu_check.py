@@ -5,19 +5,34 @@ against Hugging Face `generate` on a random-weight Llama-3.2-1B-shaped model; ou
 (fixed output lengths, EOS ignored) of the engine with Triton kernels, of Hugging Face static
 batching (best batch size) and of the HBM roofline (weight + KV bytes per decode step at 4.8 TB/s)
 for the 1B and Llama-3-8B shapes at batch 64 and 256; batch invariance, and CUDA graphs of the
-decode steps against none (same tokens, tokens/s). One table at the end.
+decode steps against none (same tokens, tokens/s). Then the other families (family_check: greedy
+parity with HF, batch invariance, tokens/s against HF and the roofline, on one engine start):
+Qwen3-8B by default and Qwen3-30B-A3B on request (--shapes), both layer-scaled: every matrix of
+its real shape, fewer layers (LAYERS_OF: 12 of 36, 8 of 48; the roofline is the scaled model's).
+The 30B MoE is opt-in: it would not fit this budget after the rest, and at its 48 layers its
+61 GB of bf16 weights would not fit the device's 64 GiB disk. Its decode steps run without CUDA
+graphs (the MoE reads its experts' token counts back to the host in every layer, which a graph
+cannot capture). Its roofline counts the expert weights a step reads: the experts a batch of B
+tokens routes to, E (1 - (1 - k/E)^B) per layer for uniform routing (k, the active parameters,
+at batch 1; 126 of Qwen3-30B-A3B's 128 at batch 64); the active-parameter figure is shown beside it.
+One table at the end, rewritten after every row (--out), so a run stopped at a time limit keeps
+its rows. No phase starts that the budget has no room for; each such phase gets a "skipped" row.
 Without CUDA (or with --cpu) it runs the same code at tiny sizes: kernels under TRITON_INTERPRET
-in fp32/fp16, the engine with twins and with interpreted Triton kernels against HF on a tiny model,
-and says that the GPU run is pending. No model file is needed: weights are random, made here.
+in fp32/fp16, the engine with twins and with interpreted Triton kernels against HF on a tiny model
+and on a tiny Qwen3-MoE, and says that the GPU run is pending. No model file is needed: weights
+are random, made here.
 
-Usage: .venv/bin/python bench/gpu_check.py [--cpu] [--budget-s 450] [--out table.md]
+Usage: .venv/bin/python bench/gpu_check.py [--cpu] [--budget-s 450] [--out table.md] [--shapes ...]
 On the device machine (its own python3 holds CUDA torch, Triton and transformers; the repository
 root is put on sys.path here, so nothing needs installing): python3 bench/gpu_check.py --out $OUT/gpu_check.md
+A full run and the machine's start leave about 5 of the device's 15 minutes: a rerun is of a part,
+say python3 bench/gpu_check.py --shapes qwen3-8b,qwen3-30b-a3b --budget-s 270 --out $OUT/gpu_check.md
 """
 
 import argparse
 import os
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -29,6 +44,7 @@ sys.path.insert(0, str(ROOT))  # the test builders in tests/kernels (paged KV ca
 from gpu_kernel_checks import attention_bandwidth, check_kernels, free_memory, sync  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12
+QWEN3_ROPE = {"rope_type": "default", "rope_theta": 1000000.0}
 SHAPES = {
     "llama-3.2-1b": dict(
         hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -40,19 +56,38 @@ SHAPES = {
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=8192,
         tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+    "qwen3-8b": dict(  # q/k norms; 12 of its 36 layers (LAYERS_OF)
+        hidden_size=4096, intermediate_size=12288, num_hidden_layers=12, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+        tie_word_embeddings=False, rope_parameters=QWEN3_ROPE),
+    "qwen3-30b-a3b": dict(  # every layer sparse: 128 experts of 768, top 8; 8 of its 48 layers
+        hidden_size=2048, intermediate_size=6144, num_hidden_layers=8, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+        norm_topk_prob=True, vocab_size=151936, max_position_embeddings=40960, tie_word_embeddings=False,
+        rope_parameters=QWEN3_ROPE),
     "tiny": dict(  # CPU stand-in: GQA 3, llama3 rope, untied head
         hidden_size=384, intermediate_size=256, num_hidden_layers=2, num_attention_heads=6,
         num_key_value_heads=2, head_dim=64, vocab_size=512, max_position_embeddings=1024,
         tie_word_embeddings=False, rope_parameters={
             "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "tiny-qwen3-moe": dict(  # CPU stand-in of the family check: head_dim apart from hidden / heads
+        hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+        norm_topk_prob=True, vocab_size=512, max_position_embeddings=1024, tie_word_embeddings=False,
+        rope_parameters=QWEN3_ROPE),
 }
+FAMILY = {"qwen3-8b": "Qwen3", "qwen3-30b-a3b": "Qwen3Moe", "tiny-qwen3-moe": "Qwen3Moe"}  # the rest: Llama
+LAYERS_OF = {"qwen3-8b": 36, "qwen3-30b-a3b": 48}  # the real depths of the layer-scaled shapes
+DEFAULT_SHAPES = "llama-3.2-1b,llama-3-8b,qwen3-8b"
+PHASE_S = {"qwen3-8b": 100, "qwen3-30b-a3b": 150}  # the budget a family check needs left to start
 
 
 class Report:
-    def __init__(self, budget_s: float):
+    def __init__(self, budget_s: float, out: Path | None = None, title: str = ""):
         self.rows: list[tuple[str, str, str]] = []
         self.deadline = time.monotonic() + budget_s
+        self.out, self.title = out, title
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -60,6 +95,11 @@ class Report:
     def add(self, check: str, result: str, verdict: str) -> None:
         self.rows.append((check, result, verdict))
         print(f"  {check:44s} {result:60s} {verdict}", flush=True)
+        self.save()
+
+    def save(self) -> None:
+        if self.out:
+            self.out.write_text(f"{self.title}\n\n{self.table()}\n")
 
     def table(self) -> str:
         lines = ["| check | result | verdict |", "| --- | --- | --- |"]
@@ -70,10 +110,39 @@ class Report:
 # ---- random models -------------------------------------------------------------------------
 
 def build_model(shape_name: str, out_dir: Path, device: str, dtype, std: float, seed: int = 0):
-    """A random-weight Llama of the named shape on device, saved with a word-level tokenizer."""
-    from tests.kernels.random_model import build_random_llama
+    """A random-weight model of the named shape and its family (FAMILY, transformers' classes) on
+    device, saved with a word-level tokenizer: normal(0, std) matrices, wider than HF's init so
+    greedy choices are not near-ties (as tests/kernels/random_model.build_random_llama makes them)."""
+    import torch
+    import transformers
 
-    return build_random_llama(SHAPES[shape_name], out_dir, device, dtype, std, seed)
+    from tests.kernels.random_model import save_word_tokenizer
+
+    family = FAMILY.get(shape_name, "Llama")
+    config = getattr(transformers, f"{family}Config")(**SHAPES[shape_name], rms_norm_eps=1e-5, bos_token_id=1,
+                                                      eos_token_id=1, pad_token_id=0)
+    torch.manual_seed(seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = getattr(transformers, f"{family}ForCausalLM")(config)
+    finally:
+        torch.set_default_dtype(default)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() >= 2:  # the experts' weights are [E, out, in]
+                param.normal_(0.0, std)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):  # not all ones, so a skipped norm shows
+                param.uniform_(0.5, 1.5)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    save_word_tokenizer(out_dir, SHAPES[shape_name]["vocab_size"])
+    return model.eval()
+
+
+def shape_label(shape_name: str) -> str:
+    layers = SHAPES[shape_name]["num_hidden_layers"]
+    return f"{shape_name} ({layers} of {LAYERS_OF[shape_name]} layers)" if shape_name in LAYERS_OF else shape_name
 
 
 def random_prompts(n: int, length: int | tuple[int, int], vocab: int, seed: int) -> list[list[int]]:
@@ -155,25 +224,30 @@ def engine_generate(front, prompts: list[list[int]], new_tokens: int) -> tuple[l
 
 def invariance(report: Report, label: str, model_dir: Path, device: str, dtype: str, kernels: str, vocab: int,
                new_tokens: int) -> None:
-    """Batch invariance: 4 probes alone, then 2 copies of each shuffled among 56 other prompts, with
-    invariance on (the default) and off; the copies that gave the tokens of their probe alone."""
-    probes = random_prompts(4, (20, 80), vocab, 7)
-    others = random_prompts(56, (4, 200), vocab, 8)
-    crowd = [(i, p) for i, p in enumerate(probes) for _ in range(2)] + [(None, p) for p in others]
-    random.Random(9).shuffle(crowd)
+    """Batch invariance (invariant_copies) with invariance on (the default) and off."""
     for invariant in (True, False):
         front = start_engine(model_dir, device, dtype, kernels, batch_invariant=invariant)
         try:
-            alone = [engine_generate(front, [p], new_tokens)[0][0] for p in probes]
-            mixed, _ = engine_generate(front, [p for _, p in crowd], new_tokens)
+            same = invariant_copies(front, vocab, new_tokens)
         finally:
             front.shutdown()
             del front
             free_memory()
-        same = sum(out == alone[i] for (i, _), out in zip(crowd, mixed, strict=True) if i is not None)
         verdict = ("ok" if same == 8 else "FAIL") if invariant else "-"
         report.add(f"batch invariance {label}, invariance {'on' if invariant else 'off'}",
                    f"{same}/8 copies in a crowd of 64 as alone", verdict)
+
+
+def invariant_copies(front, vocab: int, new_tokens: int) -> int:
+    """4 probes alone, then 2 copies of each shuffled among 56 other prompts: the copies (of 8) that
+    gave the tokens of their probe alone."""
+    probes = random_prompts(4, (20, 80), vocab, 7)
+    others = random_prompts(56, (4, 200), vocab, 8)
+    crowd = [(i, p) for i, p in enumerate(probes) for _ in range(2)] + [(None, p) for p in others]
+    random.Random(9).shuffle(crowd)
+    alone = [engine_generate(front, [p], new_tokens)[0][0] for p in probes]
+    mixed, _ = engine_generate(front, [p for _, p in crowd], new_tokens)
+    return sum(out == alone[i] for (i, _), out in zip(crowd, mixed, strict=True) if i is not None)
 
 
 def decode_graphs(report: Report, model_dir: Path, vocab: int, batch: int = 64, new_tokens: int = 64) -> None:
@@ -211,12 +285,21 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
-def roofline_tokens_per_s(shape: dict, batch: int, prompt_len: int, new_tokens: int, itemsize: int = 2) -> float:
-    """Decode tokens/s if every step only streamed the weights and the batch's KV from HBM once."""
-    hidden, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+def roofline_tokens_per_s(shape: dict, batch: int, prompt_len: int, new_tokens: int, itemsize: int = 2,
+                          active_only: bool = False) -> float:
+    """Decode tokens/s if every step only streamed the weights it reads and the batch's KV from HBM
+    once. An MoE layer reads its router and the experts its B tokens are routed to: E (1 - (1 - k/E)^B)
+    of them for uniform routing, or with active_only the k experts of one token (the active parameters)."""
+    hidden, layers = shape["hidden_size"], shape["num_hidden_layers"]
     q = shape["num_attention_heads"] * shape["head_dim"]
     kv = shape["num_key_value_heads"] * shape["head_dim"]
-    per_layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter + 2 * hidden
+    if "num_experts" in shape:
+        experts, k = shape["num_experts"], shape["num_experts_per_tok"]
+        read = k if active_only else experts * (1 - (1 - k / experts) ** batch)
+        mlp = hidden * experts + read * 3 * hidden * shape["moe_intermediate_size"]
+    else:
+        mlp = 3 * hidden * shape["intermediate_size"]
+    per_layer = hidden * (q + 2 * kv) + q * hidden + mlp + 2 * hidden
     weights = layers * per_layer + shape["vocab_size"] * hidden + hidden  # lm_head read every step
     kv_per_token = layers * 2 * kv
     mean_context = prompt_len + new_tokens / 2
@@ -227,29 +310,40 @@ def roofline_tokens_per_s(shape: dict, batch: int, prompt_len: int, new_tokens: 
 def throughput(report, shape_name, model_dir, hf_model, batches, prompt_len, new_tokens, device,
                dtype="bfloat16", kernels="triton", hf_batches=(32, 64, 128, 256)) -> None:
     """HF static batching first (then freed), the engine after, on the same saved weights."""
-    shape = SHAPES[shape_name]
-    vocab = shape["vocab_size"]
-    hf_rate, hf_batch = hf_best(report, hf_model, shape_name, hf_batches, prompt_len, new_tokens, vocab)
+    vocab = SHAPES[shape_name]["vocab_size"]
+    hf = hf_best(report, hf_model, shape_name, hf_batches, prompt_len, new_tokens, vocab)
     del hf_model  # the caller passes its only reference: the engine gets the memory
     free_memory()
     front = start_engine(model_dir, device, dtype, kernels)
     try:
-        engine_generate(front, random_prompts(8, prompt_len, vocab, 1), 8)  # warm-up: compiles the kernels
-        for batch in batches:
-            if report.left() < 30:
-                report.add(f"throughput {shape_name} batch {batch}", "skipped: out of time budget", "-")
-                continue
-            outs, elapsed = engine_generate(front, random_prompts(batch, prompt_len, vocab, batch), new_tokens)
-            rate = sum(len(o) for o in outs) / elapsed
-            roof = roofline_tokens_per_s(shape, batch, prompt_len, new_tokens)
-            report.add(f"throughput {shape_name} batch {batch} (in {prompt_len}, out {new_tokens})",
-                       f"engine {rate:.0f} tok/s, HF best {hf_rate:.0f} (batch {hf_batch}), roofline {roof:.0f}; "
-                       f"x{rate / max(hf_rate, 1e-9):.1f} HF, {100 * rate / roof:.0f}% roofline",
-                       _throughput_verdict(shape_name, batch, rate / max(hf_rate, 1e-9), rate / roof))
+        engine_throughput(report, front, shape_name, hf, batches, prompt_len, new_tokens)
     finally:
         front.shutdown()
         del front
         free_memory()
+
+
+def engine_throughput(report, front, shape_name, hf: tuple[float, int], batches, prompt_len, new_tokens) -> None:
+    """The engine's output tokens/s at each batch size, against HF's best (rate, batch) and the roofline."""
+    shape = SHAPES[shape_name]
+    vocab, (hf_rate, hf_batch), label = shape["vocab_size"], hf, shape_label(shape_name)
+    engine_generate(front, random_prompts(8, prompt_len, vocab, 1), 8)  # warm-up: compiles the kernels
+    for batch in batches:
+        if report.left() < 30:
+            report.add(f"throughput {label} batch {batch}", "skipped: out of time budget", "-")
+            continue
+        outs, elapsed = engine_generate(front, random_prompts(batch, prompt_len, vocab, batch), new_tokens)
+        rate = sum(len(o) for o in outs) / elapsed
+        roof = roofline_tokens_per_s(shape, batch, prompt_len, new_tokens)
+        active = ""
+        if "num_experts" in shape:
+            only = roofline_tokens_per_s(shape, batch, prompt_len, new_tokens, active_only=True)
+            active = f" ({only:.0f} active only)"
+        report.add(f"throughput {label} batch {batch} (in {prompt_len}, out {new_tokens})",
+                   f"engine {rate:.0f} tok/s, HF best {hf_rate:.0f} (batch {hf_batch}), "
+                   f"roofline {roof:.0f}{active}; "
+                   f"x{rate / max(hf_rate, 1e-9):.1f} HF, {100 * rate / roof:.0f}% roofline",
+                   _throughput_verdict(shape_name, batch, rate / max(hf_rate, 1e-9), rate / roof))
 
 
 def _throughput_verdict(shape_name: str, batch: int, vs_hf: float, vs_roof: float) -> str:
@@ -258,13 +352,60 @@ def _throughput_verdict(shape_name: str, batch: int, vs_hf: float, vs_roof: floa
     return "ok" if vs_hf >= 5 and vs_roof >= 0.5 else "below target (5x HF, 50% roofline)"
 
 
+def family_check(report: Report, shape_name: str, work: Path, device: str = "cuda", dtype: str = "bfloat16",
+                 kernels: str = "triton", new_tokens: int = 32, batches=(64, 256), prompt_len: int = 128,
+                 out_tokens: int = 128, hf_batches=(64, 256)) -> None:
+    """A shape of another family on one engine start: greedy parity with HF generate (8 prompts,
+    new_tokens each), batch invariance (invariance on), then throughput as for the Llama shapes.
+    An MoE runs without CUDA graphs: its layers read the experts' token counts back to the host."""
+    import torch
+
+    shape, label = SHAPES[shape_name], shape_label(shape_name)
+    if report.left() < PHASE_S.get(shape_name, 0):
+        report.add(label, "skipped: out of time budget", "-")
+        return
+    vocab, moe, model_dir = shape["vocab_size"], "num_experts" in shape, work / shape_name
+    std = 0.05 * (2048 / shape["hidden_size"]) ** 0.5  # the 1B parity model's spread of logits
+    model = build_model(shape_name, model_dir, device, getattr(torch, dtype), std)
+    prompts = random_prompts(8, (16, 96), vocab, 0)
+    reference = hf_greedy(model, prompts, new_tokens)
+    hf = hf_best(report, model, shape_name, hf_batches, prompt_len, out_tokens, vocab)
+    del model
+    free_memory()
+    front = start_engine(model_dir, device, dtype, kernels, cuda_graphs=not moe)
+    try:
+        ours, _ = engine_generate(front, prompts, new_tokens)
+        parity(report, f"greedy parity {label} {dtype} vs HF generate", ours, reference, need=0.75)
+        same = invariant_copies(front, vocab, new_tokens)
+        report.add(f"batch invariance {label} {dtype}{', no CUDA graphs' if moe and device == 'cuda' else ''}",
+                   f"{same}/8 copies in a crowd of 64 as alone", "ok" if same == 8 else "FAIL")
+        engine_throughput(report, front, shape_name, hf, batches, prompt_len, out_tokens)
+    finally:
+        front.shutdown()
+        del front
+        free_memory()
+    shutil.rmtree(model_dir)  # the device's disk is 64 GiB
+
+
 # ---- runs ----------------------------------------------------------------------------------
 
-def run_gpu(report: Report, work: Path) -> None:
+def run_gpu(report: Report, work: Path, shapes: set[str]) -> None:
     import torch
 
     check_kernels(report, "cuda", [torch.bfloat16, torch.float16], big=True)
     attention_bandwidth(report, "cuda")
+    if "llama-3.2-1b" in shapes:
+        llama_1b(report, work)
+    if "llama-3-8b" in shapes:
+        llama_8b(report, work)
+    for name in ("qwen3-8b", "qwen3-30b-a3b"):
+        if name in shapes:
+            family_check(report, name, work)
+
+
+def llama_1b(report: Report, work: Path) -> None:
+    import torch
+
     one_b = work / "llama-3.2-1b"
     model = build_model("llama-3.2-1b", one_b, "cuda", torch.bfloat16, std=0.05)
     prompts = random_prompts(8, (16, 96), SHAPES["llama-3.2-1b"]["vocab_size"], 0)
@@ -283,12 +424,18 @@ def run_gpu(report: Report, work: Path) -> None:
     throughput(report, "llama-3.2-1b", one_b, model, [64, 256], 128, 128, "cuda")
     del model
     free_memory()
+
+
+def llama_8b(report: Report, work: Path) -> None:
+    import torch
+
     if report.left() < 200:
         report.add("llama-3-8b", "skipped: out of time budget", "-")
         return
     eight_b = work / "llama-3-8b"
     throughput(report, "llama-3-8b", eight_b, build_model("llama-3-8b", eight_b, "cuda", torch.bfloat16, std=0.02),
                [64, 256], 128, 128, "cuda")
+    shutil.rmtree(eight_b)  # 16 GB of the device's 64 GiB disk
 
 
 def run_cpu(report: Report, work: Path) -> None:
@@ -310,6 +457,8 @@ def run_cpu(report: Report, work: Path) -> None:
     invariance(report, "tiny fp32, torch kernels", tiny, "cpu", "float32", "torch", vocab, 12)
     throughput(report, "tiny", tiny, model, [16], 32, 16, "cpu", dtype="float32", kernels="torch",
                hf_batches=(8, 16))  # the roofline column is the H200's, meaningless here
+    family_check(report, "tiny-qwen3-moe", work, "cpu", "float32", "torch", new_tokens=12, batches=(16,),
+                 prompt_len=32, out_tokens=16, hf_batches=(16,))
     report.add("GPU run", "pending: no CUDA device in this run", "-")
 
 
@@ -317,22 +466,30 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cpu", action="store_true", help="run the CPU-safe parts even if CUDA is present")
     ap.add_argument("--budget-s", type=float, default=450.0, help="stop starting new phases after this")
-    ap.add_argument("--out", type=Path, help="also write the table (markdown) here")
+    ap.add_argument("--out", type=Path, help="also write the table (markdown) here, after every row")
+    ap.add_argument("--shapes", default=DEFAULT_SHAPES,
+                    help="comma list of the model shapes run on CUDA after the kernels (add qwen3-30b-a3b)")
     args = ap.parse_args()
+    shapes = set(filter(None, args.shapes.split(",")))
+    unknown = shapes - {*DEFAULT_SHAPES.split(","), "qwen3-30b-a3b"}
+    if unknown:
+        ap.error(f"unknown shapes {sorted(unknown)}")
     import torch
 
     on_gpu = torch.cuda.is_available() and not args.cpu
     if not on_gpu:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton's kernels
-    report = Report(args.budget_s)
     device_name = torch.cuda.get_device_name() if on_gpu else "CPU"
+    title = f"gpu_check on {device_name}, {time.strftime('%Y-%m-%d', time.gmtime())}"
+    report = Report(args.budget_s, args.out, title)
     print(f"gpu_check on {device_name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
-        (run_gpu if on_gpu else run_cpu)(report, Path(tmp))
-    table = report.table()
-    print("\n" + table)
-    if args.out:
-        args.out.write_text(f"gpu_check on {device_name}, {time.strftime('%Y-%m-%d', time.gmtime())}\n\n{table}\n")
+        if on_gpu:
+            run_gpu(report, Path(tmp), shapes)
+        else:
+            run_cpu(report, Path(tmp))
+    print("\n" + report.table())
+    report.save()
     return 0 if all(v != "FAIL" for _, _, v in report.rows) else 1
 
 
