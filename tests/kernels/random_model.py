@@ -1,7 +1,9 @@
-"""Random-weight Llama models saved as Hugging Face directories, with a word-level tokenizer.
+"""Random-weight models (Llama, or another family's classes) saved as Hugging Face directories, with
+a word-level tokenizer.
 
 Nothing is downloaded: the tokenizer maps token i to the word "t{i}", enough for the engine to
-detokenize. Used by the engine parity test here and by bench/gpu_check.py at real model shapes.
+detokenize. Used by the engine parity tests here; bench/gpu_check.py takes the word tokenizer for
+its random models of real shapes.
 """
 
 from pathlib import Path
