@@ -59,13 +59,13 @@ class HeadLimitProtocol(asyncio.Protocol):
         self.inner = HttpToolsProtocol(*args, **kwargs)  # uvicorn's arguments: config, server_state, ...
         self.heads = httptools.HttpRequestParser(self)  # calls on_message_begin and on_headers_complete
         self.parse_errors = (httptools.HttpParserError, httptools.HttpParserUpgrade)
-        self.transport: asyncio.Transport = None  # type: ignore[assignment]
+        self.transport: asyncio.Transport | None = None  # set by connection_made
         self.head_bytes = 0
         self.in_head = False
         self.watching = True  # until the request is malformed or upgraded: the inner protocol takes over
         self.refused = False
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport: asyncio.Transport) -> None:
         self.transport = transport
         self.inner.connection_made(transport)
 

@@ -89,9 +89,36 @@ def model_info(path: Path) -> ModelInfo:
     config = _config(path)
     architecture = (config.get("architectures") or [None])[0] or config.get("model_type")
     if _kind(config) == EMBEDDING:
-        return ModelInfo(architecture, _max_seq_length(Path(path), config.get("max_position_embeddings", 512)),
-                         EMBEDDING)
-    return ModelInfo(architecture, config.get("max_position_embeddings"), CHAT)
+        return ModelInfo(architecture, embedding_window(path, config.get("max_position_embeddings", 512)), EMBEDDING)
+    return ModelInfo(architecture, context_length(path), CHAT)
+
+
+def context_length(path: Path) -> int:
+    """The context a model serves, the one owner of it for the service: validation checks prompts
+    against it, the worker refuses by it, ``GET /v1/models`` shows it. A sliding attention window
+    narrower than the context bounds it, as the engine's (``engine.model.loader.ModelConfig.context_limit``,
+    held equal by a test)."""
+    config = _config(path)
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        if isinstance(config.get(key), int):
+            context = config[key]
+            break
+    else:
+        tok_path = Path(path) / "tokenizer_config.json"
+        limit = json.loads(tok_path.read_text()).get("model_max_length") if tok_path.is_file() else None
+        context = limit if isinstance(limit, int) and limit < 10**9 else 2048
+    window = config.get("sliding_window")
+    family = CHAT_ARCHITECTURES.get(next(iter(config.get("architectures") or []), ""))
+    applies = family in ("mistral", "mixtral") or bool(config.get("use_sliding_window"))
+    return min(context, window) if applies and isinstance(window, int) and window > 0 else context
+
+
+def embedding_window(path: Path, context: int) -> int:
+    """What an embedding model's inputs are cut to: sentence-transformers' ``max_seq_length`` where
+    it is within the context, else the context (as the encoder reads it)."""
+    st_config = Path(path) / "sentence_bert_config.json"
+    limit = json.loads(st_config.read_text()).get("max_seq_length") if st_config.is_file() else None
+    return limit if isinstance(limit, int) and 0 < limit <= context else context
 
 
 def require_supported(path: Path) -> ModelInfo:
@@ -163,14 +190,6 @@ def _kind(config: dict) -> str:
     if architectures:  # a directory converted from GGUF may have none
         return CHAT if any(a.endswith("ForCausalLM") for a in architectures) else EMBEDDING
     return EMBEDDING if config.get("model_type") in ENCODER_TYPES else CHAT
-
-
-def _max_seq_length(path: Path, window: int) -> int:
-    """sentence-transformers' ``max_seq_length`` where it is within the window, else the window
-    (as the encoder reads it)."""
-    st_config = path / "sentence_bert_config.json"
-    limit = json.loads(st_config.read_text()).get("max_seq_length") if st_config.is_file() else None
-    return limit if isinstance(limit, int) and 0 < limit <= window else window
 
 
 def _served_architectures() -> str:

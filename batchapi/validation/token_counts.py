@@ -27,6 +27,7 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from batchapi.models.registry import context_length, embedding_window
 from batchapi.openai.body import MAX_TOKENS_PARAM, PROMPT_PARAM, ParsedBody
 from batchapi.openai.errors import ErrorCode, RequestError
 from batchapi.openai.tools import template_input
@@ -48,9 +49,9 @@ class PromptCounter:
         self._segments = SegmentCounter(self.tokenizer)
         self.max_token_bytes = _max_token_bytes(self.tokenizer)
         tok_config = _read_json(model_dir / "tokenizer_config.json")
-        self.context_length = _context_length(_read_json(model_dir / "config.json"), tok_config)
+        self.context_length = context_length(model_dir)
         # an embedding model's inputs are cut to this (sentence-transformers' max_seq_length)
-        self.embedding_window = _embedding_window(model_dir, self.context_length)
+        self.embedding_window = embedding_window(model_dir, self.context_length)
         self._specials = {name: _token_text(tok_config.get(name)) for name in SPECIAL_TOKEN_NAMES}
         source = _chat_template(model_dir, tok_config)
         self.chat_template = source or None
@@ -339,24 +340,6 @@ def _token_text(token) -> str | None:
     return token
 
 
-def context_length(model_dir: str | Path) -> int:
-    """The model's context as validation checks prompts against it (``PromptCounter.context_length``),
-    without loading the tokenizer: what the worker refuses a Message Batch request by."""
-    model_dir = Path(model_dir)
-    return _context_length(_read_json(model_dir / "config.json"), _read_json(model_dir / "tokenizer_config.json"))
-
-
-def _context_length(config: dict, tok_config: dict) -> int:
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        if isinstance(config.get(key), int):
-            return config[key]
-    limit = tok_config.get("model_max_length")
-    return limit if isinstance(limit, int) and limit < 10**9 else 2048
-
-
-def _embedding_window(model_dir: Path, context: int) -> int:
-    limit = _read_json(model_dir / "sentence_bert_config.json").get("max_seq_length")
-    return limit if isinstance(limit, int) and 0 < limit <= context else context
 
 
 def _chat_template(model_dir: Path, tok_config: dict) -> str | None:

@@ -10,6 +10,8 @@ and ``run-batch`` both use it; ``embedding_codec.EmbeddingCodec`` shares its ``l
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 from batchapi.engine import ErrorCode as EngineError
 from batchapi.engine import GenerationRequest, GenerationResult, SamplingParams
 from batchapi.openai import render
@@ -57,13 +59,14 @@ def engine_error(result: GenerationResult) -> RequestError:
     return RequestError(result.error or "the request failed", None, code)
 
 
-class LineCodec:
+class LineCodec(ABC):
     """What a model's codec is to the shard runner: ``request`` makes a line's model request,
     ``line`` its output or error line. A codec says how a result it refuses reads (``refusal``)
     and the body of one it answers (``body``); the rest of ``line`` is the same for all."""
 
+    @abstractmethod
     def request(self, line: InputLine, request_id: str):
-        raise NotImplementedError
+        """The model request of a line that parsed."""
 
     def line(self, line: InputLine, result, not_run: ErrorCode) -> tuple[bytes, bool]:
         """``(line bytes, succeeded)``: a refused line, a result, or ``not_run`` for no result."""
@@ -75,13 +78,13 @@ class LineCodec:
             return render.rejected(line.custom_id, self.refusal(result)), False
         return render.succeeded(line.custom_id, self.body(line.body, result)), True
 
+    @abstractmethod
     def refusal(self, result) -> RequestError:
         """The error line's error of a request the model finished with an error."""
-        raise NotImplementedError
 
+    @abstractmethod
     def body(self, parsed: ParsedBody, result) -> dict:
         """The response body of a finished request."""
-        raise NotImplementedError
 
 
 class Codec(LineCodec):

@@ -13,9 +13,8 @@ import torch
 from batchapi.config import Settings
 from batchapi.context import Context
 from batchapi.engine import EngineConfig, EngineFront
-from batchapi.models.registry import served_model
+from batchapi.models.registry import context_length, served_model
 from batchapi.models.store import CHAT, resolve_model
-from batchapi.validation.token_counts import context_length
 from batchapi.workers.codec import Codec
 from batchapi.workers.embedding_codec import EmbeddingCodec
 from batchapi.workers.shard_runner import ShardRunner

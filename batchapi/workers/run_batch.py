@@ -29,11 +29,11 @@ from rich.progress import (
 )
 
 from batchapi.engine import EngineConfig, EngineFront, GenerationResult
+from batchapi.models.registry import context_length
 from batchapi.openai.embeddings import EMBEDDINGS
 from batchapi.openai.errors import ErrorCode, RequestError
 from batchapi.openai.lines import InputLine, is_blank, iter_lines, parse_line
 from batchapi.storage.streams import CHUNK
-from batchapi.validation.token_counts import context_length
 from batchapi.workers.codec import Codec
 
 WINDOW = 4  # lines waiting to be written, in multiples of the requests in flight

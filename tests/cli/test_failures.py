@@ -80,7 +80,7 @@ def test_a_base_url_with_or_without_v1_is_the_sdks_v1(given):
 
 
 def test_without_a_base_url_it_is_the_server_of_the_settings():
-    assert api_url(None, "10.0.0.5", 9000) == "http://10.0.0.5:9000/v1"
+    assert api_url(None, "127.0.0.2", 9000) == "http://127.0.0.2:9000/v1"
     assert api_url(None, "0.0.0.0", 8000) == "http://127.0.0.1:8000/v1"  # bound everywhere: reached here
 
 

@@ -10,8 +10,8 @@ from batchapi.cli import main
 from batchapi.config import Settings, load_settings
 from batchapi.db.migrate import upgrade
 from batchapi.db.projects import Identity, identify
-from batchapi.db.session import make_engine, make_sessionmaker, session_scope
 from batchapi.errors import Unauthenticated
+from tests.utils.sessions import in_session
 
 
 @pytest.fixture(scope="module")
@@ -29,12 +29,7 @@ def cli_env(monkeypatch, settings):
 
 
 def identified(settings: Settings, key: str) -> Identity:
-    engine = make_engine(settings)
-    try:
-        with session_scope(make_sessionmaker(engine)) as session:
-            return identify(session, key)
-    finally:
-        engine.dispose()
+    return in_session(settings, lambda session: identify(session, key))
 
 
 def test_lists_and_revokes(settings, capsys):

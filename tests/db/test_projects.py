@@ -7,8 +7,8 @@ import pytest
 from batchapi.config import Settings, load_settings
 from batchapi.db.migrate import upgrade
 from batchapi.db.projects import authenticate, create_key, hash_key, list_keys, revoke_key
-from batchapi.db.session import make_engine, make_sessionmaker, session_scope
 from batchapi.errors import NotFound, Unauthenticated
+from tests.utils.sessions import in_session
 
 
 @pytest.fixture(scope="module")
@@ -19,12 +19,7 @@ def settings(tmp_path_factory, pg_url) -> Settings:
 
 
 def authenticated_project(settings: Settings, key: str) -> str:
-    engine = make_engine(settings)
-    try:
-        with session_scope(make_sessionmaker(engine)) as session:
-            return authenticate(session, key)
-    finally:
-        engine.dispose()
+    return in_session(settings, lambda session: authenticate(session, key))
 
 
 def test_list_shows_keys_without_their_secrets(settings):

@@ -73,3 +73,26 @@ def test_served_models_not_pulled_here_are_listed_without_details(tmp_path, tiny
         "all-minilm-l6-v2": ModelInfo(kind=EMBEDDING),  # the catalog knows its kind
         "ghost": ModelInfo(),
     }
+
+
+def test_the_served_context_is_the_engines_where_a_sliding_window_bounds_it(tmp_path, tiny_llama_dir):
+    """The service's context (validation, the worker, GET /v1/models) and the engine's agree: a window
+    narrower than the context bounds both (Mistral's and Mixtral's whenever set, Qwen's with
+    use_sliding_window)."""
+    import json
+
+    from batchapi.engine.model.loader import load_config
+    from batchapi.models.registry import context_length
+
+    config = json.loads((tiny_llama_dir / "config.json").read_text())
+    cases = [{"use_sliding_window": True, "sliding_window": 64}, {"use_sliding_window": False, "sliding_window": 64},
+             {"sliding_window": 1024, "use_sliding_window": True}, {},
+             {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 64},
+             {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "sliding_window": None,
+              "num_local_experts": 4, "num_experts_per_tok": 2}]
+    seen = set()
+    for change in cases:
+        (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
+        assert context_length(tmp_path) == load_config(tmp_path).context_limit, change
+        seen.add(context_length(tmp_path))
+    assert seen == {64, 512}
