@@ -60,6 +60,16 @@ def tiny_qwen3_moe_dir(tmp_path_factory, smollm2_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma2_dir(tmp_path_factory, smollm2_dir: Path) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-gemma2", smollm2_dir, "gemma2")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir(tmp_path_factory, smollm2_dir: Path) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-gemma3", smollm2_dir, "gemma3")
+
+
+@pytest.fixture(scope="session")
 def tiny_mixtral_dir(tmp_path_factory, smollm2_dir: Path) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-mixtral", smollm2_dir, "mixtral")
 

@@ -114,8 +114,12 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         pool_tokens = self.runner.num_blocks * config.block_size
+        window = mc.kv_window  # every layer windowed: a sequence holds the blocks of its window only
+        if window is not None and window + config.max_num_batched_tokens + 2 * config.block_size <= pool_tokens:
+            pool_tokens = mc.context_limit
         self.max_model_len = min(config.max_model_len or mc.context_limit, pool_tokens)
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          window=window)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len)
         self.requests: dict[str, _RequestState] = {}

@@ -10,7 +10,8 @@ import torch
 
 from batchapi.engine.config import EngineConfig
 from batchapi.engine.model.linears import make_invariant, pack_linears
-from batchapi.engine.model.llama import AttentionMetadata, CausalLM
+from batchapi.engine.model.layers import AttentionMetadata
+from batchapi.engine.model.llama import CausalLM
 from batchapi.engine.model.loader import ModelConfig, UnsupportedModelError, load_config, load_weights
 from batchapi.engine.model.moe import SparseMoE
 from batchapi.engine.platform import keep_freed_memory, resolve_dtype
@@ -24,12 +25,9 @@ log = logging.getLogger(__name__)
 
 
 def check_context(cfg: ModelConfig, max_pos: int) -> None:
-    """Refuse a context the model's attention or rope cannot serve exactly as transformers does."""
-    if cfg.sliding_window is not None and max_pos > cfg.sliding_window:
-        raise UnsupportedModelError(
-            f"max_model_len {max_pos} passes the model's {cfg.sliding_window}-token attention window: windowed "
-            "attention is not supported yet, so the context stops at the window")
-    if rope_type(cfg.rope_scaling) == "dynamic" and max_pos > cfg.max_position_embeddings:
+    """Refuse a context the model's rope cannot serve exactly as transformers does."""
+    scalings = [cfg.rope_scaling, cfg.local_rope.scaling if cfg.local_rope else None]
+    if any(rope_type(s) == "dynamic" for s in scalings) and max_pos > cfg.max_position_embeddings:
         raise UnsupportedModelError(
             f"max_model_len {max_pos} passes the model's {cfg.max_position_embeddings} positions: dynamic rope "
             "scales there by the batch's longest sequence, which batch-invariant results cannot follow")
@@ -71,6 +69,11 @@ class ModelRunner:
         model.load(load_weights(self.config.model_path))
         model.cos_sin = self.ops.build_rope_cache(cfg.head_dim, max_pos, cfg.rope_theta, cfg.rope_scaling,
                                                   self.device, self.dtype, cfg.max_position_embeddings)  # [max_pos, D]
+        model.cos_sin_local = model.cos_sin
+        if cfg.local_rope is not None:  # Gemma 3's local layers: a base of their own
+            model.cos_sin_local = self.ops.build_rope_cache(cfg.head_dim, max_pos, cfg.local_rope.theta,
+                                                            cfg.local_rope.scaling, self.device, self.dtype,
+                                                            cfg.max_position_embeddings)
         model = model.eval().requires_grad_(False)
         if self.ops.name == "triton":  # one grouped GEMM per projection of a MoE layer
             for module in model.modules():

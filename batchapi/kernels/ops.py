@@ -37,6 +37,7 @@ class Ops:
     build_rope_cache: Callable = build_rope_cache
     # (x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k], topk_ids [T, k] int64) -> [T, H]
     fused_moe: Callable = twin_moe.fused_moe
+    gelu_tanh_and_mul: Callable = twin.gelu_tanh_and_mul  # Gemma's gated MLP: [N, 2I] -> [N, I]
     invariant: bool = False  # batch invariant: each token's attention computed alike in every step
 
 
@@ -92,6 +93,7 @@ def _triton_ops() -> Ops:
         argmax=twin.argmax,  # torch.argmax on CUDA: one pass, no kernel of ours to win there
         apply_token_bitmask=bitmask.apply_token_bitmask,
         fused_moe=moe.fused_moe,
+        gelu_tanh_and_mul=activation.gelu_tanh_and_mul,
     )
 
 

@@ -42,7 +42,12 @@ CHAT_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
 }
+# config.json's model_type of each, where a converter wrote no architectures (Gemma 3's text model
+# is "gemma3_text"; "gemma3" names the multimodal one)
+CHAT_MODEL_TYPES = {**{family: family for family in CHAT_ARCHITECTURES.values()}, "gemma3_text": "gemma3"}
 ENCODER_TYPES = {"bert", "roberta", "xlm-roberta", "distilbert", "mpnet", "electra", "deberta-v2", "nomic_bert"}
 # a GGUF file's general.architecture -> the causal LM transformers' GGUF loader builds, where the
 # engine runs it. A Mistral GGUF says "llama" (transformers makes it a Mistral by its name); a
@@ -52,6 +57,8 @@ GGUF_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",  # its text model; transformers' GGUF reader takes no vision tower
 }
 
 
@@ -95,9 +102,9 @@ def model_info(path: Path) -> ModelInfo:
 
 def context_length(path: Path) -> int:
     """The context a model serves, the one owner of it for the service: validation checks prompts
-    against it, the worker refuses by it, ``GET /v1/models`` shows it. A sliding attention window
-    narrower than the context bounds it, as the engine's (``engine.model.loader.ModelConfig.context_limit``,
-    held equal by a test)."""
+    against it, the worker refuses by it, ``GET /v1/models`` shows it. The engine's
+    (``engine.model.loader.ModelConfig.context_limit``, held equal by a test): a sliding attention
+    window does not bound it, the engine attends within the window."""
     config = _config(path)
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         if isinstance(config.get(key), int):
@@ -107,10 +114,7 @@ def context_length(path: Path) -> int:
         tok_path = Path(path) / "tokenizer_config.json"
         limit = json.loads(tok_path.read_text()).get("model_max_length") if tok_path.is_file() else None
         context = limit if isinstance(limit, int) and limit < 10**9 else 2048
-    window = config.get("sliding_window")
-    family = CHAT_ARCHITECTURES.get(next(iter(config.get("architectures") or []), ""))
-    applies = family in ("mistral", "mixtral") or bool(config.get("use_sliding_window"))
-    return min(context, window) if applies and isinstance(window, int) and window > 0 else context
+    return context
 
 
 def embedding_window(path: Path, context: int) -> int:
@@ -129,7 +133,7 @@ def require_supported(path: Path) -> ModelInfo:
     if architectures:
         supported = any(a in CHAT_ARCHITECTURES for a in architectures) or model_type in ENCODER_TYPES
     else:  # some converters write only model_type
-        supported = model_type in CHAT_ARCHITECTURES.values() or model_type in ENCODER_TYPES
+        supported = model_type in CHAT_MODEL_TYPES or model_type in ENCODER_TYPES
     if not supported:
         named = architectures[0] if architectures else model_type
         raise UnsupportedModel(

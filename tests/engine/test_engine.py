@@ -44,7 +44,8 @@ def run(engine: LLMEngine, prompts: list[list[int]], params) -> list:
 
 
 def hf_greedy(model_dir, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    # eager attention: transformers' SDPA path has no logit soft-cap (Gemma 2)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
     out = []
     for ids in prompts:
         gen = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
@@ -65,8 +66,9 @@ def tokenize(model_dir, texts):
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_qwen3_moe_dir",
-                                     "tiny_mixtral_dir"])
+                                     "tiny_mixtral_dir", "tiny_gemma2_dir", "tiny_gemma3_dir"])
 def test_greedy_parity_with_hf_on_tiny_models(fixture, request):
+    """Gemma's windows (12 tokens) are narrower than the longer prompts: its local layers attend to less."""
     model_dir = request.getfixturevalue(fixture)
     prompts = tokenize(model_dir, PROMPTS)
     expected = hf_greedy(model_dir, prompts, 24)
@@ -92,6 +94,24 @@ def test_greedy_parity_with_hf_under_scaled_rope(tmp_path, smollm2_dir, rope):
     expected = hf_greedy(model_dir, prompts, 16)
     results = run(engine_for(model_dir, max_num_seqs=2, max_num_batched_tokens=32), prompts, greedy(16))
     assert [r.outputs[0].token_ids for r in results] == expected
+
+
+def test_a_window_on_every_layer_releases_blocks_and_still_matches(tmp_path, smollm2_dir):
+    """Mistral's 16-token window on every layer: a sequence holds the blocks of its window only, so
+    generations far past the window run in a pool that could not hold them whole, as transformers
+    generates them."""
+    from tests.utils.tiny_models import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / "mistral", smollm2_dir, "mistral", sliding_window=16)
+    prompts = tokenize(model_dir, PROMPTS[1:4])
+    expected = hf_greedy(model_dir, prompts, 80)
+    # 12 blocks of 16 tokens: three sequences of ~130 tokens would need 27 without releasing
+    block_bytes = 2 * 2 * 2 * 32 * 4 * 16  # K and V, 2 layers, 2 KV heads of 32, fp32, 16 tokens
+    engine = engine_for(model_dir, max_num_seqs=3, max_num_batched_tokens=16, kv_cache_bytes=12 * block_bytes)
+    assert engine.runner.num_blocks == 12
+    results = run(engine, prompts, greedy(80))
+    assert [r.outputs[0].token_ids for r in results] == expected
+    assert engine.scheduler.num_preemptions == 0
 
 
 def test_greedy_parity_with_hf_on_smollm2(smollm2_dir):
@@ -251,8 +271,10 @@ def test_what_the_engine_cannot_run_yet_is_refused_by_name(tmp_path, tiny_llama_
     cases = {
         "rope scaling 'longrope'": {"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
                                                         "short_factor": [1.0], "long_factor": [1.0]}},
-        "max_model_len 512 passes the model's 64-token attention window": {"use_sliding_window": True,
-                                                                             "sliding_window": 64},
+        "bidirectional attention": {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+                                    "use_bidirectional_attention": True},
+        "Gemma's MLP activation 'gelu'": {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2",
+                                          "hidden_activation": "gelu"},
     }
     for message, change in cases.items():
         (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
@@ -260,20 +282,50 @@ def test_what_the_engine_cannot_run_yet_is_refused_by_name(tmp_path, tiny_llama_
             LLMEngine(EngineConfig(model_path=tmp_path, max_model_len=config["max_position_embeddings"]))
 
 
-def test_a_sliding_window_narrower_than_the_context_bounds_it(tmp_path, tiny_llama_dir):
-    """No windowed attention yet: within the window, full attention is the window's, exactly; so the
-    context stops there (Mistral's window applies whenever set; Qwen's with use_sliding_window)."""
+def test_each_layer_gets_the_window_transformers_applies(tmp_path, tiny_llama_dir):
+    """Mistral's and Mixtral's window on every layer whenever set; Qwen2's and Qwen3's only with
+    use_sliding_window, from max_window_layers on; Gemma's on its sliding layers (every other one for
+    Gemma 2, five of six for Gemma 3 unless layer_types says); a window as wide as the context is none.
+    The context is never bounded by a window."""
     from batchapi.engine.model.loader import load_config
 
     config = json.loads((tiny_llama_dir / "config.json").read_text())
-    for change, limit in (({"use_sliding_window": True, "sliding_window": 64}, 64),
-                          ({"use_sliding_window": False, "sliding_window": 64}, 512),
-                          ({"sliding_window": 1024, "use_sliding_window": True}, 512)):
+    config.pop("layer_types", None)
+    gemma3 = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "num_hidden_layers": 7}
+    cases = [
+        ({"use_sliding_window": True, "sliding_window": 64, "architectures": ["Qwen2ForCausalLM"],
+          "model_type": "qwen2", "max_window_layers": 1}, (0, 64), None),
+        ({"use_sliding_window": False, "sliding_window": 64, "architectures": ["Qwen2ForCausalLM"],
+          "model_type": "qwen2"}, (), None),
+        ({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 64}, (64, 64), 64),
+        ({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 1024}, (), None),
+        ({"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "sliding_window": 64}, (64, 0), None),
+        ({**gemma3, "sliding_window": 64}, (64, 64, 64, 64, 64, 0, 64), None),
+        ({**gemma3, "sliding_window": 64, "layer_types": ["full_attention"] * 6 + ["sliding_attention"]},
+         (0, 0, 0, 0, 0, 0, 64), None),
+    ]
+    for change, windows, kv_window in cases:
         (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
-        assert load_config(tmp_path).context_limit == limit, change
-    (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["MistralForCausalLM"],
-                                                      "model_type": "mistral", "sliding_window": 64}))
-    assert load_config(tmp_path).context_limit == 64
+        loaded = load_config(tmp_path)
+        assert (loaded.layer_windows, loaded.kv_window, loaded.context_limit) == (windows, kv_window, 512), change
+
+
+def test_gemma3_local_layers_take_their_own_rope(tmp_path, tiny_llama_dir):
+    from batchapi.engine.model.loader import Rope, load_config
+
+    config = json.loads((tiny_llama_dir / "config.json").read_text())
+    config.pop("rope_parameters", None)
+    gemma3 = {**config, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "num_hidden_layers": 2,
+              "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 64}
+    older = {**gemma3, "rope_theta": 1e6, "rope_local_base_freq": 1e4, "rope_scaling": {"rope_type": "linear",
+                                                                                        "factor": 8.0}}
+    newer = {**gemma3, "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                           "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
+    for raw in (older, newer):
+        (tmp_path / "config.json").write_text(json.dumps(raw))
+        loaded = load_config(tmp_path)
+        assert (loaded.rope_theta, loaded.rope_scaling["factor"]) == (1e6, 8.0)
+        assert (loaded.local_rope, loaded.local_layers) == (Rope(1e4, None), frozenset({0}))
 
 
 def test_dynamic_rope_runs_within_the_trained_context_only(tmp_path, smollm2_dir):

@@ -202,12 +202,15 @@ def test_the_sampler_draws_each_row_alone_as_in_any_batch():
         assert [(o.token_id, o.logprob, o.top_logprobs) for o in part] == [full[i] for i in index]
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe", "mixtral"])
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe", "mixtral", "gemma2", "gemma3", "mistral"])
 def family_dir(request, tmp_path_factory, smollm2_dir):
-    """The newer families at head size 64: Qwen3's q/k norm, the MoE routing and its expert GEMMs."""
+    """The newer families at head size 64: Qwen3's q/k norm, the MoE routing and its expert GEMMs,
+    Gemma's local layers (a 12-token window) and soft-caps, Mistral's window on every layer (whose
+    blocks past it are released and reused by others)."""
+    window = {"sliding_window": 16} if request.param == "mistral" else {}
     return build_tiny_model(tmp_path_factory.mktemp("invariance") / request.param, smollm2_dir, request.param,
                             seed=5, hidden_size=128, intermediate_size=256, num_attention_heads=2,
-                            num_key_value_heads=1, head_dim=64, max_position_embeddings=1024)
+                            num_key_value_heads=1, head_dim=64, max_position_embeddings=1024, **window)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

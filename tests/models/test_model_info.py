@@ -26,7 +26,7 @@ def test_gguf_architectures_are_those_both_transformers_and_the_engine_read():
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
     families = {CHAT_ARCHITECTURES[architecture] for architecture in GGUF_ARCHITECTURES.values()}
-    assert families == {"llama", "qwen2", "qwen3", "qwen3_moe"}
+    assert families == {"llama", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3"}
     assert families <= set(GGUF_SUPPORTED_ARCHITECTURES)
     assert "mixtral" not in GGUF_SUPPORTED_ARCHITECTURES  # a Mixtral GGUF reads as a dense llama
 
@@ -36,6 +36,8 @@ def test_gguf_architectures_are_those_both_transformers_and_the_engine_read():
     ("tiny_qwen3_dir", "Qwen3ForCausalLM"),
     ("tiny_qwen3_moe_dir", "Qwen3MoeForCausalLM"),
     ("tiny_mixtral_dir", "MixtralForCausalLM"),
+    ("tiny_gemma2_dir", "Gemma2ForCausalLM"),
+    ("tiny_gemma3_dir", "Gemma3ForCausalLM"),
 ])
 def test_a_chat_model_shows_its_architecture_and_window(request, fixture, architecture):
     directory = request.getfixturevalue(fixture)
@@ -60,7 +62,8 @@ def test_an_unsupported_directory_is_refused_naming_what_is(tmp_path):
         require_supported(tmp_path)
     assert str(caught.value).startswith(
         f"{tmp_path.name}: architecture 'GPT2LMHeadModel' is not supported; served: LlamaForCausalLM, "
-        "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM (chat), "
+        "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM, "
+        "Gemma2ForCausalLM, Gemma3ForCausalLM (chat), "
         "bert, ")
     assert str(caught.value).endswith(" encoders (embedding)")
 
@@ -75,10 +78,9 @@ def test_served_models_not_pulled_here_are_listed_without_details(tmp_path, tiny
     }
 
 
-def test_the_served_context_is_the_engines_where_a_sliding_window_bounds_it(tmp_path, tiny_llama_dir):
-    """The service's context (validation, the worker, GET /v1/models) and the engine's agree: a window
-    narrower than the context bounds both (Mistral's and Mixtral's whenever set, Qwen's with
-    use_sliding_window)."""
+def test_the_served_context_is_the_engines_and_no_window_bounds_it(tmp_path, tiny_llama_dir):
+    """The service's context (validation, the worker, GET /v1/models) and the engine's agree; a sliding
+    window does not bound either (the engine attends within it)."""
     import json
 
     from batchapi.engine.model.loader import load_config
@@ -89,10 +91,12 @@ def test_the_served_context_is_the_engines_where_a_sliding_window_bounds_it(tmp_
              {"sliding_window": 1024, "use_sliding_window": True}, {},
              {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 64},
              {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "sliding_window": None,
-              "num_local_experts": 4, "num_experts_per_tok": 2}]
+              "num_local_experts": 4, "num_experts_per_tok": 2},
+             {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "sliding_window": 64},
+             {"architectures": [], "model_type": "gemma3_text", "sliding_window": 64, "max_position_embeddings": 4096}]
     seen = set()
     for change in cases:
         (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
         assert context_length(tmp_path) == load_config(tmp_path).context_limit, change
         seen.add(context_length(tmp_path))
-    assert seen == {64, 512}
+    assert seen == {512, 4096}

@@ -179,7 +179,7 @@ def test_a_gguf_of_an_unsupported_architecture_is_refused_in_one_line(cli, tmp_p
     code, _, err = cli("models", "pull", str(gguf_file))
     assert code == 1 and len(err) == 1, err
     assert err[0] == (f"batchapi models pull: other.gguf: GGUF architecture {named} is not supported; GGUF files "
-                      "of llama, qwen2, qwen3, qwen3moe are (Mistral's included; a Mixtral: pull its Hugging Face "
+                      "of llama, qwen2, qwen3, qwen3moe, gemma2, gemma3 are (Mistral's included; a Mixtral: pull its Hugging Face "
                       "directory)")
     assert not (tmp_path / "cache" / "models" / "other").exists()
 

@@ -18,14 +18,25 @@ def copy_tokenizer(source_dir: Path, out_dir: Path) -> None:
             shutil.copy(source_dir / name, out_dir / name)
 
 
+# Gemma's own layout: head_dim apart from hidden/heads, query_pre_attn_scalar its own, a window
+# narrower than the test prompts (so windowed layers see less than global ones)
+GEMMA = dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=12, tie_word_embeddings=True)
+
+
 def build_tiny_model(out_dir: Path, tokenizer_dir: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
-    """Save a 2-layer random model of ``arch`` ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral") in
-    ``out_dir``."""
+    """Save a 2-layer random model of ``arch`` ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral",
+    "gemma2", "gemma3") in ``out_dir``."""
     import torch
     from transformers import (
         AutoTokenizer,
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
         LlamaConfig,
         LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
         MixtralConfig,
         MixtralForCausalLM,
         Qwen2Config,
@@ -55,6 +66,8 @@ def build_tiny_model(out_dir: Path, tokenizer_dir: Path, arch: str = "llama", se
     torch.manual_seed(seed)
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))
+    elif arch == "mistral":  # its window on every layer (sliding_window in overrides)
+        model = MistralForCausalLM(MistralConfig(**common))
     elif arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))
     elif arch == "qwen3":  # head_dim apart from hidden/heads, as Qwen3's own configs have it
@@ -65,6 +78,16 @@ def build_tiny_model(out_dir: Path, tokenizer_dir: Path, arch: str = "llama", se
                                                       "mlp_only_layers": [1], **common}))
     elif arch == "mixtral":  # every layer sparse: 4 experts, top 2
         model = MixtralForCausalLM(MixtralConfig(**{"num_local_experts": 4, "num_experts_per_tok": 2, **common}))
+    elif arch == "gemma2":  # a local layer then a global one; both soft-caps low enough to bite
+        model = Gemma2ForCausalLM(Gemma2Config(**{**GEMMA, "attn_logit_softcapping": 4.0,
+                                                  "final_logit_softcapping": 6.0, **common}))
+    elif arch == "gemma3":  # local layers on their own rope base, the global one's rope scaled
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**{
+            **GEMMA, "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0}},
+            **common, "num_hidden_layers": 3, "layer_types": ["sliding_attention", "sliding_attention",
+                                                              "full_attention"]}))
     else:
         raise ValueError(f"unknown tiny architecture {arch!r}")
     # random init gives near-uniform logits; a wider spread makes greedy decoding well separated
@@ -75,6 +98,8 @@ def build_tiny_model(out_dir: Path, tokenizer_dir: Path, arch: str = "llama", se
         for name, param in model.named_parameters():
             if name.endswith(("q_norm.weight", "k_norm.weight")):  # not all ones, so a skipped norm shows
                 param.uniform_(0.5, 1.5)
+            if arch.startswith("gemma") and name.endswith("norm.weight"):  # Gemma scales by 1 + w: w not 0
+                param.uniform_(-0.5, 0.5)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.to(torch.float32).save_pretrained(out_dir, safe_serialization=True)
     copy_tokenizer(tokenizer_dir, out_dir)

@@ -1,98 +1,25 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2; with sparse MoE MLPs, Qwen3-MoE
-and Mixtral) over a paged KV cache.
-
-Tokens of all sequences in a step are packed into one flat batch [T]; attention finds each
-sequence's keys and values through its block table. q/k/v and gate/up projections are fused
-into one matmul each (the loader concatenates the checkpoint's weights).
+and Mixtral; with Gemma's layers, engine.model.gemma, Gemma 2 and 3) over a paged KV cache.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from torch import nn
 
+from batchapi.engine.model.gemma import NORMS, GemmaDecoderLayer, norm_weight, soft_cap
+from batchapi.engine.model.layers import MLP, Attention, AttentionMetadata, RMSNorm
 from batchapi.engine.model.loader import ModelConfig
 from batchapi.engine.model.moe import SparseMoE
 
-
-@dataclass
-class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] int64, KV slot of each new token
-    block_tables: torch.Tensor  # [B, max_blocks] int32, pad -1
-    cu_seqlens_q: torch.Tensor  # [B+1] int32
-    context_lens: torch.Tensor  # [B] int32, KV length including this step's tokens
-    max_seqlen_q: int  # host-side maxima, so the kernels need not read them from the device
-    max_context_len: int
-    # KV slots copied in each layer after the store, wave by wave: [(src [C] int64, dst [C] int64)]
-    kv_copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops):
-        super().__init__()
-        self.ops = ops
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.scale = cfg.head_dim**-0.5
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_cache = self.v_cache = torch.empty(0)  # set by the model runner
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        qkv = self.qkv_proj.forward(x)  # [T, (Hq + 2 Hkv) D] (forward: no module hooks in this loop)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # each head's q and k normed over D, before rope (Qwen3)
-            q = self._head_norm(q, self.q_norm)
-            k = self._head_norm(k, self.k_norm)
-        q = self.ops.rotary_store(q, k, v, positions, cos_sin, self.k_cache, self.v_cache, meta.slot_mapping)
-        for src, dst in meta.kv_copies:  # prefix reuse inside a block (scheduler.KVCopy)
-            for cache in (self.k_cache, self.v_cache):
-                flat = cache.view(-1, self.num_kv_heads, self.head_dim)  # [num_slots, Hkv, D]
-                flat[dst] = flat[src]
-        out = self.ops.paged_attention(q, self.k_cache, self.v_cache, meta.block_tables,
-                                       meta.cu_seqlens_q, meta.context_lens, self.scale,
-                                       max_seqlen_q=meta.max_seqlen_q,
-                                       max_context_len=meta.max_context_len)  # [T, Hq, D]
-        return self.o_proj.forward(out.reshape(num_tokens, self.q_size))
-
-    def _head_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-        tokens, heads, dim = x.shape
-        return self.ops.rms_norm(x.reshape(tokens * heads, dim), norm.weight, norm.eps).view(tokens, heads, dim)
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops):
-        super().__init__()
-        self.ops = ops
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward(self.ops.silu_and_mul(self.gate_up_proj.forward(x)))  # [T, H]
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
+__all__ = ["AttentionMetadata", "CausalLM"]
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, ops, index: int):
         super().__init__()
         self.ops = ops
-        self.self_attn = Attention(cfg, ops)
+        self.self_attn = Attention(cfg, ops, index)
         moe = cfg.moe
         if moe is not None and index in moe.sparse_layers:
             self.mlp = SparseMoE(cfg.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k, moe.normalize,
@@ -102,13 +29,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, residual, positions, cos_sin, meta):
+    def forward(self, x, residual, positions, ropes, meta):
         norm = self.input_layernorm
         if residual is None:
             residual, x = x, self.ops.rms_norm(x, norm.weight, norm.eps)
         else:
             x, residual = self.ops.fused_add_rms_norm(x, residual, norm.weight, norm.eps)
-        x = self.self_attn.forward(x, positions, cos_sin, meta)
+        x = self.self_attn.forward(x, positions, ropes, meta)
         norm = self.post_attention_layernorm
         x, residual = self.ops.fused_add_rms_norm(x, residual, norm.weight, norm.eps)
         return self.mlp.forward(x), residual
@@ -120,25 +47,34 @@ class CausalLM(nn.Module):
         self.cfg = cfg
         self.ops = ops
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, ops, i) for i in range(cfg.num_layers))
+        layer = GemmaDecoderLayer if cfg.gemma else DecoderLayer
+        self.layers = nn.ModuleList(layer(cfg, ops, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)  # [max_pos, D], set by the runner
+        # the local layers' rope table where it differs (Gemma 3), else the same tensor
+        self.register_buffer("cos_sin_local", torch.empty(0), persistent=False)
+        # Gemma scales the embeddings by sqrt(hidden), rounded to the model's dtype
+        self.embed_scale = cfg.hidden_size**0.5 if cfg.gemma else None
+        self.final_softcap = cfg.gemma.final_softcap if cfg.gemma else 0.0
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 logit_rows: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [T]; logit_rows [S] token indices to score -> logits [S, V] in the
         model's dtype (the sampler works in fp32 where it needs to; greedy needs no copy)."""
         x, residual = self.embed_tokens(input_ids), None  # [T, H]
-        cos_sin = self.cos_sin
+        if self.embed_scale is not None:
+            x = x * float(torch.tensor(self.embed_scale).to(x.dtype))  # as transformers rounds it
+        ropes = (self.cos_sin, self.cos_sin_local)  # [max_pos, D] each: global, local layers
         for layer in self.layers:  # each module's forward called straight: a step makes ~400 such calls
-            x, residual = layer.forward(x, residual, positions, cos_sin, meta)
+            x, residual = layer.forward(x, residual, positions, ropes, meta)
         x = x.index_select(0, logit_rows)  # [S, H]: only the tokens that get sampled
         residual = residual.index_select(0, logit_rows)
         x, _ = self.ops.fused_add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
-        return self.lm_head.forward(x)  # [S, V]
+        logits = self.lm_head.forward(x)  # [S, V]
+        return soft_cap(logits, self.final_softcap) if self.final_softcap else logits
 
     def load(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy Hugging Face tensors in, fusing q/k/v and gate/up."""
@@ -147,8 +83,11 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         own = dict(self.named_parameters())
         done = set()
+        gemma = self.cfg.gemma is not None
 
         def put(name: str, value: torch.Tensor) -> None:
+            if gemma and name.endswith("norm.weight"):
+                value = norm_weight(value)
             param = own[name]
             assert param.shape == value.shape, f"{name}: checkpoint {tuple(value.shape)} vs model {tuple(param.shape)}"
             param.data.copy_(value)
@@ -171,8 +110,8 @@ class CausalLM(nn.Module):
                 put(me + "mlp.gate_up_proj.weight",
                     torch.cat([tensors[hf + "mlp.gate_proj.weight"], tensors[hf + "mlp.up_proj.weight"]]))
                 put(me + "mlp.down_proj.weight", tensors[hf + "mlp.down_proj.weight"])
-            put(me + "input_layernorm.weight", tensors[hf + "input_layernorm.weight"])
-            put(me + "post_attention_layernorm.weight", tensors[hf + "post_attention_layernorm.weight"])
+            for norm in NORMS if gemma else NORMS[:2]:
+                put(me + norm + ".weight", tensors[hf + norm + ".weight"])
         put("embed_tokens.weight", tensors["model.embed_tokens.weight"])
         put("norm.weight", tensors["model.norm.weight"])
         if not tied:

@@ -79,6 +79,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)  # [N, I] each
+    return F.gelu(gate, approximate="tanh") * up  # Gemma's gelu_pytorch_tanh
+
+
 def argmax(x: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
     """x.argmax(-1) of [B, V] logits, same index (first of ties, NaN counts as the largest), faster on CPU.
 

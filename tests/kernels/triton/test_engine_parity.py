@@ -4,7 +4,9 @@ Here, not in the suite's process, because the Triton kernels need the interprete
 
 A tiny random Llama (GQA 3, llama3 rope scaling, untied head) in fp32: the interpreter cannot do
 bf16, and fp32 keeps all three bit-close, so the greedy tokens must be identical. And a tiny random
-Qwen3-MoE (q/k norm through the Triton norm, yarn rope, a sparse and a dense layer).
+Qwen3-MoE (q/k norm through the Triton norm, yarn rope, a sparse and a dense layer). And a tiny Gemma 2
+(a local layer with an 8-token window and a global one, both logit soft-caps, GELU-tanh) and Gemma 3
+(q/k norm, the local layers' rope base, linear rope on the global layer).
 """
 
 import random
@@ -29,16 +31,44 @@ MOE = dict(
 )
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3_moe"])
+GEMMA2 = dict(TINY, query_pre_attn_scalar=48, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+              attn_logit_softcapping=3.0, final_logit_softcapping=5.0, rope_parameters={"rope_type": "default",
+                                                                                         "rope_theta": 10000.0})
+GEMMA3 = dict(GEMMA2, attn_logit_softcapping=None, final_logit_softcapping=None, rope_parameters={
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0}})
+
+
+def _families():
+    from transformers import (
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
+
+    return {"llama": (TINY, LlamaConfig, LlamaForCausalLM), "qwen3_moe": (MOE, Qwen3MoeConfig, Qwen3MoeForCausalLM),
+            "gemma2": (GEMMA2, Gemma2Config, Gemma2ForCausalLM),
+            "gemma3": (GEMMA3, Gemma3TextConfig, Gemma3ForCausalLM)}
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3_moe", "gemma2", "gemma3"])
 def tiny_model(tmp_path_factory, request):
     out = tmp_path_factory.mktemp(f"tiny-random-{request.param}")
-    if request.param == "llama":
-        model = build_random_llama(TINY, out, "cpu", torch.float32, std=0.08)
-    else:
-        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-        model = build_random_llama(MOE, out, "cpu", torch.float32, std=0.08, config_class=Qwen3MoeConfig,
-                                   model_class=Qwen3MoeForCausalLM)
+    shape, config_class, model_class = _families()[request.param]
+    model = build_random_llama(shape, out, "cpu", torch.float32, std=0.08, config_class=config_class,
+                               model_class=model_class)
+    if request.param.startswith("gemma"):  # transformers' SDPA path has no soft-cap; norms (1 + w) with w not 0
+        model.set_attn_implementation("eager")
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.uniform_(-0.5, 0.5)
+        model.save_pretrained(out, safe_serialization=True)
     rng = random.Random(0)
     # two prompts share a 20-token prefix: the second runs after the first, as a prefill on a cached block
     shared = [rng.randrange(2, 512) for _ in range(20)]
