@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/engine_throughput.py [--prompts 96] [--max-tokens 96] [--threads N]
         [--vllm-python VENV/bin/python] [--skip vllm,profile,hf,static,mixed,prefix,invariance,dense]
-        [--arch llama|qwen3|qwen3_moe|mixtral]
+        [--arch llama|qwen3|qwen3_moe|mixtral|gemma2|gemma3]
 
 Prints output tokens/s for (1) this engine with continuous batching, then vLLM's CPU build on
 the same prompts (wall time, in its own venv: bench/vllm_peer.py; skipped without
@@ -20,7 +20,7 @@ count). On a machine shared with other jobs the CPU-time rate is the stable one,
 ratios are computed from it; run with --threads 1 there so that no thread spins idle.
 
 --arch runs the same on random weights of a real shape of another family (ARCHS): Llama-3.2-1B,
-Qwen3-0.6B, and Qwen3-30B-A3B and Mixtral-8x7B scaled down to fit a small machine, built from
+Qwen3-0.6B, Gemma-2-2B, Gemma-3-1B, and Qwen3-30B-A3B and Mixtral-8x7B scaled down to fit a small machine, built from
 transformers' config classes by tests/utils/tiny_models.py and saved with SmolLM2's tokenizer and
 chat template, so the prompts are the same. For the two MoE models it ends with the engine's step
 time against a dense model with the same active parameters a token (dense_twin), and the roofline
@@ -86,6 +86,17 @@ ARCHS = {  # --arch: (what it is, transformers config fields); each vocabulary h
         num_local_experts=8, num_experts_per_tok=2, intermediate_size=3584, vocab_size=49152,
         tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
         max_position_embeddings=32768)),
+    "gemma3": ("Gemma-3-1B (26 layers, 5 local of 512 tokens to 1 global, head 256, one KV head)", dict(
+        hidden_size=1152, num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+        intermediate_size=6912, vocab_size=262144, tie_word_embeddings=True, query_pre_attn_scalar=256,
+        sliding_window=512, max_position_embeddings=32768, rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}})),
+    "gemma2": ("Gemma-2-2B (26 layers alternating 4,096-token local and global, head 256, soft-caps 50 and 30)",
+               dict(hidden_size=2304, num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
+                    head_dim=256, intermediate_size=9216, vocab_size=256000, tie_word_embeddings=True,
+                    query_pre_attn_scalar=256, sliding_window=4096, attn_logit_softcapping=50.0,
+                    final_logit_softcapping=30.0, max_position_embeddings=8192)),
 }
 DENSE = {"qwen3_moe": "qwen3", "mixtral": "llama"}  # the family of each MoE's dense twin: the same attention
 MOE_FIELDS = ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",

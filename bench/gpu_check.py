@@ -7,8 +7,9 @@ batching (best batch size) and of the HBM roofline (weight + KV bytes per decode
 for the 1B and Llama-3-8B shapes at batch 64 and 256; batch invariance, and CUDA graphs of the
 decode steps against none (same tokens, tokens/s). Then the other families (family_check: greedy
 parity with HF, batch invariance, tokens/s against HF and the roofline, on one engine start):
-Qwen3-8B by default and Qwen3-30B-A3B on request (--shapes), both layer-scaled: every matrix of
-its real shape, fewer layers (LAYERS_OF: 12 of 36, 8 of 48; the roofline is the scaled model's).
+Qwen3-8B by default, Qwen3-30B-A3B and Gemma-3-12B on request (--shapes), all layer-scaled: every
+matrix of its real shape, fewer layers (LAYERS_OF: 12 of 36, 8 of 48, 12 of 48; the roofline is the
+scaled model's, a local layer reading the KV of its window only).
 The 30B MoE is opt-in: it would not fit this budget after the rest, and at its 48 layers its
 61 GB of bf16 weights would not fit the device's 64 GiB disk. Its decode steps run without CUDA
 graphs (the MoE reads its experts' token counts back to the host in every layer, which a graph
@@ -26,7 +27,7 @@ Usage: .venv/bin/python bench/gpu_check.py [--cpu] [--budget-s 450] [--out table
 On the device machine (its own python3 holds CUDA torch, Triton and transformers; the repository
 root is put on sys.path here, so nothing needs installing): python3 bench/gpu_check.py --out $OUT/gpu_check.md
 A full run and the machine's start leave about 5 of the device's 15 minutes: a rerun is of a part,
-say python3 bench/gpu_check.py --shapes qwen3-8b,qwen3-30b-a3b --budget-s 270 --out $OUT/gpu_check.md
+say python3 bench/gpu_check.py --shapes qwen3-8b,qwen3-30b-a3b,gemma-3-12b --budget-s 270 --out $OUT/gpu_check.md
 """
 
 import argparse
@@ -65,6 +66,12 @@ SHAPES = {
         num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
         norm_topk_prob=True, vocab_size=151936, max_position_embeddings=40960, tie_word_embeddings=False,
         rope_parameters=QWEN3_ROPE),
+    "gemma-3-12b": dict(  # five 1,024-token local layers to one global, head 256; 12 of its 48 layers
+        hidden_size=3840, intermediate_size=15360, num_hidden_layers=12, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256, sliding_window=1024,
+        vocab_size=262208, max_position_embeddings=131072, tie_word_embeddings=True, rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
     "tiny": dict(  # CPU stand-in: GQA 3, llama3 rope, untied head
         hidden_size=384, intermediate_size=256, num_hidden_layers=2, num_attention_heads=6,
         num_key_value_heads=2, head_dim=64, vocab_size=512, max_position_embeddings=1024,
@@ -77,10 +84,21 @@ SHAPES = {
         norm_topk_prob=True, vocab_size=512, max_position_embeddings=1024, tie_word_embeddings=False,
         rope_parameters=QWEN3_ROPE),
 }
-FAMILY = {"qwen3-8b": "Qwen3", "qwen3-30b-a3b": "Qwen3Moe", "tiny-qwen3-moe": "Qwen3Moe"}  # the rest: Llama
-LAYERS_OF = {"qwen3-8b": 36, "qwen3-30b-a3b": 48}  # the real depths of the layer-scaled shapes
+    "tiny-gemma3": dict(  # CPU stand-in: a 16-token window on two of three layers, q/k norm, two ropes
+        hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=64, query_pre_attn_scalar=64, sliding_window=16, vocab_size=512, max_position_embeddings=1024,
+        tie_word_embeddings=True, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+}
+# transformers' (config, model) classes of each shape's family; the rest: Llama
+FAMILY = {"qwen3-8b": ("Qwen3Config", "Qwen3ForCausalLM"), "qwen3-30b-a3b": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+          "tiny-qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+          "gemma-3-12b": ("Gemma3TextConfig", "Gemma3ForCausalLM"), "tiny-gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
+LAYERS_OF = {"qwen3-8b": 36, "qwen3-30b-a3b": 48, "gemma-3-12b": 48}  # the real depths of the layer-scaled shapes
 DEFAULT_SHAPES = "llama-3.2-1b,llama-3-8b,qwen3-8b"
-PHASE_S = {"qwen3-8b": 100, "qwen3-30b-a3b": 150}  # the budget a family check needs left to start
+OPT_IN_SHAPES = ("qwen3-30b-a3b", "gemma-3-12b")
+PHASE_S = {"qwen3-8b": 100, "qwen3-30b-a3b": 150, "gemma-3-12b": 120}  # the budget a family check needs to start
 
 
 class Report:
@@ -118,15 +136,15 @@ def build_model(shape_name: str, out_dir: Path, device: str, dtype, std: float, 
 
     from tests.kernels.random_model import save_word_tokenizer
 
-    family = FAMILY.get(shape_name, "Llama")
-    config = getattr(transformers, f"{family}Config")(**SHAPES[shape_name], rms_norm_eps=1e-5, bos_token_id=1,
-                                                      eos_token_id=1, pad_token_id=0)
+    config_class, model_class = FAMILY.get(shape_name, ("LlamaConfig", "LlamaForCausalLM"))
+    config = getattr(transformers, config_class)(**SHAPES[shape_name], rms_norm_eps=1e-5, bos_token_id=1,
+                                                 eos_token_id=1, pad_token_id=0)
     torch.manual_seed(seed)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = getattr(transformers, f"{family}ForCausalLM")(config)
+            model = getattr(transformers, model_class)(config)
     finally:
         torch.set_default_dtype(default)
     with torch.no_grad():
@@ -301,9 +319,12 @@ def roofline_tokens_per_s(shape: dict, batch: int, prompt_len: int, new_tokens: 
         mlp = 3 * hidden * shape["intermediate_size"]
     per_layer = hidden * (q + 2 * kv) + q * hidden + mlp + 2 * hidden
     weights = layers * per_layer + shape["vocab_size"] * hidden + hidden  # lm_head read every step
-    kv_per_token = layers * 2 * kv
     mean_context = prompt_len + new_tokens / 2
-    step_bytes = (weights + batch * mean_context * kv_per_token) * itemsize
+    # a local layer reads the keys of its window only (Gemma: five local layers to one global)
+    window, kinds = shape.get("sliding_window"), shape.get("layer_types")
+    local = sum(k == "sliding_attention" for k in kinds) if kinds else (layers - layers // 6 if window else 0)
+    kv_tokens = (layers - local) * mean_context + local * min(mean_context, window or mean_context)
+    step_bytes = (weights + batch * kv_tokens * 2 * kv) * itemsize
     return batch / (step_bytes / HBM_BYTES_PER_S)
 
 
@@ -398,7 +419,7 @@ def run_gpu(report: Report, work: Path, shapes: set[str]) -> None:
         llama_1b(report, work)
     if "llama-3-8b" in shapes:
         llama_8b(report, work)
-    for name in ("qwen3-8b", "qwen3-30b-a3b"):
+    for name in ("qwen3-8b", *OPT_IN_SHAPES):
         if name in shapes:
             family_check(report, name, work)
 
@@ -457,8 +478,9 @@ def run_cpu(report: Report, work: Path) -> None:
     invariance(report, "tiny fp32, torch kernels", tiny, "cpu", "float32", "torch", vocab, 12)
     throughput(report, "tiny", tiny, model, [16], 32, 16, "cpu", dtype="float32", kernels="torch",
                hf_batches=(8, 16))  # the roofline column is the H200's, meaningless here
-    family_check(report, "tiny-qwen3-moe", work, "cpu", "float32", "torch", new_tokens=12, batches=(16,),
-                 prompt_len=32, out_tokens=16, hf_batches=(16,))
+    for stand_in in ("tiny-qwen3-moe", "tiny-gemma3"):
+        family_check(report, stand_in, work, "cpu", "float32", "torch", new_tokens=12, batches=(16,),
+                     prompt_len=32, out_tokens=16, hf_batches=(16,))
     report.add("GPU run", "pending: no CUDA device in this run", "-")
 
 
@@ -468,10 +490,11 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=450.0, help="stop starting new phases after this")
     ap.add_argument("--out", type=Path, help="also write the table (markdown) here, after every row")
     ap.add_argument("--shapes", default=DEFAULT_SHAPES,
-                    help="comma list of the model shapes run on CUDA after the kernels (add qwen3-30b-a3b)")
+                    help="comma list of the model shapes run on CUDA after the kernels (add qwen3-30b-a3b, "
+                         "gemma-3-12b)")
     args = ap.parse_args()
     shapes = set(filter(None, args.shapes.split(",")))
-    unknown = shapes - {*DEFAULT_SHAPES.split(","), "qwen3-30b-a3b"}
+    unknown = shapes - {*DEFAULT_SHAPES.split(","), *OPT_IN_SHAPES}
     if unknown:
         ap.error(f"unknown shapes {sorted(unknown)}")
     import torch

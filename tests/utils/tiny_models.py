@@ -82,12 +82,13 @@ def build_tiny_model(out_dir: Path, tokenizer_dir: Path, arch: str = "llama", se
         model = Gemma2ForCausalLM(Gemma2Config(**{**GEMMA, "attn_logit_softcapping": 4.0,
                                                   "final_logit_softcapping": 6.0, **common}))
     elif arch == "gemma3":  # local layers on their own rope base, the global one's rope scaled
+        layers = {} if "num_hidden_layers" in overrides else {  # two local layers, then a global one
+            "num_hidden_layers": 3, "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]}
         model = Gemma3ForCausalLM(Gemma3TextConfig(**{
             **GEMMA, "rope_parameters": {
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
                 "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0}},
-            **common, "num_hidden_layers": 3, "layer_types": ["sliding_attention", "sliding_attention",
-                                                              "full_attention"]}))
+            **common, **layers}))
     else:
         raise ValueError(f"unknown tiny architecture {arch!r}")
     # random init gives near-uniform logits; a wider spread makes greedy decoding well separated
