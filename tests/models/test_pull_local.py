@@ -20,9 +20,14 @@ from batchapi.models.store import (
 )
 
 
+GEMMA_GGUF = ("gemma2", "gemma3")
+
+
 def write_tiny_gguf(path: Path, tokenizer_dir: Path, architecture: str = "llama", **metadata: int) -> Path:
     """A 2-layer random Llama-style GGUF (float32) with the first 1,024 tokens of ``tokenizer_dir``'s
-    BPE vocabulary; ``metadata``: extra ``<architecture>.<key>`` integers (``expert_count=8``)."""
+    BPE vocabulary; ``metadata``: extra ``<architecture>.<key>`` integers (``expert_count=8``). A Gemma
+    one has its head size and window, its sandwich norms (and Gemma 3's q/k norms), each norm stored
+    as llama.cpp stores Gemma's: 1 + w."""
     import gguf
     import numpy as np
 
@@ -32,6 +37,10 @@ def write_tiny_gguf(path: Path, tokenizer_dir: Path, architecture: str = "llama"
     pairs = [m.split(" ") if isinstance(m, str) else m for m in model["merges"]]
     merges = [" ".join(p) for p in pairs if "".join(p) in kept and set(p) <= kept]
     hidden, ffn, heads, kv_heads, layers = 64, 128, 4, 2, 2
+    gemma = architecture in GEMMA_GGUF
+    if gemma:
+        metadata = {"attention.key_length": 16, "attention.value_length": 16, "attention.sliding_window": 8,
+                    **metadata}
     writer = gguf.GGUFWriter(str(path), architecture)
     writer.add_name("tiny")
     for key, value in dict(context_length=512, embedding_length=hidden, block_count=layers,
@@ -54,8 +63,13 @@ def write_tiny_gguf(path: Path, tokenizer_dir: Path, architecture: str = "llama"
                    f"blk.{b}.attn_k": (kv, hidden), f"blk.{b}.attn_v": (kv, hidden),
                    f"blk.{b}.attn_output": (hidden, hidden), f"blk.{b}.ffn_gate": (ffn, hidden),
                    f"blk.{b}.ffn_up": (ffn, hidden), f"blk.{b}.ffn_down": (hidden, ffn)}
+        if gemma:
+            shapes |= {f"blk.{b}.post_attention_norm": (hidden,), f"blk.{b}.post_ffw_norm": (hidden,)}
+        if architecture == "gemma3":
+            shapes |= {f"blk.{b}.attn_q_norm": (16,), f"blk.{b}.attn_k_norm": (16,)}
     for name, shape in shapes.items():
-        weight = np.ones(shape) if len(shape) == 1 else rng.normal(0.0, 0.08, shape)
+        norm = rng.uniform(0.5, 1.5, shape) if gemma else np.ones(shape)  # Gemma's stored 1 + w: w not 0
+        weight = norm if len(shape) == 1 else rng.normal(0.0, 0.08, shape)
         writer.add_tensor(f"{name}.weight", weight.astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -167,6 +181,29 @@ def test_a_gguf_file_is_converted_once_and_served_by_its_name(tmp_path, smollm2_
     shutil.copy(gguf_file, other)
     with pytest.raises(ModelNotFound, match="already holds 'tiny-gguf-llama', converted from .*/tiny-gguf-llama.gguf"):
         pull(str(other), cache)
+
+
+@pytest.mark.parametrize("architecture", GEMMA_GGUF)
+def test_a_gemma_gguf_is_converted_and_the_engine_answers_as_transformers(tmp_path, smollm2_dir, architecture):
+    """transformers' GGUF reader takes llama.cpp's 1 + w norms back to w; the engine folds them in
+    again, and its greedy tokens are those of transformers on the converted directory."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from batchapi.engine import EngineConfig, GenerationRequest, LLMEngine, SamplingParams
+
+    target = pull(str(write_tiny_gguf(tmp_path / f"tiny-{architecture}.gguf", smollm2_dir, architecture)),
+                  tmp_path / "cache")
+    model_type = {"gemma2": "gemma2", "gemma3": "gemma3_text"}[architecture]  # a GGUF has no architectures
+    assert model_info(target) == ModelInfo(model_type, 512, CHAT)
+    prompt = list(range(5, 25))  # past the 8-token window of the local layer
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32, attn_implementation="eager")
+    expected = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[0, len(prompt):].tolist()
+    engine = LLMEngine(EngineConfig(model_path=target, dtype="float32", kv_cache_bytes=4 << 20))
+    engine.add_request(GenerationRequest("g", prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)))
+    results = [r for _ in range(40) if engine.has_unfinished() for r in engine.step()]
+    assert results[0].outputs[0].token_ids == expected
 
 
 @pytest.mark.parametrize(("architecture", "metadata", "named"), [
