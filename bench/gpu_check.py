@@ -83,7 +83,6 @@ SHAPES = {
         num_key_value_heads=2, head_dim=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
         norm_topk_prob=True, vocab_size=512, max_position_embeddings=1024, tie_word_embeddings=False,
         rope_parameters=QWEN3_ROPE),
-}
     "tiny-gemma3": dict(  # CPU stand-in: a 16-token window on two of three layers, q/k norm, two ropes
         hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
         head_dim=64, query_pre_attn_scalar=64, sliding_window=16, vocab_size=512, max_position_embeddings=1024,

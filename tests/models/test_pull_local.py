@@ -19,7 +19,6 @@ from batchapi.models.store import (
     resolve_model,
 )
 
-
 GEMMA_GGUF = ("gemma2", "gemma3")
 
 
