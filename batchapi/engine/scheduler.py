@@ -6,6 +6,10 @@ behind (chunked if the budget is short), a decode is one token behind, and both 
 step. Running sequences go first, then waiting ones; when blocks run out the most recently
 admitted sequence is preempted and later recomputed.
 
+Under a sliding window (every layer's), each step's update releases the blocks that have left the
+window of a sequence's next token, so a long generation holds about a window of blocks; growth,
+admission and preemption count only the blocks a sequence still has to take.
+
 Prefix reuse is token-exact, not only block-exact: after the full cached blocks a new sequence
 reuses, the start of its next block is copied from a running sequence holding the same tokens
 there (a shared system prompt rarely ends on a block boundary). The copy is a ``KVCopy`` the
@@ -240,6 +244,8 @@ class Scheduler:
         for donor in self.running:
             if donor.num_tokens <= start or donor.token_ids[start] != want[0] or len(donor.block_table) <= start // bs:
                 continue
+            if donor.block_table[start // bs] == -1:
+                continue  # released: the block may hold another sequence's tokens now
             have = donor.token_ids[start : min(donor.num_computed_tokens + scheduled.get(donor, 0), start + bs)]
             m = next((i for i, (a, b) in enumerate(zip(have, want, strict=False)) if a != b), min(len(have), len(want)))
             if m > best_len and donor.token_ids[:start] == seq.token_ids[:start]:
@@ -285,12 +291,14 @@ class Scheduler:
         self.running.append(child)
 
     def postprocess(self, batch: ScheduledBatch) -> None:
-        """Advance the computed counts of a step's sequences; ``release_finished`` follows the update."""
+        """Advance the computed counts of a step's sequences and release the blocks that left their
+        window (registered first, so a shared prompt still hits); ``release_finished`` follows."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             if seq.status is SequenceStatus.WAITING:
                 continue  # aborted or preempted meanwhile
             seq.num_computed_tokens += n
             self.bm.cache_full_blocks(seq)
+            self.bm.release_outside_window(seq)
 
     def release_finished(self) -> None:
         done = [s for s in self.running if s.is_finished]

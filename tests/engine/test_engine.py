@@ -106,7 +106,7 @@ def test_a_window_on_every_layer_releases_blocks_and_still_matches(tmp_path, smo
     prompts = tokenize(model_dir, PROMPTS[1:4])
     expected = hf_greedy(model_dir, prompts, 80)
     # 12 blocks of 16 tokens: three sequences of ~130 tokens would need 27 without releasing
-    block_bytes = 2 * 2 * 2 * 32 * 4 * 16  # K and V, 2 layers, 2 KV heads of 32, fp32, 16 tokens
+    block_bytes = 2 * 2 * 2 * 16 * 4 * 16  # K and V, 2 layers, 2 KV heads of 16, fp32, 16 tokens
     engine = engine_for(model_dir, max_num_seqs=3, max_num_batched_tokens=16, kv_cache_bytes=12 * block_bytes)
     assert engine.runner.num_blocks == 12
     results = run(engine, prompts, greedy(80))

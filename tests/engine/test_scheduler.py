@@ -1,4 +1,4 @@
-"""Scheduler: token budget, chunked prefill, mixed steps, preemption, rejection, prefix grouping."""
+"""Scheduler: token budget, chunked prefill, mixed steps, preemption, rejection, prefix grouping, windows."""
 
 from batchapi.engine.block_manager import BlockManager
 from batchapi.engine.request import ErrorCode
@@ -6,8 +6,8 @@ from batchapi.engine.scheduler import Scheduler
 from batchapi.engine.sequence import Sequence, SequenceStatus
 
 
-def make(num_blocks=16, block_size=4, max_num_seqs=4, budget=8, max_model_len=64, caching=True):
-    bm = BlockManager(num_blocks, block_size, caching)
+def make(num_blocks=16, block_size=4, max_num_seqs=4, budget=8, max_model_len=64, caching=True, window=None):
+    bm = BlockManager(num_blocks, block_size, caching, window=window)
     return Scheduler(bm, max_num_seqs, budget, max_model_len)
 
 
@@ -171,3 +171,113 @@ def test_admission_from_one_large_group_takes_its_head_in_order():
     step(sched)
     assert [s.request_id for s in sched.running] == [f"r{i}" for i in range(8, 16)]  # cache hits: all at once
     assert len(sched.waiting) == 1984 and len(sched.waiting.groups) == 1
+
+
+# ---- sliding window ----
+
+
+def held(s):
+    return [b for b in s.block_table if b != -1]
+
+
+def test_a_long_generation_under_a_window_holds_a_bounded_number_of_blocks():
+    # 400 tokens would take 100 blocks; the token at p reads p-7..p, so a decode step holds at most 3
+    sched = make(num_blocks=8, block_size=4, budget=8, max_model_len=1000, window=8)
+    a = add(sched, "a", range(6))
+    b = add(sched, "b", range(100, 106))
+    most = 0
+    while a.num_tokens < 400:
+        batch = sched.schedule()  # grown for the step: the most a sequence holds
+        most = max(most, len(held(a)), len(held(b)))
+        assert sched.bm.num_free_blocks == 8 - len(held(a)) - len(held(b))
+        sched.postprocess(batch)
+        for s in (a, b):
+            if s.num_computed_tokens == s.num_tokens:
+                s.token_ids.append(7)
+    assert most == 3 and sched.num_preemptions == 0
+    assert len(a.block_table) == sched.bm.blocks_for(a.num_computed_tokens + 1)  # places still count tokens
+    assert a.block_table[: (a.num_computed_tokens - 7) // 4] == [-1] * ((a.num_computed_tokens - 7) // 4)
+    a.finish("stop")
+    sched.release_finished()
+    assert sched.abort("b") == [b] and sched.bm.num_free_blocks == 8
+
+
+def test_no_window_keeps_every_block():
+    sched = make(num_blocks=16, block_size=4, budget=8, window=None)
+    a = add(sched, "a", range(6))
+    for _ in range(20):
+        step(sched)
+    assert a.block_table == list(range(7)) and -1 not in a.block_table
+
+
+def test_a_prompt_longer_than_the_window_is_chunked_within_a_small_pool():
+    # 40 prompt tokens in an 8-block pool: each chunk of 8 holds its blocks and the window's
+    sched = make(num_blocks=8, block_size=4, budget=8, max_model_len=100, window=6)
+    a = add(sched, "a", range(40))
+    most = 0
+    while a.num_computed_tokens < 40:
+        batch = sched.schedule()
+        most = max(most, len(held(a)))
+        sched.postprocess(batch)
+    assert most == 4 and a.block_table[:8] == [-1] * 8 and sched.num_preemptions == 0
+
+
+def test_prefix_hits_on_released_blocks_of_a_shared_prompt():
+    sched = make(num_blocks=16, block_size=4, budget=32, max_model_len=100, window=6)
+    shared = list(range(16))
+    a = add(sched, "a", shared + [50, 51])
+    step(sched)  # a's next token (18) reads 13..18: blocks 0..2 released, still cached
+    assert a.block_table == [-1, -1, -1, 3, 4]
+    b = add(sched, "b", shared + [60, 61])
+    batch = sched.schedule()
+    # b hits 4 blocks; its first token (16) reads 11..16: block 2 is taken back from the pool,
+    # block 3 shared with a, and blocks 0, 1 are not held at all
+    assert batch.num_new_tokens == [1, 2] and b.num_cached_tokens == 16
+    assert b.block_table == [-1, -1, 2, 3, 5]
+    assert sched.bm.ref_counts[:6] == [0, 0, 1, 2, 1, 1]
+    sched.postprocess(batch)  # b's next token (18) reads 13..18: block 2 goes back
+    assert b.block_table == [-1, -1, -1, 3, 5] and sched.bm.ref_counts[2] == 0
+
+
+def test_a_donor_whose_block_was_released_cannot_donate():
+    sched = make(num_blocks=16, block_size=4, budget=32, window=4)
+    a = add(sched, "a", range(8))
+    step(sched)  # a's next token (8) reads 5..8: block 0 released
+    assert a.block_table[0] == -1
+    sched.bm.reset_prefix_cache()  # block 0 forgotten: no hit, and a holds nothing at place 0
+    add(sched, "b", range(6))
+    batch = sched.schedule()
+    assert batch.kv_copies == [] and batch.num_new_tokens == [1, 6]
+
+
+def test_a_fork_reads_blocks_its_parent_keeps_for_it():
+    sched = make(num_blocks=16, block_size=4, budget=32, window=4)
+    parent = add(sched, "p", range(11))
+    parent.num_forks = 1
+    sched.postprocess(sched.schedule())
+    # the parent's next token (11) reads 8..11 but the child's first (8) reads 5..8: block 1 stays
+    assert parent.block_table == [-1, 1, 2]
+    child = Sequence("p", list(range(11)), params=None, sample_index=1)
+    sched.fork(parent, child)
+    parent.num_forks = 0
+    assert child.block_table == [-1, 1] and child.num_computed_tokens == 8
+    assert sched.bm.ref_counts[:3] == [0, 2, 1]
+    parent.token_ids.append(7)
+    child.token_ids.append(8)
+    assert step(sched) == [("p", 1), ("p", 4)]  # the child recomputes its tail, 8..11
+    # the next tokens (12) read 9..12: neither reads block 1 any more
+    assert parent.block_table == [-1, -1, 2] and child.block_table == [-1, -1, 3]
+    assert sched.bm.ref_counts[:4] == [0, 0, 1, 1]
+
+
+def test_preempted_sequence_under_a_window_comes_back_on_its_window_of_cached_blocks():
+    sched = make(num_blocks=6, block_size=4, budget=32, max_model_len=100, window=6)
+    a = add(sched, "a", range(20))
+    step(sched)  # the next token (20) reads 15..20: blocks 3, 4 are held
+    assert a.block_table == [-1, -1, -1, 3, 4]
+    sched._preempt(sched.running.pop())  # as the preemption loop does
+    assert a.block_table == [] and sched.bm.num_free_blocks == 6
+    # back: blocks 3, 4 hit (0..2 need not, though cached); only the token at 20 is computed
+    batch = sched.schedule()
+    assert batch.num_new_tokens == [1] and a.num_computed_tokens == 20
+    assert a.block_table == [-1, -1, -1, 3, 4, 5]
