@@ -36,22 +36,25 @@ def compile_for_sm90(kernel, types: dict[str, str], constexprs: dict, report: bo
     return " ".join(line.split(": ")[-1].strip() for line in run.stderr.splitlines() if "spill" in line or "regist" in line)
 
 
-def _attention_cases():
+def attention_cases():
     attention = importlib.import_module("batchapi.kernels.triton.attention")
     for dtype in ("bf16", "fp16"):
-        for group, head_dim in ((4, 128), (4, 64), (3, 64), (5, 128), (7, 64)):
+        # the last three: Gemma 2 (soft-capped) 2B/9B and 27B, Gemma 3 1B; the window is a runtime argument
+        for group, head_dim, softcap in ((4, 128, False), (4, 64, False), (3, 64, False), (5, 128, False),
+                                         (7, 64, False), (2, 256, True), (2, 128, True), (4, 256, False)):
             for max_q, splits in ((1, 1), (1, 16), (512, 1)):
-                if dtype == "fp16" and (group, head_dim) != (4, 128):
+                if dtype == "fp16" and (group, head_dim, softcap) != (4, 128, False):
                     continue
                 tiling = attention.launch_tiling(group, head_dim, max_q)
                 ptr = f"*{dtype}"
                 types = {"out_ptr": "*fp32" if splits > 1 else ptr, "q_ptr": ptr, "k_cache_ptr": ptr, "v_cache_ptr": ptr,
                          "max_ptr": "*fp32", "sum_ptr": "*fp32", "block_tables_ptr": "*i32", "cu_seqlens_q_ptr": "*i32",
-                         "context_lens_ptr": "*i32", "scale": "fp32", "*": "i32"}
-                options = {k: tiling.pop(k) for k in ("num_warps", "num_stages")}
+                         "context_lens_ptr": "*i32", "scale": "fp32", "softcap": "fp32", "*": "i32"}
+                options = {k: tiling.pop(k) for k in ("num_warps", "num_stages", "maxnreg")}
                 constexprs = dict(HEAD_DIM=head_dim, GROUP=group, BLOCK_SIZE=16, NUM_SPLITS=splits,
-                                  DOT_PRECISION="tf32", **tiling)
-                yield f"paged_attention {dtype} G={group} D={head_dim} max_q={max_q} splits={splits}", \
+                                  USE_SOFTCAP=softcap, DOT_PRECISION="tf32", **tiling)
+                name = f"paged_attention {dtype} G={group} D={head_dim} max_q={max_q} splits={splits}"
+                yield name + " softcap" * softcap, \
                     attention._paged_attention_kernel, types, constexprs, options
     yield "merge_splits", attention._merge_splits_kernel, {"out_ptr": "*bf16", "part_ptr": "*fp32", "max_ptr": "*fp32",
                                                           "sum_ptr": "*fp32", "*": "i32"}, dict(HEAD_DIM=128, NUM_SPLITS=16), {}
@@ -73,7 +76,9 @@ def _elementwise_cases():
                                                                                       BLOCK_H=4096), {"num_warps": 8}
     yield "rotary", rotary._rotary_kernel, {"positions_ptr": "*i64", "cos_sin_ptr": "*bf16", "*": "i32", **dict.fromkeys(
         ["q_out_ptr", "k_out_ptr", "q_ptr", "k_ptr"], bf)}, dict(HALF=64, QH_P2=32, KH_P2=8), {}
-    yield "silu_and_mul", activation._silu_and_mul_kernel, {"out_ptr": bf, "x_ptr": bf, "*": "i32"}, dict(BLOCK=1024), {}
+    for act in ("silu", "gelu_tanh"):
+        yield f"{act}_and_mul", getattr(activation, f"_{act}_and_mul_kernel"), {"out_ptr": bf, "x_ptr": bf, "*": "i32"}, \
+            dict(BLOCK=activation.BLOCK), {}
     for logits in ("*bf16", "*fp32"):
         yield f"apply_token_bitmask {logits[1:]}", bitmask._apply_token_bitmask_kernel, {
             "logits_ptr": logits, "bitmask_ptr": "*i32", "rows_ptr": "*i64", "*": "i32"}, dict(BLOCK=bitmask.BLOCK), {}
@@ -93,7 +98,7 @@ def _matmul_cases():
 def main() -> int:
     report = "--quiet" not in sys.argv  # --quiet: compile only, no ptxas register report
     failures = 0
-    for name, kernel, types, constexprs, options in [*_attention_cases(), *_elementwise_cases(), *_matmul_cases()]:
+    for name, kernel, types, constexprs, options in [*attention_cases(), *_elementwise_cases(), *_matmul_cases()]:
         try:
             print(f"{name}: ok {compile_for_sm90(kernel, types, constexprs, report, **options)}", flush=True)
         except Exception as exc:  # report every failing configuration, not just the first

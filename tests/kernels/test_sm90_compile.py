@@ -3,7 +3,8 @@
 The interpreter runs kernels as numpy and so cannot catch errors of compiled Triton (types of
 loop-carried values, tl.dot shapes); this does. `python -m tests.kernels.sm90_compile` prints
 ptxas' register and spill counts as well. The fused MoE kernel's configurations are listed here
-(``moe_cases``) and compiled with the same helper, its ptxas report checked for spills.
+(``moe_cases``) and compiled with the same helper; its and the attention kernels' ptxas reports are
+checked for spills.
 """
 
 import importlib
@@ -41,28 +42,38 @@ def moe_cases():
             types, constexprs, options
 
 
-MOE = """
+CHECK = """
 import sys
 from tests.kernels.sm90_compile import compile_for_sm90
-from tests.kernels.test_sm90_compile import moe_cases
+from {module} import {cases} as cases
 
 failures = 0
-for name, kernel, types, constexprs, options in moe_cases():
+for name, kernel, types, constexprs, options in cases():
     try:
-        print(f"{name}: ok {compile_for_sm90(kernel, types, constexprs, **options)}", flush=True)
+        print(f"{{name}}: ok {{compile_for_sm90(kernel, types, constexprs, **options)}}", flush=True)
     except Exception as exc:  # report every failing configuration, not just the first
         failures += 1
-        print(f"{name}: FAILED {type(exc).__name__}: {exc}", flush=True)
+        print(f"{{name}}: FAILED {{type(exc).__name__}}: {{exc}}", flush=True)
 sys.exit(1 if failures else 0)
 """
 
 
-@pytest.mark.slow
-def test_the_moe_kernel_compiles_for_sm90_without_spills():
+def _compiles_without_spills(module: str, cases: str) -> None:
     """Without spills: ptxas' report of each configuration (no report where ptxas is absent)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-W", "ignore", "-c", MOE], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=600)
+    run = subprocess.run([sys.executable, "-W", "ignore", "-c", CHECK.format(module=module, cases=cases)], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=600)
     print(run.stdout)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     assert all(" 0 bytes spill stores" in line for line in run.stdout.splitlines() if "spill" in line), run.stdout
+
+
+@pytest.mark.slow
+def test_the_moe_kernel_compiles_for_sm90_without_spills():
+    _compiles_without_spills("tests.kernels.test_sm90_compile", "moe_cases")
+
+
+@pytest.mark.slow
+def test_the_attention_kernels_compile_for_sm90_without_spills():
+    """Every tiling the launcher picks, with the window always on and the soft-cap in Gemma's shapes."""
+    _compiles_without_spills("tests.kernels.sm90_compile", "attention_cases")

@@ -1,10 +1,22 @@
-"""SiLU-and-mul of the fused gate/up projection, rounding where transformers' LlamaMLP rounds."""
+"""Gated activations of the fused gate/up projection (SiLU: Llama; GELU-tanh: Gemma), rounding where
+transformers' MLPs round, and tanh for the kernels that need one."""
 
 import torch
 import triton
 import triton.language as tl
 
 from batchapi.kernels.triton.launch import check_last_dim_contiguous, check_launchable
+
+BLOCK = 1024
+
+
+@triton.jit
+def tanh(x):
+    """fp32 tanh from exp (libdevice's does not run under Triton's interpreter); exp of -2|x| never
+    overflows, and the cancellation of 1 - t near 0 costs an ulp of 1, not of tanh."""
+    t = tl.exp(-2.0 * tl.abs(x))
+    y = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0, -y, y)
 
 
 @triton.jit
@@ -19,16 +31,35 @@ def _silu_and_mul_kernel(out_ptr, x_ptr, inter, stride_x, stride_o, BLOCK: tl.co
     tl.store(out_ptr + row * stride_o + cols, (act * up).to(gate.dtype), mask=ok)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [N, 2I] (gate then up) -> [N, I]."""
+@triton.jit
+def _gelu_tanh_and_mul_kernel(out_ptr, x_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < inter
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + inter + cols, mask=ok, other=0.0).to(tl.float32)
+    g = gate.to(tl.float32)
+    inner = 0.7978845608028654 * (g + 0.044715 * (g * g * g))  # sqrt(2 / pi): torch's kBeta
+    act = (0.5 * g * (1.0 + tanh(inner))).to(gate.dtype).to(tl.float32)  # F.gelu rounds to the dtype
+    tl.store(out_ptr + row * stride_o + cols, (act * up).to(gate.dtype), mask=ok)
+
+
+def _act_and_mul(kernel, x: torch.Tensor) -> torch.Tensor:
     assert x.dim() == 2 and x.shape[1] % 2 == 0, f"x must be [N, 2I], got {tuple(x.shape)}"
     check_last_dim_contiguous(x=x)
     inter = x.shape[1] // 2
     out = torch.empty(x.shape[0], inter, dtype=x.dtype, device=x.device)
-    block = 1024
     if x.shape[0]:
-        check_launchable(_silu_and_mul_kernel, x)
-        _silu_and_mul_kernel[(x.shape[0], triton.cdiv(inter, block))](
-            out, x, inter, x.stride(0), out.stride(0), BLOCK=block,
-        )
+        check_launchable(kernel, x)
+        kernel[(x.shape[0], triton.cdiv(inter, BLOCK))](out, x, inter, x.stride(0), out.stride(0), BLOCK=BLOCK)
     return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [N, 2I] (gate then up) -> silu(gate) * up [N, I]."""
+    return _act_and_mul(_silu_and_mul_kernel, x)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [N, 2I] (gate then up) -> gelu(gate, approximate="tanh") * up [N, I]."""
+    return _act_and_mul(_gelu_tanh_and_mul_kernel, x)

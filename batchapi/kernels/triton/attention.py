@@ -1,11 +1,17 @@
-"""Paged attention in Triton: one kernel for decode, chunked prefill and prefill on a cached prefix.
+"""Paged attention in Triton: one kernel for decode, chunked prefill and prefill on a cached prefix,
+with an optional sliding window and Gemma 2's score soft-cap.
 
 A program takes one block of query positions of one sequence and all GROUP query heads sharing
 one KV head (rows = positions x heads), and walks that sequence's KV through its block table in
-tiles with an online softmax. Sequences are found from the program id by a binary search over
-cu_seqlens_q, so the launch needs no host-side list of sequences. With num_splits > 1 (long
-contexts at small batch) each program covers one slice of the KV and a second kernel merges the
-slices. The twin is kernels.torch.attention.paged_attention.
+tiles with an online softmax, from the tile holding its first row's window start (0 without a
+window) to its last row's causal end. Tiles are counted from position 0 whatever the window, so
+a row meets the same tiles in every program; the tiles a row walks before its own window starts
+or after its causal end see only -inf scores and leave its softmax state bit for bit as it was
+(batch invariance). Blocks before the window start of a sequence's first query may be freed
+(their table entries -1 or reused): no lane reads them. Sequences are found from the program id
+by a binary search over cu_seqlens_q, so the launch needs no host-side list of sequences. With
+num_splits > 1 (long contexts at small batch) each program covers one slice of the tiles in its
+window and a second kernel merges the slices. The twin is kernels.torch.attention.paged_attention.
 """
 
 import functools
@@ -15,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from batchapi.kernels.triton.activation import tanh
 from batchapi.kernels.triton.launch import (
     check_last_dim_contiguous,
     check_launchable,
@@ -22,8 +29,11 @@ from batchapi.kernels.triton.launch import (
     next_pow2,
 )
 
+NO_WINDOW = 2**30  # window 0 (the whole context) as the kernel takes it: longer than any context
 
-@triton.jit(do_not_specialize=["num_seqs"])  # a loop bound below: it must not become constexpr 1
+
+# num_seqs: a loop bound below, it must not become constexpr 1; window: one compile for every window
+@triton.jit(do_not_specialize=["num_seqs", "window"])
 def _paged_attention_kernel(
     out_ptr,  # [T, Hq, D], or the split partials [T, Hq, S, D] fp32
     max_ptr,  # [T, Hq, S] fp32 (splits only)
@@ -35,6 +45,8 @@ def _paged_attention_kernel(
     cu_seqlens_q_ptr,  # [B+1] int32
     context_lens_ptr,  # [B] int32
     scale,
+    window,  # keys visible to a row at position p: p - window < kv_pos <= p
+    softcap,
     num_seqs,
     num_heads,
     stride_qt, stride_qh,
@@ -49,6 +61,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,
     TILE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     qblock = tl.program_id(0)
@@ -86,12 +99,16 @@ def _paged_attention_kernel(
     )  # [BLOCK_M, D]
     abs_pos = context_len - q_len + q_pos  # position of each row in the whole sequence
 
-    # -- this program's KV range: causal end of its last row, cut into NUM_SPLITS slices of tiles
+    # -- this program's KV range: from the window start of its first row (the blocks before the
+    #    window of the sequence's first row may be freed: never load them) to the causal end of its
+    #    last row, in tiles counted from 0 so that a row meets the same tiles in every program;
+    #    cut into NUM_SPLITS slices of tiles
+    kv_lo = tl.maximum(context_len - q_len + local_qblock * BLOCK_Q - window + 1, 0)
     kv_end = tl.minimum(context_len, context_len - q_len + (local_qblock + 1) * BLOCK_Q)
-    num_tiles = tl.cdiv(kv_end, TILE)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    first_tile = kv_lo // TILE
+    tiles_per_split = tl.cdiv(tl.cdiv(kv_end, TILE) - first_tile, NUM_SPLITS)
+    tile_lo = first_tile + split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, tl.cdiv(kv_end, TILE))
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -99,7 +116,7 @@ def _paged_attention_kernel(
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for tile in range(tile_lo, tile_hi):
         kv_pos = tile * TILE + tl.arange(0, TILE)
-        kv_ok = kv_pos < kv_end
+        kv_ok = (kv_pos >= kv_lo) & (kv_pos < kv_end)
         block = tl.load(table_row + kv_pos // BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
         slot_in_block = kv_pos % BLOCK_SIZE
         k = tl.load(
@@ -112,8 +129,13 @@ def _paged_attention_kernel(
             + kv_head * stride_vh + offs_d[None, :],
             mask=kv_ok[:, None], other=0.0,
         )  # [TILE, D]
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [BLOCK_M, TILE] fp32
-        visible = row_ok[:, None] & kv_ok[None, :] & (kv_pos[None, :] <= abs_pos[:, None])
+        s = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_M, TILE] fp32
+        if USE_SOFTCAP:  # Gemma 2: softcap * tanh(s * scale / softcap)
+            s = softcap * tanh(s * (scale / softcap))
+        else:
+            s = s * scale
+        behind = abs_pos[:, None] - kv_pos[None, :]  # how far each key lies behind each row
+        visible = row_ok[:, None] & kv_ok[None, :] & (behind >= 0) & (behind < window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
@@ -185,18 +207,20 @@ def _check(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens):
 
 @functools.cache
 def _tiling(group: int, head_dim: int, decode: bool) -> tuple:
-    block_m = max(16 if decode else 64, next_pow2(group))
-    return block_m, 32 if decode else 64, 4 if decode and head_dim <= 64 else 8
+    if decode:  # left alone ptxas takes ~150 registers (one program an SM); 128 hold it without spills to D=128
+        return max(16, next_pow2(group)), 32, 4 if head_dim <= 64 else 8, 128 if head_dim <= 128 else None
+    wide = head_dim > 128  # Gemma's 256: 64 x 64 tiles of it spill ~700 bytes
+    return max(32 if wide else 64, next_pow2(group)), 32 if wide else 64, 8, None
 
 
 def launch_tiling(group: int, head_dim: int, max_seqlen_q: int) -> dict:
-    """Rows per program (BLOCK_M = BLOCK_Q positions x GROUP heads), KV tile and warps.
+    """Rows per program (BLOCK_M = BLOCK_Q positions x GROUP heads), KV tile, warps and register cap.
 
-    Picked by ptxas register counts for sm_90 (no spills; at most 128 registers for decode, so two
-    programs share an SM), not yet by timings on a GPU.
+    Picked by ptxas register counts for sm_90 (no spills; at most 128 registers for decode up to
+    D=128, so two programs share an SM), not yet by timings on a GPU.
     """
-    block_m, tile, warps = _tiling(group, head_dim, max_seqlen_q <= 4)
-    return dict(BLOCK_M=block_m, BLOCK_Q=block_m // group, TILE=tile, num_warps=warps, num_stages=2)
+    block_m, tile, warps, maxnreg = _tiling(group, head_dim, max_seqlen_q <= 4)
+    return dict(BLOCK_M=block_m, BLOCK_Q=block_m // group, TILE=tile, num_warps=warps, num_stages=2, maxnreg=maxnreg)
 
 
 def _choose_splits(num_seqs: int, num_kv_heads: int, max_seqlen_q: int, max_context_len: int, tile: int) -> int:
@@ -233,12 +257,19 @@ def paged_attention(
     context_lens: torch.Tensor,
     scale: float,
     *,
+    window: int = 0,
+    softcap: float = 0.0,
     max_seqlen_q: int | None = None,
     max_context_len: int | None = None,
     num_splits: int | None = None,
     invariant: bool = False,
 ) -> torch.Tensor:
     """q [T, Hq, D] -> [T, Hq, D]; see docs/CONTRACTS.md.
+
+    window > 0: a query at position p sees the keys at p - window + 1 .. p (transformers' sliding
+    window); the blocks before the window of a sequence's first query may be freed (table entry -1,
+    or a block now another's) and are never read. softcap > 0: scores s become softcap * tanh(s /
+    softcap) before the mask and the softmax (Gemma 2).
 
     max_seqlen_q / max_context_len: the step's longest query run and context, known on the host
     by the engine; without them they are read from the device once per step. They choose the
@@ -250,6 +281,7 @@ def paged_attention(
     each query row walks its context in the same tiles, in order, in every step.
     """
     _check(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens)
+    assert window >= 0 and softcap >= 0.0, f"window {window} and softcap {softcap} must be >= 0"
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = context_lens.shape[0]
     num_kv_heads = k_cache.shape[2]
@@ -263,7 +295,8 @@ def paged_attention(
     if invariant:
         num_splits = 1
     if num_splits is None:
-        num_splits = _choose_splits(num_seqs, num_kv_heads, max_seqlen_q, max_context_len or 0, tiling["TILE"])
+        kv_len = min(max_context_len or 0, window or NO_WINDOW)  # what a decode row reads
+        num_splits = _choose_splits(num_seqs, num_kv_heads, max_seqlen_q, kv_len, tiling["TILE"])
     assert num_splits == next_pow2(num_splits), f"num_splits must be a power of 2, got {num_splits}"
     grid = (num_tokens // tiling["BLOCK_Q"] + num_seqs, num_kv_heads, num_splits)
     if num_splits == 1:
@@ -275,13 +308,13 @@ def paged_attention(
     check_launchable(_paged_attention_kernel, q)
     _paged_attention_kernel[grid](
         target, maxes, sums, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
-        scale, num_seqs, num_heads,
+        scale, window or NO_WINDOW, softcap, num_seqs, num_heads,
         q.stride(0), q.stride(1),
         target.stride(0), target.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
-        HEAD_DIM=head_dim, GROUP=group, BLOCK_SIZE=k_cache.shape[1], NUM_SPLITS=num_splits,
+        HEAD_DIM=head_dim, GROUP=group, BLOCK_SIZE=k_cache.shape[1], NUM_SPLITS=num_splits, USE_SOFTCAP=softcap > 0,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **tiling,
     )
     if num_splits > 1:

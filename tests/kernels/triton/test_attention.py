@@ -1,4 +1,5 @@
-"""The Triton paged-attention kernel (kernels.triton.attention, interpreted on CPU) against its twin.
+"""The Triton paged-attention kernel (kernels.triton.attention, interpreted on CPU) against its twin,
+and with a sliding window and a soft-cap against dense attention.
 
 Sizes stay small: the interpreter runs each program instance in numpy (about 0.4 ms each) and
 cannot do bf16 arithmetic, so the dtypes are fp32 and fp16.
@@ -6,6 +7,7 @@ Tolerances: fp32 1e-5 (summation order only), fp16 3e-3 (P rounded to fp16 befor
 rounded to fp16; values are O(1)).
 """
 
+import dataclasses
 import random
 
 import pytest
@@ -92,6 +94,8 @@ def test_launcher_rejects_bad_inputs():
         attention.paged_attention(case.q.half(), *case.args()[1:], case.scale)
     with pytest.raises(AssertionError, match="multiple"):
         attention.paged_attention(torch.zeros(1, 3, 64), *make_case([1], [5], 2, 2, 64).args()[1:], case.scale)
+    with pytest.raises(AssertionError, match="window"):
+        attention.paged_attention(*case.args(), case.scale, window=-1)
 
 
 def test_host_hints_change_nothing_but_the_launch():
@@ -101,3 +105,49 @@ def test_host_hints_change_nothing_but_the_launch():
     for hints in ({"max_seqlen_q": 6, "max_context_len": 30}, {"max_seqlen_q": 1, "max_context_len": 30}):
         out = attention.paged_attention(*case.args(), case.scale, **hints)
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def _windowed(q_lens, ctx_lens, hkv, group, window, freed, dtype, seed, d=32):
+    """A case with 8-slot blocks whose queries are scaled up so that a soft-cap of 30 bends the scores."""
+    case = make_case(q_lens, ctx_lens, hkv * group, hkv, d, block_size=8, dtype=dtype, seed=seed, window=window,
+                     freed=freed)
+    return dataclasses.replace(case, q=case.q * 20)
+
+
+# a window below a block, one that ends mid-block, one past a decode tile (32), one past every context
+@pytest.mark.parametrize("window", [5, 12, 40, 100])
+@pytest.mark.parametrize("softcap", [0.0, 30.0])
+def test_window_and_softcap_match_dense_and_twin(window, softcap):
+    for dtype, freed, (hkv, group) in ((torch.float32, "-1", (2, 3)), (torch.float16, "nan", (1, 5))):
+        # decodes, a chunk and a prefill on a cached prefix, a whole prefill; then a step of decodes alone
+        for q_lens, ctx_lens in (([1, 7, 20, 1, 12], [50, 30, 20, 9, 40]), ([1, 1, 1], [47, 8, 30])):
+            case = _windowed(q_lens, ctx_lens, hkv, group, window, freed, dtype, seed=window)
+            kwargs = dict(window=window, softcap=softcap)
+            expected = (dense_attention(case, softcap), twin.paged_attention(*case.args(), case.scale, **kwargs))
+            for invariant in (False, True):  # the invariant tiling is the decode one for every row
+                out = attention.paged_attention(*case.args(), case.scale, invariant=invariant, **kwargs)
+                for oracle in expected:
+                    torch.testing.assert_close(out, oracle, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_a_window_past_the_context_changes_no_bit():
+    case = make_case([1, 7, 20], [50, 30, 20], 4, 2, 32, block_size=8, seed=1)
+    assert torch.equal(attention.paged_attention(*case.args(), case.scale, window=50),
+                       attention.paged_attention(*case.args(), case.scale))
+
+
+@pytest.mark.parametrize("num_splits", [2, 4])
+def test_split_kv_splits_the_window(num_splits):
+    # long decodes whose freed blocks hold NaN; a short prefill whose window starts at 0
+    case = _windowed([1, 1, 6, 1], [90, 61, 6, 20], 2, 2, 21, "nan", torch.float32, seed=num_splits)
+    for softcap in (0.0, 30.0):
+        out = attention.paged_attention(*case.args(), case.scale, window=21, softcap=softcap, num_splits=num_splits)
+        torch.testing.assert_close(out, dense_attention(case, softcap), atol=1e-5, rtol=1e-5)
+
+
+def test_gemma_head_dim_256_with_window_and_softcap_matches_dense():
+    # D=256 has a prefill tiling of its own (32 x 32 tiles): a prefill on a cached prefix and a decode
+    case = _windowed([9, 1], [20, 30], 2, 2, 7, "nan", torch.float32, seed=2, d=256)
+    for softcap in (0.0, 50.0):
+        out = attention.paged_attention(*case.args(), case.scale, window=7, softcap=softcap)
+        torch.testing.assert_close(out, dense_attention(case, softcap), atol=1e-5, rtol=1e-5)

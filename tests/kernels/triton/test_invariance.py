@@ -16,6 +16,7 @@ from triton.runtime import interpreter
 
 from batchapi.kernels.triton import attention, matmul
 from tests.kernels.invariance import check_attention
+from tests.kernels.paged import dense_attention, make_case
 
 
 @pytest.fixture(autouse=True)
@@ -33,15 +34,43 @@ def dot_in_k_order(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_the_invariant_attention_is_invariant(dtype):
-    def invariant(*args):
-        return attention.paged_attention(*args, invariant=True)
+    def invariant(*args, **kwargs):
+        return attention.paged_attention(*args, invariant=True, **kwargs)
 
     check_attention(invariant, dtype, hq=3, hkv=1, d=32, block_size=16, context=40)
 
 
-def test_the_invariant_attention_ignores_the_split_and_tiling_hints():
-    from tests.kernels.paged import make_case
+# windows whose starts cross a 32-key tile inside a program of 5 positions: in the prefill, rows
+# 40-44 (window 13) and 50-54 (window 20) start their windows in tiles 0 and 1, the last of them in
+# tile 1 alone; the other sequences' blocks before their windows are freed (NaN)
+@pytest.mark.parametrize(("window", "softcap"), [(13, 0.0), (20, 30.0)])
+def test_the_invariant_attention_is_invariant_with_a_window(window, softcap):
+    def invariant(*args, **kwargs):
+        return attention.paged_attention(*args, invariant=True, **kwargs)
 
+    check_attention(invariant, torch.float32, hq=3, hkv=1, d=32, block_size=16, context=60, window=window,
+                    softcap=softcap)
+
+
+@pytest.mark.parametrize("freed", ["-1", "nan"])
+def test_the_invariant_attention_with_a_window_skips_the_freed_blocks(freed):
+    # the last 12 of 60 tokens, window 13: blocks 0-3 (keys 0-31) lie before every query's window
+    # and are freed; the run whole, token by token and in chunks of 5, each call's table the same
+    case = make_case([12], [60], 3, 1, 32, block_size=8, seed=3, window=13, freed=freed)
+
+    def run(lo: int, n: int) -> torch.Tensor:
+        cu = torch.tensor([0, n], dtype=torch.int32)
+        lens = torch.tensor([48 + lo + n], dtype=torch.int32)
+        return attention.paged_attention(case.q[lo : lo + n], case.k_cache, case.v_cache, case.block_tables, cu,
+                                         lens, case.scale, window=13, invariant=True)
+
+    whole = run(0, 12)
+    torch.testing.assert_close(whole, dense_attention(case), atol=1e-5, rtol=1e-5)
+    for chunk in (1, 5):
+        assert torch.equal(torch.cat([run(lo, min(chunk, 12 - lo)) for lo in range(0, 12, chunk)]), whole), chunk
+
+
+def test_the_invariant_attention_ignores_the_split_and_tiling_hints():
     case = make_case([1, 1, 9], [80, 70, 20], 3, 1, 32, seed=2)
     plain = attention.paged_attention(*case.args(), case.scale, invariant=True)
     hinted = attention.paged_attention(*case.args(), case.scale, invariant=True, num_splits=4, max_seqlen_q=9,
