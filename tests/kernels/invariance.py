@@ -10,12 +10,16 @@ from tests.kernels.paged import make_case
 
 
 def check_attention(attention, dtype: torch.dtype, hq: int = 6, hkv: int = 2, d: int = 64, block_size: int = 16,
-                    context: int = 70, seed: int = 0) -> None:
-    """``attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)`` gives each
-    query token of one sequence the same bits in a whole prefill, in chunks of any size, as a decode
-    token, and beside other sequences before and after it."""
+                    context: int = 70, seed: int = 0, window: int = 0, softcap: float = 0.0) -> None:
+    """``attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, window=,
+    softcap=)`` gives each query token of one sequence the same bits in a whole prefill, in chunks of
+    any size, as a decode token, and beside other sequences before and after it. With a window, the
+    other sequences' blocks before their runs' windows are freed (NaN)."""
     assert context >= 20, "the other sequences' runs are fixed, the probe's context must be at least 20"
-    case = make_case([context, 5, 1, 20], [context, 40, 33, 20], hq, hkv, d, block_size, dtype, seed=seed)
+    case = make_case([context, 5, 1, 20], [context, 40, 33, 20], hq, hkv, d, block_size, dtype, seed=seed,
+                     window=window, freed="nan" if window else "")
+    if softcap:
+        case.q.mul_(10.0)  # scores out where the cap bends them
     q, k_cache, v_cache, tables = case.q, case.k_cache, case.v_cache, case.block_tables
     i32 = dict(dtype=torch.int32)
 
@@ -24,7 +28,8 @@ def check_attention(attention, dtype: torch.dtype, hq: int = 6, hkv: int = 2, d:
         query = torch.cat([q_of(b, first, n) for b, first, n in rows])
         cu = torch.tensor([0] + torch.tensor([n for _, _, n in rows]).cumsum(0).tolist(), **i32)
         lens = torch.tensor([first + n for _, first, n in rows], **i32)
-        return attention(query, k_cache, v_cache, tables[[b for b, _, _ in rows]].contiguous(), cu, lens, case.scale)
+        return attention(query, k_cache, v_cache, tables[[b for b, _, _ in rows]].contiguous(), cu, lens, case.scale,
+                         window=window, softcap=softcap)
 
     starts = case.cu_seqlens_q.tolist()
     ctx = case.context_lens.tolist()

@@ -22,19 +22,24 @@ from batchapi.kernels.torch.rope import build_rope_cache
 from tests.kernels.invariance import check_attention, check_rows
 
 DTYPES = [torch.float32, torch.bfloat16]
+# (window, softcap): the whole context; a sliding window that starts mid-block (a block of 8, 16 or
+# 32 tokens), with Gemma 2's soft cap
+WINDOWS = [(0, 0.0), (20, 30.0)]
 
 
+@pytest.mark.parametrize("window,softcap", WINDOWS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hq,hkv,d,block_size", [(6, 2, 64, 16), (9, 3, 64, 16), (4, 4, 32, 8), (4, 1, 128, 32)])
-def test_the_c_attention_is_invariant(dtype, hq, hkv, d, block_size):
+def test_the_c_attention_is_invariant(dtype, hq, hkv, d, block_size, window, softcap):
     attention = get_ops("cpu", "cpu", invariant=True).paged_attention
-    check_attention(attention, dtype, hq, hkv, d, block_size)
+    check_attention(attention, dtype, hq, hkv, d, block_size, window=window, softcap=softcap)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("hq,hkv,d,block_size", [(6, 2, 64, 16), (4, 4, 32, 8)])
-def test_the_twins_invariant_attention_is_invariant(dtype, hq, hkv, d, block_size):
-    check_attention(invariant_paged_attention, dtype, hq, hkv, d, block_size)
+@pytest.mark.parametrize("hq,hkv,d,block_size,window,softcap", [(6, 2, 64, 16, 0, 0.0), (4, 4, 32, 8, 0, 0.0),
+                                                                (4, 4, 32, 8, *WINDOWS[1])])
+def test_the_twins_invariant_attention_is_invariant(dtype, hq, hkv, d, block_size, window, softcap):
+    check_attention(invariant_paged_attention, dtype, hq, hkv, d, block_size, window=window, softcap=softcap)
 
 
 def test_the_c_kernel_in_fp16_falls_back_to_the_invariant_twin():
@@ -42,15 +47,20 @@ def test_the_c_kernel_in_fp16_falls_back_to_the_invariant_twin():
     check_attention(get_ops("cpu", "cpu", invariant=True).paged_attention, torch.float16)
 
 
+@pytest.mark.parametrize("window,softcap", WINDOWS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_the_invariant_attentions_agree_with_the_plain_one(dtype):
+def test_the_invariant_attentions_agree_with_the_plain_one(dtype, window, softcap):
     from tests.kernels.paged import make_case
 
-    case = make_case([1, 40, 7, 1], [30, 40, 90, 17], 6, 2, 64, dtype=dtype, seed=3)
-    expected = TORCH_OPS.paged_attention(*case.args(), case.scale).float()
+    case = make_case([1, 40, 7, 1], [30, 40, 90, 17], 6, 2, 64, dtype=dtype, seed=3, window=window, freed="nan")
+    if softcap:
+        case.q.mul_(10.0)
+    kwargs = dict(window=window, softcap=softcap)
+    expected = TORCH_OPS.paged_attention(*case.args(), case.scale, **kwargs).float()
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     for attention in (invariant_paged_attention, get_ops("cpu", "cpu", invariant=True).paged_attention):
-        torch.testing.assert_close(attention(*case.args(), case.scale).float(), expected, atol=tol, rtol=tol)
+        torch.testing.assert_close(attention(*case.args(), case.scale, **kwargs).float(), expected, atol=tol,
+                                   rtol=tol)
 
 
 @pytest.mark.parametrize("ops", [CPU_OPS, TORCH_OPS], ids=["cpu", "torch"])

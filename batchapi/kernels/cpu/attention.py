@@ -9,17 +9,20 @@ own causal context length; a longer one keeps the twin's SDPA, whose matmuls win
 Tensors the kernel does not take (fp16, block size over 32, more than 16 query heads a KV head,
 head size over 256) go to the twin whole.
 
+A sliding window starts each row's walk at its window's first key: the blocks before it may be
+freed and are neither checked nor read. A soft cap is applied to the scaled scores in the kernel.
+
 Batch invariant (``invariant=True``, the engine's default): every query token goes to the C kernel,
 prefill runs of any length included, so that a token's attention is one computation whatever step
-it is in: its context in the same chunks of the same blocks, in order, with one online softmax
-(the chunks are those of the block layout, fixed per position). Long prefills then cost more
-than through SDPA's matmuls (see the engine's benchmark). Tensors the kernel does not take go to
-the twin's invariant path.
+it is in: its context (its window) in the same chunks of the same blocks, in order, with one
+online softmax (the chunks are those of the block layout from its first key on, fixed per
+position). Long prefills then cost more than through SDPA's matmuls (see the engine's benchmark).
+Tensors the kernel does not take go to the twin's invariant path.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -42,21 +45,28 @@ class _Plan:
     q_rows: torch.Tensor  # [R + 1] int32: each row's token in q (its "cu_seqlens_q"), then T
     context_lens: torch.Tensor  # [R] int32: the keys each row attends to (causal within a prefill)
     prefills: list[tuple[int, int, int, int]]  # the twin's: (sequence, first token, tokens, context length)
+    # the windows whose blocks _check_tables found in the pool: a step's layers may alternate
+    # windowed and global ones, and a global layer reads blocks a window lets go
+    checked: set[int] = field(default_factory=set)
 
 
 _last_plan: _Plan | None = None
 
 
-def _plan(block_tables, cu_seqlens_q, context_lens, num_blocks: int, block_size: int, invariant: bool) -> _Plan:
-    # every layer of a step passes the same metadata tensors: plan once, on the first layer
+def _plan(block_tables, cu_seqlens_q, context_lens, num_blocks: int, block_size: int, invariant: bool,
+          window: int) -> _Plan:
+    # every layer of a step passes the same metadata tensors: plan once, on the first layer, and
+    # check the tables once for each window the layers use
     global _last_plan
     key = (block_tables, cu_seqlens_q, context_lens, invariant)
     plan = _last_plan
     if (plan is None or plan.pool != (num_blocks, block_size)
             or any(a is not b for a, b in zip(plan.key, key, strict=True))):
-        plan = _make_plan(key, block_tables, cu_seqlens_q, context_lens, num_blocks, block_size, invariant)
-        _check_tables(plan, num_blocks, block_size)
-        _last_plan = plan
+        plan = _last_plan = _make_plan(key, block_tables, cu_seqlens_q, context_lens, num_blocks, block_size,
+                                       invariant)
+    if window not in plan.checked:
+        _check_tables(plan, num_blocks, block_size, window)
+        plan.checked.add(window)
     return plan
 
 
@@ -86,9 +96,10 @@ def _make_plan(key, block_tables, cu_seqlens_q, context_lens, num_blocks: int, b
     return plan
 
 
-def _check_tables(plan: _Plan, num_blocks: int, block_size: int) -> None:
+def _check_tables(plan: _Plan, num_blocks: int, block_size: int, window: int) -> None:
     """The C kernel trusts the block tables: a bad id would read outside the pool, so check the
-    blocks each row's context covers, once a step, before any layer reads them.
+    blocks each row's window covers (its context where window is 0), once a step, before any layer
+    reads them; the entries before a window may be freed (-1).
     Raised, not asserted, so that ``python -O`` keeps the check."""
     if not plan.rows.numel():
         return
@@ -98,9 +109,12 @@ def _check_tables(plan: _Plan, num_blocks: int, block_size: int) -> None:
     blocks = (lens + block_size - 1) // block_size  # [R] blocks each context covers
     if int(blocks.max()) > tables.shape[1]:
         raise ValueError("a block table is shorter than its context")
-    ids = tables[torch.arange(tables.shape[1])[None, :] < blocks[:, None]]
+    # [R] the block of each row's first key, as the kernel's window_start
+    first = (lens - window).clamp(min=0) // block_size if window > 0 else torch.zeros_like(lens)
+    column = torch.arange(tables.shape[1])[None, :]
+    ids = tables[(column >= first[:, None]) & (column < blocks[:, None])]
     if not bool(((ids >= 0) & (ids < num_blocks)).all()):
-        raise ValueError(f"a block table holds an id outside the KV pool of {num_blocks} blocks within its context")
+        raise ValueError(f"a block table holds an id outside the KV pool of {num_blocks} blocks within its window")
 
 
 def paged_attention(
@@ -112,26 +126,32 @@ def paged_attention(
     context_lens: torch.Tensor,  # [B] int32, KV length including this step's tokens
     scale: float,
     invariant: bool = False,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
     **hints,
 ) -> torch.Tensor:
     """Same contract as the twin, kernels.torch.attention.paged_attention (docs/CONTRACTS.md);
     invariant: every token through the C kernel (see the module's docstring)."""
     assert q.shape[1] % k_cache.shape[2] == 0, f"Hq={q.shape[1]} not a multiple of Hkv={k_cache.shape[2]}"
+    assert window >= 0 and softcap >= 0, f"window {window} and softcap {softcap} must be >= 0 (0: none)"
     if q.shape[0] == 0 or cu_seqlens_q.shape[0] < 2 or build.load() is None or not supports(q, k_cache, v_cache):
         fallback = twin.invariant_paged_attention if invariant else twin.paged_attention
-        return fallback(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, **hints)
-    plan = _plan(block_tables, cu_seqlens_q, context_lens, k_cache.shape[0], k_cache.shape[1], invariant)
+        return fallback(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, window=window,
+                        softcap=softcap, **hints)
+    plan = _plan(block_tables, cu_seqlens_q, context_lens, k_cache.shape[0], k_cache.shape[1], invariant, window)
     assert plan.num_tokens == q.shape[0], f"cu_seqlens_q ends at {plan.num_tokens}, q has {q.shape[0]} tokens"
     q = q.contiguous()
     out = torch.empty_like(q)
     if plan.rows.numel():
-        _decode_rows(plan, q, k_cache, v_cache, out, scale)
+        _decode_rows(plan, q, k_cache, v_cache, out, scale, window, softcap)
     for b, s, n, ctx in plan.prefills:
-        out[s : s + n] = twin.prefill_attention(q[s : s + n], k_cache, v_cache, block_tables[b], ctx, scale)
+        out[s : s + n] = twin.prefill_attention(q[s : s + n], k_cache, v_cache, block_tables[b], ctx, scale,
+                                                window=window, softcap=softcap)
     return out
 
 
-def _decode_rows(plan: _Plan, q, k_cache, v_cache, out, scale: float) -> None:
+def _decode_rows(plan: _Plan, q, k_cache, v_cache, out, scale: float, window: int, softcap: float) -> None:
     """paged_decode of the plan's rows without its checks: the plan's tensors are ours (made and
     checked once a step), q and the caches passed supports() and out is a fresh empty_like(q)."""
     _, hq, d = q.shape
@@ -140,7 +160,7 @@ def _decode_rows(plan: _Plan, q, k_cache, v_cache, out, scale: float) -> None:
     rc = getattr(build.load(), f"paged_decode_{build.DTYPES[q.dtype]}")(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), plan.tables.data_ptr(), plan.tables.stride(0),
         plan.context_lens.data_ptr(), plan.q_rows.data_ptr(), rows, plan.rows.data_ptr(), rows, q.shape[0],
-        out.data_ptr(), hq, hkv, d, bs, scale, torch.get_num_threads())
+        out.data_ptr(), hq, hkv, d, bs, scale, window, softcap, torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"the C decode refused the step's plan (code {rc})")
 
@@ -166,9 +186,13 @@ def paged_decode(
     seq_ids: torch.Tensor,  # [Bd] int32: the decode sequences (one query token each)
     out: torch.Tensor,  # [T, Hq, D]: the rows of those tokens are written
     scale: float,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
-    """Attention of the decode tokens of ``seq_ids``; the caller has checked that every block id
-    their contexts cover lies in the pool (paged_attention does, once a step): the kernel trusts them.
+    """Attention of the decode tokens of ``seq_ids``, within ``window`` and soft-capped by ``softcap``
+    as paged_attention's; the caller has checked that every block id their windows cover lies in the
+    pool (paged_attention does, once a step): the kernel trusts them.
     Errors are raised, not asserted, so that ``python -O`` keeps them: this reads raw memory."""
     lib = build.load()
     if lib is None:
@@ -191,7 +215,7 @@ def paged_decode(
     # here costs several torch ops on every layer)
     rc = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
             context_lens.data_ptr(), cu_seqlens_q.data_ptr(), num_seqs, seq_ids.data_ptr(), seq_ids.numel(),
-            q.shape[0], out.data_ptr(), hq, hkv, d, bs, scale, torch.get_num_threads())
+            q.shape[0], out.data_ptr(), hq, hkv, d, bs, scale, window, softcap, torch.get_num_threads())
     if rc == 2:
         raise ValueError(f"seq_ids must index the {num_seqs} sequences")
     if rc == 3:

@@ -116,7 +116,7 @@ def _load() -> ctypes.CDLL | None:
         fn.restype = ctypes.c_int
         fn.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int]
                        + [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int] * 4
-                       + [ctypes.c_float, ctypes.c_int])
+                       + [ctypes.c_float, ctypes.c_int, ctypes.c_float, ctypes.c_int])  # scale window softcap threads
     return lib
 
 

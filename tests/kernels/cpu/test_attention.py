@@ -124,6 +124,14 @@ def test_every_vector_path_matches_dense(march, needs, tmp_path, monkeypatch):
             out = attention.paged_attention(*case.args(), case.scale)
             assert not out.isnan().any(), "a block no sequence owns (NaN) was read"
             torch.testing.assert_close(out, dense_attention(case), atol=TOL[dtype], rtol=TOL[dtype])
+            # a window that starts mid-block, freed blocks before it, a soft cap; decode and prefill rows
+            case = make_case([1] * len(ctx_lens) + [9], ctx_lens + [60], hkv * group, hkv, d, block_size=block_size,
+                             dtype=dtype, seed=seed, window=21, freed="nan")
+            case.q.mul_(10.0)
+            out = attention.paged_attention(*case.args(), case.scale, window=21, softcap=30.0)
+            assert not out.isnan().any(), "a freed block was read"
+            torch.testing.assert_close(out, dense_attention(case, softcap=30.0), atol=2 * TOL[dtype],
+                                       rtol=2 * TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -249,7 +257,8 @@ def routed(monkeypatch):
     calls, prefills = [], []
     real_c, real_twin = attention._decode_rows, twin.prefill_attention
     monkeypatch.setattr(attention, "_decode_rows", lambda plan, *a: calls.append(plan.rows.numel()) or real_c(plan, *a))
-    monkeypatch.setattr(twin, "prefill_attention", lambda q, *a: prefills.append(q.shape[0]) or real_twin(q, *a))
+    monkeypatch.setattr(twin, "prefill_attention",
+                        lambda q, *a, **k: prefills.append(q.shape[0]) or real_twin(q, *a, **k))
     monkeypatch.setattr(twin, "_decode", lambda *a, **k: pytest.fail("decode rows went to the twin"))
     return calls, prefills
 
@@ -280,3 +289,82 @@ def test_a_prefill_row_past_the_pool_is_refused(routed):
     case.block_tables[0, 2] = case.k_cache.shape[0]  # the prefill's third block: outside the pool
     with pytest.raises(ValueError, match="outside the KV pool"):
         attention.paged_attention(*case.args(), case.scale)
+
+
+# ---- sliding windows and soft caps ----
+
+
+WINDOWS = [0, 5, 21, 1000]  # none, shorter than a block, ending mid-block, longer than every context
+
+
+def windowed_case(window: int, softcap: float, dtype: torch.dtype, freed: str, block_size: int):
+    """Decode rows (one that pads beside longer ones), a whole prompt and chunks on a cached prefix
+    (C rows), a run past PREFILL_ROWS_IN_C (the twin's unless invariant); 3 query heads a KV head.
+    With a soft cap, q is scaled so that the scores reach where tanh bends them."""
+    limit = attention.PREFILL_ROWS_IN_C
+    q_lens, ctx_lens = [1, 1, 1, 9, 30, 12, limit + 6], [50, 3, 130, 9, 30, 100, limit + 80]
+    case = make_case(q_lens, ctx_lens, 9, 3, 64, block_size=block_size, dtype=dtype, seed=window, window=window,
+                     freed=freed)
+    if softcap:
+        case.q.mul_(10.0)
+    return case
+
+
+@pytest.mark.parametrize(("dtype", "freed", "block_size"), [(torch.float32, "nan", 16), (torch.bfloat16, "-1", 32)])
+@pytest.mark.parametrize("softcap", [0.0, 30.0])
+@pytest.mark.parametrize("window", WINDOWS)
+def test_windowed_and_soft_capped_attention_matches_dense_and_the_twin(window, softcap, dtype, freed, block_size,
+                                                                       routed):
+    # the blocks before each sequence's window are freed: -1 in the table, or another's (NaN)
+    case = windowed_case(window, softcap, dtype, freed, block_size)
+    expected, tol = dense_attention(case, softcap=softcap), 2 * TOL[dtype]
+    kwargs = dict(window=window, softcap=softcap)
+    out = attention.paged_attention(*case.args(), case.scale, **kwargs)
+    assert not out.isnan().any(), "a freed block was read"
+    torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
+    # the twin's invariant path: its decode path would count as rows gone to the twin
+    torch.testing.assert_close(out, twin.invariant_paged_attention(*case.args(), case.scale, **kwargs), atol=tol,
+                               rtol=tol)
+    assert routed == ([3 + 9 + 30 + 12], [attention.PREFILL_ROWS_IN_C + 6])
+    every_row_in_c = attention.paged_attention(*case.args(), case.scale, invariant=True, **kwargs)
+    torch.testing.assert_close(every_row_in_c, expected, atol=tol, rtol=tol)
+    if window > max(case.context_lens.tolist()):  # a window over the whole context changes no bit
+        assert torch.equal(out, attention.paged_attention(*case.args(), case.scale, softcap=softcap))
+        assert torch.equal(every_row_in_c,
+                           attention.paged_attention(*case.args(), case.scale, invariant=True, softcap=softcap))
+
+
+@pytest.mark.parametrize("window", [1, 16, 21])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_window_may_start_anywhere_in_a_block(window, dtype, c_only):
+    # decode rows whose windows start at every offset of a block of 32 (two chunks of 16), and past it
+    ctx_lens = [window + k for k in range(40)]
+    case = make_case([1] * 40, ctx_lens, 6, 2, 64, block_size=32, dtype=dtype, seed=window, window=window,
+                     freed="nan")
+    out = attention.paged_attention(*case.args(), case.scale, window=window)
+    assert not out.isnan().any(), "a freed block was read"
+    torch.testing.assert_close(out, dense_attention(case), atol=TOL[dtype], rtol=TOL[dtype])
+    assert c_only == [40]
+
+
+def test_only_the_blocks_inside_the_windows_are_checked():
+    case = windowed_case(21, 0.0, torch.float32, "-1", 16)
+    args = (case.q, case.k_cache, case.v_cache, case.block_tables.clone(), *case.args()[4:], case.scale)
+    out = attention.paged_attention(*args, window=21)  # the -1 entries before the windows: not read
+    torch.testing.assert_close(out, dense_attention(case), atol=TOL[torch.float32], rtol=TOL[torch.float32])
+    with pytest.raises(ValueError, match="outside the KV pool"):  # a global layer of the same step reads them
+        attention.paged_attention(*args, window=0)
+    tables = case.block_tables.clone()
+    tables[2, 130 // 16] = 10_000  # inside the window of sequence 2 (context 130)
+    with pytest.raises(ValueError, match="outside the KV pool"):
+        attention.paged_attention(case.q, case.k_cache, case.v_cache, tables, *case.args()[4:], case.scale,
+                                  window=21)
+
+
+def test_paged_decode_takes_a_window_and_a_soft_cap():
+    case = make_case([1, 1], [10, 40], 4, 2, 64, seed=1, window=5, freed="nan")
+    case.q.mul_(10.0)
+    out = torch.empty_like(case.q)
+    attention.paged_decode(*case.args(), torch.tensor([0, 1], dtype=torch.int32), out, case.scale, window=5,
+                           softcap=30.0)
+    torch.testing.assert_close(out, dense_attention(case, softcap=30.0), atol=4e-5, rtol=4e-5)

@@ -8,6 +8,10 @@
  *   block_tables  [B, table_stride] int32
  * Each (sequence, kv head) pair is one task: its Hq/Hkv query heads share every key and value
  * row loaded. Storage is fp32 or bf16; arithmetic is fp32 (bf16 q.k products are exact in fp32).
+ * A sliding window (window > 0) starts a row's walk at its first visible key, context_len -
+ * window, possibly mid-block: the blocks before it may be freed (their table entries -1, or
+ * another sequence's now) and are never read. A soft cap (softcap > 0) maps each scaled score s
+ * to softcap * tanh(s / softcap) before the softmax (Gemma 2).
  * Three builds of the same algorithm, chosen by the compiler's target: AVX-512 (the main one,
  * described at its code), AVX2 with FMA, and plain C for any other CPU. Each reads no key or
  * value row past the context and no element past a row; the AVX-512 one asks for (prefetches)
@@ -56,10 +60,39 @@ INLINE float exp_nonpos(float x) {
     return p;
 }
 
+/* tanh in fp32 without libm, vectorizable: Eigen's rational approximation (an odd degree-13 over
+ * an even degree-6 polynomial) on x clamped to +-7.9, past which fp32 tanh rounds to +-1; relative
+ * error under 4e-7 */
+INLINE float tanh_rational(float x) {
+    x = x > 7.90531110763549805f ? 7.90531110763549805f : x < -7.90531110763549805f ? -7.90531110763549805f : x;
+    const float x2 = x * x;
+    float p = -2.76076847742355e-16f;
+    p = p * x2 + 2.00018790482477e-13f;
+    p = p * x2 - 8.60467152213735e-11f;
+    p = p * x2 + 5.12229709037114e-08f;
+    p = p * x2 + 1.48572235717979e-05f;
+    p = p * x2 + 6.37261928875436e-04f;
+    p = p * x2 + 4.89352455891786e-03f;
+    float q = 1.19825839466702e-06f;
+    q = q * x2 + 1.18534705686654e-04f;
+    q = q * x2 + 2.26843463243900e-03f;
+    q = q * x2 + 4.89352518554385e-03f;
+    return x * p / q;
+}
+
+/* Gemma 2's attention logit soft cap */
+INLINE float soft_cap(float s, float softcap) { return softcap * tanh_rational(s / softcap); }
+
+/* the first key of a row's window: transformers' sliding window, keys p - window + 1 .. p for the
+ * query at p = context_len - 1; window 0 is the whole context */
+INLINE int window_start(int context_len, int window) {
+    return window > 0 && context_len > window ? context_len - window : 0;
+}
+
 /* the task after this one, whose first blocks a task asks the memory for ahead of time */
 typedef struct {
     const int32_t *table; /* NULL: none */
-    int context_len;
+    int context_len, first_block; /* first_block: the block of its window's first key */
     int64_t head_at; /* its kv head's element offset in a token's row */
 } Upcoming;
 
@@ -116,6 +149,26 @@ INLINE __m512 exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
     const __m512i e = _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23);
     return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), e));
+}
+
+/* soft_cap on 16 lanes: the same rational tanh */
+INLINE __m512 soft_cap16(__m512 s, float softcap) {
+    const __m512 x = _mm512_max_ps(_mm512_min_ps(_mm512_div_ps(s, _mm512_set1_ps(softcap)),
+                                                 _mm512_set1_ps(7.90531110763549805f)),
+                                   _mm512_set1_ps(-7.90531110763549805f));
+    const __m512 x2 = _mm512_mul_ps(x, x);
+    __m512 p = _mm512_set1_ps(-2.76076847742355e-16f);
+    p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(2.00018790482477e-13f));
+    p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(-8.60467152213735e-11f));
+    p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(5.12229709037114e-08f));
+    p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(1.48572235717979e-05f));
+    p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(6.37261928875436e-04f));
+    p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(4.89352455891786e-03f));
+    __m512 q = _mm512_set1_ps(1.19825839466702e-06f);
+    q = _mm512_fmadd_ps(q, x2, _mm512_set1_ps(1.18534705686654e-04f));
+    q = _mm512_fmadd_ps(q, x2, _mm512_set1_ps(2.26843463243900e-03f));
+    q = _mm512_fmadd_ps(q, x2, _mm512_set1_ps(4.89352518554385e-03f));
+    return _mm512_mul_ps(_mm512_set1_ps(softcap), _mm512_div_ps(_mm512_mul_ps(x, p), q));
 }
 
 /* the sums of each of 16 vectors, in order, in one vector: 15 adds and 30 shuffles */
@@ -232,10 +285,10 @@ INLINE void pv_tile(__m512 (*acc)[VECS], const float (*p)[LANES], const float *c
     }
 }
 
-/* the scores (times scale) of a chunk's n tokens (n <= LANES), from element offset `at`, for all
- * `group` query heads: one vector a head, -inf in the lanes past n */
+/* the scores (times scale, soft-capped where softcap > 0) of a chunk's n tokens (n <= LANES), from
+ * element offset `at`, for all `group` query heads: one vector a head, -inf in the lanes past n */
 INLINE void chunk_scores(const void *k_cache, int64_t at, int64_t stride, int n, int group, int d, float scale,
-                         int bf16, __m512 (*qv)[VECS], __m512 *s) {
+                         float softcap, int bf16, __m512 (*qv)[VECS], __m512 *s) {
     const int64_t row_bytes = stride * (bf16 ? 2 : 4);
     for (int g = 0; g < group; g++) {
         const char *row = (const char *)k_cache + at * (bf16 ? 2 : 4);
@@ -243,8 +296,9 @@ INLINE void chunk_scores(const void *k_cache, int64_t at, int64_t stride, int n,
         __m512 part[LANES];
 #pragma GCC unroll 16
         for (int t = 0; t < LANES; t++, row += row_bytes) part[t] = dot_parts(qv[g], row, d, bf16, t < n);
-        s[g] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), first16(n),
-                                  _mm512_mul_ps(sum_each16(part), _mm512_set1_ps(scale)));
+        __m512 x = _mm512_mul_ps(sum_each16(part), _mm512_set1_ps(scale));
+        if (softcap > 0.0f) x = soft_cap16(x, softcap);
+        s[g] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), first16(n), x);
     }
 }
 
@@ -279,7 +333,8 @@ INLINE void chunk_values(const void *v_cache, int64_t at, int64_t stride, int n,
     }
 }
 
-/* a chunk: up to LANES consecutive tokens of one block, the last ones of the context maybe fewer */
+/* a chunk: up to LANES consecutive tokens of one block, at offsets that are multiples of LANES
+ * within it; the first of a window that starts mid-chunk and the last of the context maybe fewer */
 typedef struct {
     int block, offset, n; /* its block's index in the table, its first token's offset in that block */
 } Chunk;
@@ -289,13 +344,22 @@ typedef struct {
     const void *k_cache, *v_cache;
     const int32_t *table;
     int64_t token_stride, block_stride, head_at; /* head_at: the kv head's offset in a token's row */
-    int context_len, bs, group, d, bf16;
-    float scale;
+    int context_len, start, bs, group, d, bf16; /* start: the window's first key */
+    float scale, softcap;
     Upcoming next;
 } Task;
 
+/* from the window's first key to the end of its chunk; with no window, block 0's first chunk */
+INLINE Chunk first_chunk(const Task *tk) {
+    Chunk c = {tk->start / tk->bs, tk->start % tk->bs, 0};
+    const int chunk_end = c.offset - c.offset % LANES + LANES, block_end = chunk_end < tk->bs ? chunk_end : tk->bs;
+    const int left = tk->context_len - tk->start;
+    c.n = left < block_end - c.offset ? left : block_end - c.offset;
+    return c;
+}
+
 INLINE Chunk chunk_after(const Task *tk, Chunk c) {
-    c.offset += LANES;
+    c.offset += LANES - c.offset % LANES; /* a first chunk that began mid-chunk: back on the grid */
     if (c.offset >= tk->bs) c.block++, c.offset = 0;
     const int start = c.block * tk->bs + c.offset, in_block = tk->bs - c.offset;
     c.n = tk->context_len - start < in_block ? tk->context_len - start : in_block;
@@ -312,19 +376,22 @@ INLINE int64_t chunk_at(const Task *tk, Chunk c) { return block_at(tk, c.block) 
 INLINE void score_chunk(const Task *tk, Chunk c, __m512 (*qv)[VECS], __m512 *s) {
     const int64_t at = chunk_at(tk, c);
     if (c.n == LANES) /* whole chunks with a constant count: their loops unroll */
-        chunk_scores(tk->k_cache, at, tk->token_stride, LANES, tk->group, tk->d, tk->scale, tk->bf16, qv, s);
+        chunk_scores(tk->k_cache, at, tk->token_stride, LANES, tk->group, tk->d, tk->scale, tk->softcap, tk->bf16,
+                     qv, s);
     else
-        chunk_scores(tk->k_cache, at, tk->token_stride, c.n, tk->group, tk->d, tk->scale, tk->bf16, qv, s);
+        chunk_scores(tk->k_cache, at, tk->token_stride, c.n, tk->group, tk->d, tk->scale, tk->softcap, tk->bf16, qv,
+                     s);
 }
 
 /* the rows AHEAD blocks past chunk c's, at its offset: of this task, or past its end of the next
- * one; NULL where there are none */
+ * one's window; NULL where there are none */
 INLINE const char *rows_ahead(const Task *tk, Chunk c, const void *cache) {
     const int esize = tk->bf16 ? 2 : 4, block = c.block + AHEAD, past = block - (tk->context_len + tk->bs - 1) / tk->bs;
     if (past < 0) return (const char *)cache + (block_at(tk, block) + c.offset * tk->token_stride) * esize;
-    if (!tk->next.table || past * tk->bs + c.offset >= tk->next.context_len) return NULL;
-    return (const char *)cache +
-           ((int64_t)tk->next.table[past] * tk->block_stride + tk->next.head_at + c.offset * tk->token_stride) * esize;
+    const int next_block = tk->next.first_block + past;
+    if (!tk->next.table || next_block * tk->bs + c.offset >= tk->next.context_len) return NULL;
+    return (const char *)cache + ((int64_t)tk->next.table[next_block] * tk->block_stride + tk->next.head_at +
+                                  c.offset * tk->token_stride) * esize;
 }
 
 INLINE void sum_chunk(const Task *tk, Chunk c, const float (*p)[LANES], const float *corr, __m512 (*acc)[VECS]) {
@@ -338,11 +405,11 @@ INLINE void sum_chunk(const Task *tk, Chunk c, const float (*p)[LANES], const fl
 
 /* one (sequence, kv head): its `group` query heads against the sequence's context */
 INLINE void decode_task(const void *q, const void *k_cache, const void *v_cache, const int32_t *table,
-                        int context_len, int64_t q_row, void *out, int hq, int hkv, int d, int bs, int kvh,
-                        float scale, int bf16, Upcoming upcoming) {
+                        int context_len, int start, int64_t q_row, void *out, int hq, int hkv, int d, int bs, int kvh,
+                        float scale, float softcap, int bf16, Upcoming upcoming) {
     const int group = hq / hkv;
     const Task tk = {k_cache, v_cache, table, (int64_t)hkv * d, (int64_t)bs * hkv * d, (int64_t)kvh * d,
-                     context_len, bs, group, d, bf16, scale, upcoming};
+                     context_len, start, bs, group, d, bf16, scale, softcap, upcoming};
     __m512 qv[MAX_GROUP][VECS], acc[MAX_GROUP][VECS], l[MAX_GROUP], s[MAX_GROUP]; /* l: softmax sums per lane */
     float m[MAX_GROUP], p[MAX_GROUP][LANES] __attribute__((aligned(64))), corr[MAX_GROUP];
     const int64_t q_at = (q_row * hq + (int64_t)kvh * group) * d;
@@ -353,8 +420,7 @@ INLINE void decode_task(const void *q, const void *k_cache, const void *v_cache,
         m[g] = -INFINITY;
         l[g] = _mm512_setzero_ps();
     }
-    /* the first chunk is the one after "the one before the first" */
-    for (Chunk c = chunk_after(&tk, (Chunk){-1, bs - LANES, 0}); c.n; c = chunk_after(&tk, c)) {
+    for (Chunk c = first_chunk(&tk); c.n; c = chunk_after(&tk, c)) {
         score_chunk(&tk, c, qv, s);
         chunk_softmax(s, c.n, group, m, l, p, corr);
         sum_chunk(&tk, c, (const float (*)[LANES])p, corr, acc);
@@ -446,8 +512,8 @@ INLINE void rows(const void *base, int64_t at, int64_t stride, int n, int d, int
 
 /* one (sequence, kv head): its `group` query heads against the sequence's context */
 INLINE void decode_task(const void *q, const void *k_cache, const void *v_cache, const int32_t *table,
-                        int context_len, int64_t q_row, void *out, int hq, int hkv, int d, int bs, int kvh,
-                        float scale, int bf16, Upcoming upcoming) {
+                        int context_len, int start, int64_t q_row, void *out, int hq, int hkv, int d, int bs, int kvh,
+                        float scale, float softcap, int bf16, Upcoming upcoming) {
     (void)upcoming; /* no prefetching here */
     const int group = hq / hkv;
     float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], buf[MAX_BLOCK][MAX_HEAD_DIM];
@@ -461,9 +527,10 @@ INLINE void decode_task(const void *q, const void *k_cache, const void *v_cache,
         m[g] = -INFINITY;
         l[g] = 0.0f;
     }
-    for (int start = 0; start < context_len; start += bs) {
-        const int n = context_len - start < bs ? context_len - start : bs;
-        const int64_t first = (int64_t)table[start / bs] * block_stride + (int64_t)kvh * d;
+    /* block by block from the window's first key (maybe mid-block) */
+    for (int at = start; at < context_len; at = (at / bs + 1) * bs) {
+        const int end = (at / bs + 1) * bs, n = (context_len < end ? context_len : end) - at;
+        const int64_t first = (int64_t)table[at / bs] * block_stride + (at % bs) * token_stride + (int64_t)kvh * d;
         rows(k_cache, first, token_stride, n, d, bf16, buf, kr);
         for (int g = 0; g < group; g++) {
             /* scores four keys at a time: four independent sums keep the FMA units busy */
@@ -475,6 +542,10 @@ INLINE void decode_task(const void *q, const void *k_cache, const void *v_cache,
                 float s0 = 0.0f;
                 for (int i = 0; i < d; i++) s0 += qf[g][i] * kr[t][i];
                 s[g][t] = s0;
+            }
+            if (softcap > 0.0f) {
+#pragma omp simd
+                for (t = 0; t < n; t++) s[g][t] = soft_cap(s[g][t], softcap);
             }
             /* online softmax, rescaled once per block */
             float mx = m[g];
@@ -518,10 +589,10 @@ INLINE void decode_task(const void *q, const void *k_cache, const void *v_cache,
 INLINE int run(const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
                int64_t table_stride, const int32_t *context_lens, const int32_t *cu_seqlens_q, int num_tables,
                const int32_t *seq_ids, int num_seqs, int64_t num_q_rows, void *out, int hq, int hkv, int d, int bs,
-               float scale, int num_threads, int bf16) {
+               float scale, int window, float softcap, int num_threads, int bf16) {
     if (hkv <= 0 || hq % hkv || hq / hkv > MAX_GROUP || d <= 0 || d > MAX_HEAD_DIM || bs <= 0 || bs > MAX_BLOCK) return 1;
     /* every row's sequence and query token in range, before anything is read through them (the
-     * caller checks the block ids the contexts cover, once a step) */
+     * caller checks the block ids the windows cover, once a step) */
     for (int i = 0; i < num_seqs; i++) {
         if (seq_ids[i] < 0 || seq_ids[i] >= num_tables) return 2;
         if (cu_seqlens_q[seq_ids[i]] < 0 || cu_seqlens_q[seq_ids[i]] >= num_q_rows) return 3;
@@ -531,34 +602,37 @@ INLINE int run(const void *q, const void *k_cache, const void *v_cache, const in
     for (int64_t t = 0; t < tasks; t++) {
         const int seq = seq_ids[t / hkv], kvh = (int)(t % hkv);
         const int32_t *table = block_tables + (int64_t)seq * table_stride;
-        Upcoming next = {NULL, 0, 0};
+        const int len = context_lens[seq], start = window_start(len, window);
+        Upcoming next = {NULL, 0, 0, 0};
         if (t + 1 < tasks) {
             const int s = seq_ids[(t + 1) / hkv];
-            next = (Upcoming){block_tables + (int64_t)s * table_stride, context_lens[s], (int64_t)((t + 1) % hkv) * d};
+            next = (Upcoming){block_tables + (int64_t)s * table_stride, context_lens[s],
+                              window_start(context_lens[s], window) / bs, (int64_t)((t + 1) % hkv) * d};
         }
         /* the common head sizes as constants, so that their loops unroll */
         if (d == 64)
-            decode_task(q, k_cache, v_cache, table, context_lens[seq], cu_seqlens_q[seq], out, hq, hkv, 64,
-                        bs, kvh, scale, bf16, next);
+            decode_task(q, k_cache, v_cache, table, len, start, cu_seqlens_q[seq], out, hq, hkv, 64, bs, kvh, scale,
+                        softcap, bf16, next);
         else if (d == 128)
-            decode_task(q, k_cache, v_cache, table, context_lens[seq], cu_seqlens_q[seq], out, hq, hkv, 128,
-                        bs, kvh, scale, bf16, next);
+            decode_task(q, k_cache, v_cache, table, len, start, cu_seqlens_q[seq], out, hq, hkv, 128, bs, kvh, scale,
+                        softcap, bf16, next);
         else
-            decode_task(q, k_cache, v_cache, table, context_lens[seq], cu_seqlens_q[seq], out, hq, hkv, d, bs,
-                        kvh, scale, bf16, next);
+            decode_task(q, k_cache, v_cache, table, len, start, cu_seqlens_q[seq], out, hq, hkv, d, bs, kvh, scale,
+                        softcap, bf16, next);
     }
     return 0;
 }
 
 /* returns 0, or 1 for shapes it does not take, 2 for a seq id outside the tables, 3 for a query
- * row outside q; nothing is read through a bad index */
+ * row outside q; nothing is read through a bad index. window 0 and softcap 0: neither. */
 #define ENTRY(NAME, BF16)                                                                                   \
     int NAME(const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,          \
              int64_t table_stride, const int32_t *context_lens, const int32_t *cu_seqlens_q, int num_tables, \
              const int32_t *seq_ids, int num_seqs, int64_t num_q_rows, void *out, int hq, int hkv, int d,   \
-             int bs, float scale, int num_threads) {                                                        \
+             int bs, float scale, int window, float softcap, int num_threads) {                             \
         return run(q, k_cache, v_cache, block_tables, table_stride, context_lens, cu_seqlens_q, num_tables, \
-                   seq_ids, num_seqs, num_q_rows, out, hq, hkv, d, bs, scale, num_threads, BF16);           \
+                   seq_ids, num_seqs, num_q_rows, out, hq, hkv, d, bs, scale, window, softcap, num_threads,  \
+                   BF16);                                                                                   \
     }
 
 ENTRY(paged_decode_f32, 0)
