@@ -10,10 +10,13 @@ import torch
 from torch import nn
 
 from batchapi.engine.model.linears import (
+    BLOCK_ROWS,
     InvariantLinear,
     PackedLinear,
     can_pack,
+    invariant_linear,
     min_invariant_rows,
+    probe_input,
     probe_rows,
 )
 from batchapi.kernels import CPU_OPS, TORCH_OPS, get_ops
@@ -98,36 +101,52 @@ def test_the_elementwise_ops_are_invariant(ops, dtype):
 
 
 SMOLLM2_LINEARS = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)]  # (in, out)
+TEST_MODEL_DOWN_PROJ = (512, 192)  # tests/engine/test_invariance.py's; the old probe missed its kernel changes
+
+
+def _linear(in_features: int, out_features: int, dtype: torch.dtype) -> nn.Module:
+    """A layer as the engine loads it: packed for oneDNN where it can be."""
+    linear = nn.Linear(in_features, out_features, bias=False).to(dtype).requires_grad_(False)
+    linear.weight.normal_(0, 0.05, generator=torch.Generator().manual_seed(5))
+    return PackedLinear.from_linear(linear, batch_hint=256) if can_pack(linear) else linear
+
+
+@torch.inference_mode()
+def _check_linear(layer: nn.Module, max_rows: int, seed: int) -> None:
+    """Every row count 1..80 (a wide layer 1..40), and more up to ``max_rows``, in several
+    positions, on rows whose bf16 outputs show a change in the order of the fp32 sums."""
+    x = probe_input(layer.weight, max_rows, seed)
+    full = layer(x)
+    wide = layer.weight.shape[0] > 10_000  # the lm_head: fewer counts, as each costs 50x a projection's
+    dense = 41 if wide else 81
+    counts = list(range(1, dense)) + list(range(dense, max_rows + 1, 23 if wide else 7))
+    for m in counts:
+        for start in {0, max_rows - m} if wide else {0, (37 * m) % (max_rows - m + 1), max_rows - m}:
+            assert torch.equal(layer(x[start : start + m]), full[start : start + m]), (m, start)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("in_features,out_features", SMOLLM2_LINEARS)
+@pytest.mark.parametrize("in_features,out_features", SMOLLM2_LINEARS + [TEST_MODEL_DOWN_PROJ])
 def test_the_linear_layers_at_the_default_models_shapes_are_invariant(dtype, in_features, out_features):
-    """Every row count 1..80 (the lm_head 1..40), and more up to 300, in several positions: the
-    probe's choice holds beyond the counts the probe itself compares."""
-    g = torch.Generator().manual_seed(5)
-    linear = nn.Linear(in_features, out_features, bias=False).to(dtype).requires_grad_(False)
-    linear.weight.normal_(0, 0.05, generator=g)
-    if can_pack(linear):
-        linear = PackedLinear.from_linear(linear, batch_hint=256)
+    """The layer the engine runs (as it is, padded, or in blocks, as the probe decides on this CPU)
+    holds beyond the counts and the rows the probe itself compares."""
     max_rows = 300
-    min_rows = min_invariant_rows(linear, max_rows)
-    assert min_rows is not None, "the probe found no invariant row count on this CPU: the blocks fallback runs"
-    layer = InvariantLinear(linear, min_rows)
-    x = torch.randn(max_rows, in_features, generator=g).to(dtype)
-    wide = out_features > 10_000  # the lm_head: fewer counts, as each costs 50x a projection's
-    with torch.inference_mode():
-        full = layer(x)
-        counts = list(range(1, 41 if wide else 81)) + list(range(41 if wide else 81, max_rows + 1, 23 if wide else 7))
-        for m in counts:
-            for start in {0, max_rows - m} if wide else {0, (37 * m) % (max_rows - m + 1), max_rows - m}:
-                assert torch.equal(layer(x[start : start + m]), full[start : start + m]), (m, start)
+    _check_linear(invariant_linear(_linear(in_features, out_features, dtype), max_rows), max_rows, seed=5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("in_features,out_features", [(576, 576), (1536, 576)])
+def test_the_blocks_fallback_is_invariant_on_this_cpus_kernels(dtype, in_features, out_features):
+    """A row's bits depend neither on its place in a block nor on the number of blocks."""
+    layer = InvariantLinear(_linear(in_features, out_features, dtype), BLOCK_ROWS, block_rows=BLOCK_ROWS)
+    _check_linear(layer, 300, seed=6)
 
 
 def test_the_probe_covers_small_counts_densely():
     rows = probe_rows(12, 4096)
-    assert rows[:14] == list(range(12, 26)) and 4096 in rows and 4095 in rows
+    assert rows[:14] == list(range(12, 26)) and 4095 in rows and 4096 not in rows  # 4096: the reference call
     assert {31, 32, 33, 63, 64, 65, 255, 256, 257, 511, 512, 513} <= set(rows)
+    assert {176, 1280} <= set(rows)  # inside 168..191 and 1159..1904, where AMX kernels changed
 
 
 def test_a_layer_that_is_not_invariant_is_found_and_runs_in_fixed_blocks():

@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from batchapi.engine.model.linears import PackedLinear, can_pack, pack_linears
+from batchapi.engine.model.linears import PackedLinear, can_pack, pack_linears, probe_input, probe_min_rows
 
 
 def _linear(bias: bool, dtype=torch.bfloat16) -> nn.Linear:
@@ -44,3 +44,44 @@ def test_a_packed_fp32_linear_is_oneDNNs_sum_and_the_same_bits_at_any_batch(bias
     torch.testing.assert_close(full, linear(x), rtol=1e-5, atol=1e-5)  # MKL's sums, up to the last bits
     for rows in (1, 7, 64, 299):
         assert torch.equal(packed(x[:rows]), full[:rows])
+
+
+class SumsSplitAtSomeCounts(nn.Linear):
+    """bf16 outputs of fp32 sums taken in another order (K in two halves) at the row counts in
+    ``split``: as oneDNN's AMX kernel did for the test model's down_proj (512 -> 192) at some
+    counts, where the old probe's random rows showed it at 168..191 rows only, which it never tried."""
+
+    split = range(168, 192)
+
+    def forward(self, x):
+        w, x = self.weight.double(), x.double()  # fp64 sums rounded to fp32: the same bits on any CPU
+        if x.shape[0] in self.split:
+            half = x.shape[1] // 2
+            out = (x[:, :half] @ w[:, :half].T).float() + (x[:, half:] @ w[:, half:].T).float()
+        else:
+            out = (x @ w.T).float()
+        return out.to(self.weight.dtype)
+
+
+def _split_sums(split: range) -> SumsSplitAtSomeCounts:
+    layer = SumsSplitAtSomeCounts(512, 192, bias=False).bfloat16().requires_grad_(False)
+    layer.weight.normal_(0, 0.05, generator=torch.Generator().manual_seed(0))
+    layer.split = split
+    return layer
+
+
+def test_the_probe_finds_sums_taken_in_another_order_at_a_few_counts():
+    assert probe_min_rows(_split_sums(range(168, 192)), 200) is None
+    assert probe_min_rows(_split_sums(range(0)), 200) == 1  # the same sums at every count
+
+
+def test_the_probes_rows_show_another_order_of_the_sums_that_random_rows_hide():
+    split, whole = _split_sums(range(1, 10**6)), _split_sums(range(0))
+    probe_rows = probe_input(split.weight, 180, seed=1)
+    random_rows = torch.randn(180, 512, generator=torch.Generator().manual_seed(1)).bfloat16()
+
+    def rows_that_differ(x):
+        return (split(x) != whole(x)).any(dim=1).float().mean().item()
+
+    assert rows_that_differ(probe_rows) > 0.5
+    assert rows_that_differ(random_rows) < 0.05
