@@ -9,8 +9,8 @@ import numpy as np
 import torch
 
 from batchapi.engine.config import EngineConfig
-from batchapi.engine.model.linears import make_invariant, pack_linears
 from batchapi.engine.model.layers import AttentionMetadata
+from batchapi.engine.model.linears import make_invariant, pack_linears
 from batchapi.engine.model.llama import CausalLM
 from batchapi.engine.model.loader import ModelConfig, UnsupportedModelError, load_config, load_weights
 from batchapi.engine.model.moe import SparseMoE
