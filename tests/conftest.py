@@ -39,39 +39,24 @@ def minilm_dir(model_cache: Path) -> Path:
     return pull_model(DEFAULT_EMBEDDING_MODEL, model_cache)
 
 
-@pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory, smollm2_dir: Path) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama", smollm2_dir, "llama")
+def _tiny_model_fixture(arch: str):
+    """A session fixture: a tiny random ``arch`` model (tests/utils/tiny_models.py) with SmolLM2's tokenizer."""
+
+    @pytest.fixture(scope="session")
+    def fixture(tmp_path_factory, smollm2_dir: Path) -> Path:
+        name = "tiny-" + arch.replace("_", "-")
+        return build_tiny_model(tmp_path_factory.mktemp("models") / name, smollm2_dir, arch)
+
+    return fixture
 
 
-@pytest.fixture(scope="session")
-def tiny_qwen2_dir(tmp_path_factory, smollm2_dir: Path) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2", smollm2_dir, "qwen2")
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen3_dir(tmp_path_factory, smollm2_dir: Path) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen3", smollm2_dir, "qwen3")
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen3_moe_dir(tmp_path_factory, smollm2_dir: Path) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen3-moe", smollm2_dir, "qwen3_moe")
-
-
-@pytest.fixture(scope="session")
-def tiny_gemma2_dir(tmp_path_factory, smollm2_dir: Path) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-gemma2", smollm2_dir, "gemma2")
-
-
-@pytest.fixture(scope="session")
-def tiny_gemma3_dir(tmp_path_factory, smollm2_dir: Path) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-gemma3", smollm2_dir, "gemma3")
-
-
-@pytest.fixture(scope="session")
-def tiny_mixtral_dir(tmp_path_factory, smollm2_dir: Path) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-mixtral", smollm2_dir, "mixtral")
+tiny_llama_dir = _tiny_model_fixture("llama")
+tiny_qwen2_dir = _tiny_model_fixture("qwen2")
+tiny_qwen3_dir = _tiny_model_fixture("qwen3")
+tiny_qwen3_moe_dir = _tiny_model_fixture("qwen3_moe")
+tiny_gemma2_dir = _tiny_model_fixture("gemma2")
+tiny_gemma3_dir = _tiny_model_fixture("gemma3")
+tiny_mixtral_dir = _tiny_model_fixture("mixtral")
 
 
 @pytest.fixture(scope="session")

@@ -77,8 +77,8 @@ def _elementwise_cases():
     yield "rotary", rotary._rotary_kernel, {"positions_ptr": "*i64", "cos_sin_ptr": "*bf16", "*": "i32", **dict.fromkeys(
         ["q_out_ptr", "k_out_ptr", "q_ptr", "k_ptr"], bf)}, dict(HALF=64, QH_P2=32, KH_P2=8), {}
     for act in ("silu", "gelu_tanh"):
-        yield f"{act}_and_mul", getattr(activation, f"_{act}_and_mul_kernel"), {"out_ptr": bf, "x_ptr": bf, "*": "i32"}, \
-            dict(BLOCK=activation.BLOCK), {}
+        yield f"{act}_and_mul", activation._act_and_mul_kernel, {"out_ptr": bf, "x_ptr": bf, "*": "i32"}, \
+            dict(BLOCK=activation.BLOCK, GELU=act == "gelu_tanh"), {}
     for logits in ("*bf16", "*fp32"):
         yield f"apply_token_bitmask {logits[1:]}", bitmask._apply_token_bitmask_kernel, {
             "logits_ptr": logits, "bitmask_ptr": "*i32", "rows_ptr": "*i64", "*": "i32"}, dict(BLOCK=bitmask.BLOCK), {}

@@ -20,46 +20,39 @@ def tanh(x):
 
 
 @triton.jit
-def _silu_and_mul_kernel(out_ptr, x_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr):
+def _act_and_mul_kernel(out_ptr, x_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr, GELU: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < inter
     gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
     up = tl.load(x_ptr + row * stride_x + inter + cols, mask=ok, other=0.0).to(tl.float32)
     g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)  # F.silu rounds to the dtype
+    if GELU:  # tanh-approximated, as gelu_pytorch_tanh
+        inner = 0.7978845608028654 * (g + 0.044715 * (g * g * g))  # sqrt(2 / pi): torch's kBeta
+        act = 0.5 * g * (1.0 + tanh(inner))
+    else:
+        act = g / (1.0 + tl.exp(-g))
+    act = act.to(gate.dtype).to(tl.float32)  # F.silu and F.gelu round to the dtype before the product
     tl.store(out_ptr + row * stride_o + cols, (act * up).to(gate.dtype), mask=ok)
 
 
-@triton.jit
-def _gelu_tanh_and_mul_kernel(out_ptr, x_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < inter
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
-    up = tl.load(x_ptr + row * stride_x + inter + cols, mask=ok, other=0.0).to(tl.float32)
-    g = gate.to(tl.float32)
-    inner = 0.7978845608028654 * (g + 0.044715 * (g * g * g))  # sqrt(2 / pi): torch's kBeta
-    act = (0.5 * g * (1.0 + tanh(inner))).to(gate.dtype).to(tl.float32)  # F.gelu rounds to the dtype
-    tl.store(out_ptr + row * stride_o + cols, (act * up).to(gate.dtype), mask=ok)
-
-
-def _act_and_mul(kernel, x: torch.Tensor) -> torch.Tensor:
+def _act_and_mul(x: torch.Tensor, gelu: bool) -> torch.Tensor:
     assert x.dim() == 2 and x.shape[1] % 2 == 0, f"x must be [N, 2I], got {tuple(x.shape)}"
     check_last_dim_contiguous(x=x)
     inter = x.shape[1] // 2
     out = torch.empty(x.shape[0], inter, dtype=x.dtype, device=x.device)
     if x.shape[0]:
-        check_launchable(kernel, x)
-        kernel[(x.shape[0], triton.cdiv(inter, BLOCK))](out, x, inter, x.stride(0), out.stride(0), BLOCK=BLOCK)
+        check_launchable(_act_and_mul_kernel, x)
+        _act_and_mul_kernel[(x.shape[0], triton.cdiv(inter, BLOCK))](out, x, inter, x.stride(0), out.stride(0),
+                                                                     BLOCK=BLOCK, GELU=gelu)
     return out
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [N, 2I] (gate then up) -> silu(gate) * up [N, I]."""
-    return _act_and_mul(_silu_and_mul_kernel, x)
+    return _act_and_mul(x, gelu=False)
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [N, 2I] (gate then up) -> gelu(gate, approximate="tanh") * up [N, I]."""
-    return _act_and_mul(_gelu_tanh_and_mul_kernel, x)
+    return _act_and_mul(x, gelu=True)
