@@ -85,7 +85,8 @@ class ModelRunner:
         if self.config.batch_invariant:
             self.matmul_plan = make_invariant(model, self.device, self.config.max_num_batched_tokens,
                                               self.config.max_num_seqs)
-            log.info("batch invariant matmuls (layer: rows padded up to): %s", self.matmul_plan)
+            log.info("batch invariant matmuls (layer: rows a call is padded to, blocks or pieces): %s",
+                     self.matmul_plan)
         return model
 
     def _kv_bytes_per_block(self) -> int:

@@ -13,9 +13,10 @@ from batchapi.engine.model.linears import (
     BLOCK_ROWS,
     InvariantLinear,
     PackedLinear,
+    RowCounts,
     can_pack,
     invariant_linear,
-    min_invariant_rows,
+    invariant_row_counts,
     probe_input,
     probe_rows,
 )
@@ -134,6 +135,25 @@ def test_the_linear_layers_at_the_default_models_shapes_are_invariant(dtype, in_
     _check_linear(invariant_linear(_linear(in_features, out_features, dtype), max_rows), max_rows, seed=5)
 
 
+@pytest.mark.parametrize("in_features,out_features", SMOLLM2_LINEARS[:4])
+def test_the_projections_at_the_engines_step_size_are_invariant(in_features, out_features):
+    """At the engine's 4096 rows a step, where oneDNN's AMX kernel in bf16 gives the largest call's
+    sums at 1..32 rows and from about N rows on, so the probe splits the counts between: every
+    count 1..300 in three positions, and the counts around the one from which it runs one call."""
+    max_rows = 4096
+    layer = invariant_linear(_linear(in_features, out_features, torch.bfloat16), max_rows)
+    if isinstance(layer, InvariantLinear) and layer.split_rows is not None:
+        large = [layer.min_rows - 1, layer.min_rows, layer.min_rows + 1, 3001, max_rows - 1]
+    else:  # another CPU: whatever the probe chose holds
+        large = [511, 2048, max_rows - 1]
+    x = probe_input(layer.weight, max_rows, seed=7)
+    with torch.inference_mode():
+        full = layer(x)
+        for m in [*range(1, 301), *large]:
+            for start in {0, (37 * m) % (max_rows - m + 1), max_rows - m}:
+                assert torch.equal(layer(x[start : start + m]), full[start : start + m]), (m, start)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("in_features,out_features", [(576, 576), (1536, 576)])
 def test_the_blocks_fallback_is_invariant_on_this_cpus_kernels(dtype, in_features, out_features):
@@ -155,7 +175,7 @@ def test_a_layer_that_is_not_invariant_is_found_and_runs_in_fixed_blocks():
             return super().forward(x) + x.shape[0] * 1e-3
 
     linear = RowCountDependent(16, 8, bias=False).requires_grad_(False)
-    assert min_invariant_rows(linear, 100) is None
+    assert invariant_row_counts(linear, 100) == RowCounts(None, 0)
     layer = InvariantLinear(linear, 64, block_rows=64)
     x = torch.randn(100, 16)
     with torch.inference_mode():
@@ -170,7 +190,7 @@ def test_padding_makes_a_small_count_kernel_invariant():
             return out + 1e-3 if x.shape[0] < 4 else out
 
     linear = SmallCountsDiffer(16, 8, bias=False).requires_grad_(False)
-    assert min_invariant_rows(linear, 64) == 4
+    assert invariant_row_counts(linear, 64) == RowCounts(4, 0)
     layer = InvariantLinear(linear, 4)
     x = torch.randn(64, 16)
     with torch.inference_mode():

@@ -23,14 +23,24 @@ its lm_head (576x49152, up to 256 rows) otherwise only at 1..32. Its fp32 kernel
 at every count but 1 row of 1536x576. Each row of a matmul is otherwise independent of the rest:
 within one kernel every row is reduced alike.
 
-So each linear runs with at least ``min_rows`` rows, padded with zeros below that, where
-``min_rows`` is the smallest row count from which this CPU's kernel gives every row the same bits
-at every larger count up to the most rows a step can hold: found at load by ``min_invariant_rows``,
-which compares row counts from each candidate up to that most (``probe_rows``), on the layer's own
-weights. Padding costs only the smallest steps, whose matmuls read the weights anyway. Where no
-candidate holds, the layer runs in fixed blocks of ``BLOCK_ROWS`` rows, each a call of one shape,
-which gives a row the same bits in any block and at any place in it (on the AMX CPU in bf16:
-SmolLM2's four projections and the test model's 512x192 down_proj; SmolLM2's lm_head pads to 33).
+So each linear runs in one of three ways, by what ``invariant_row_counts`` finds at load on the
+layer's own weights, comparing row counts against the most rows a step can hold (``probe_rows``):
+``whole_from``, the smallest row count from which this CPU's kernel gives every row the same bits
+at every larger count, and ``split_rows``, the most rows S (up to 32) such that every count 1..S
+does too.
+
+- Padded: where ``whole_from`` is at most ``BLOCK_ROWS``, a call of fewer rows is padded with zeros
+  up to it. Padding costs only the smallest steps, whose matmuls read the weights anyway.
+- Split: where every count 1..S agrees, a call of fewer than ``whole_from`` rows runs as calls of at
+  most S rows, and a larger one as one call: both give the largest call's bits, unpadded. On the AMX
+  CPU in bf16 SmolLM2's four projections run so at 4096 rows a step (S = 32; one call from 576,
+  705, 1151 and 1919 rows on), and the test model's 512x192 at 300 (from 192).
+- Blocks: otherwise the layer runs in fixed blocks of ``BLOCK_ROWS`` rows, each a call of one shape,
+  which gives a row the same bits in any block and at any place in it. Where 1..S agree but no
+  ``whole_from`` does, blocks, not S-row pieces: a step's matmuls here are bound by reading the
+  weight once a call (a 32-row call took 0.65-0.75 of a 64-row one, one thread, SmolLM2's
+  projections), so 32-row pieces cost 1.3-1.5x the blocks from 48 rows a step on and save 1.6-1.8x
+  only at steps of up to 32 rows. (SmolLM2's lm_head at 256 rows pads to 33.)
 
 The rows compared matter as much as the counts. A bf16 output is an fp32 sum rounded to 8 bits,
 so another order of the sums shows only where it crosses a rounding boundary: on random rows in
@@ -53,7 +63,9 @@ import json
 import logging
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -93,8 +105,11 @@ def pack_linears(model: nn.Module, batch_hint: int) -> int:
     return len(targets)
 
 
-CANDIDATE_MIN_ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 33, 48, 64)
+CANDIDATE_MIN_ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 33, 48, 64)  # for padding: at most BLOCK_ROWS
+# for a split layer: 96, 128, 192, 256, ..., 65536
+CANDIDATE_WHOLE_ROWS = tuple(sorted({2**i for i in range(7, 17)} | {3 * 2**i for i in range(5, 15)}))
 BLOCK_ROWS = 64  # the fallback's rows per call
+SPLIT_MAX_ROWS = 32  # the most rows of a piece of a split call
 
 
 class TritonLinear(nn.Module):
@@ -116,13 +131,18 @@ class TritonLinear(nn.Module):
 
 
 class InvariantLinear(nn.Module):
-    """A linear layer whose every row gets the same bits whatever the number of rows of the call."""
+    """A linear layer whose every row gets the same bits whatever the number of rows of the call:
+    in fixed blocks of ``block_rows``; or one call from ``min_rows`` rows on (None: never) and,
+    below, calls of at most ``split_rows`` rows, or without those one call padded to ``min_rows``."""
 
-    def __init__(self, inner: nn.Module, min_rows: int, block_rows: int | None = None):
+    def __init__(self, inner: nn.Module, min_rows: int | None, block_rows: int | None = None,
+                 split_rows: int | None = None):
         super().__init__()
+        assert min_rows is not None or split_rows is not None, "a padded layer needs its min rows"
         self.inner = inner  # nn.Linear or PackedLinear; its parameters stay where they were
         self.min_rows = min_rows
-        self.block_rows = block_rows  # None: one call, padded to min_rows
+        self.block_rows = block_rows
+        self.split_rows = split_rows
 
     @property
     def weight(self) -> torch.Tensor:
@@ -132,9 +152,13 @@ class InvariantLinear(nn.Module):
         rows = x.shape[0]
         if self.block_rows is not None:
             return _blocked(self.inner, x, self.block_rows)
-        if rows >= self.min_rows:
+        if self.min_rows is not None and rows >= self.min_rows:
             return self.inner.forward(x)
-        return self.inner.forward(F.pad(x, (0, 0, 0, self.min_rows - rows)))[:rows]
+        if self.split_rows is None:
+            return self.inner.forward(F.pad(x, (0, 0, 0, self.min_rows - rows)))[:rows]
+        if rows <= self.split_rows:
+            return self.inner.forward(x)
+        return torch.cat([self.inner.forward(part) for part in x.split(self.split_rows)])
 
 
 def _blocked(linear: nn.Module, x: torch.Tensor, block: int) -> torch.Tensor:
@@ -148,11 +172,12 @@ OCTAVE_STEPS = 8  # probed counts per octave of row counts
 
 def probe_rows(min_rows: int, max_rows: int) -> list[int]:
     """The row counts compared against ``max_rows`` for a candidate ``min_rows``: every count up to
-    twice the candidate, the counts next to each power of two (kernels switch at 2, 4, 12, 33) and
+    twice the candidate (up to 2 * BLOCK_ROWS + 2: each count of a large candidate costs a large
+    call), the counts next to each power of two (kernels switch at 2, 4, 12, 33) and
     eight counts an octave (every 4 rows from 32, every 16 from 128, every 256 from 2048). Each
     layer seen to change kernels past its smallest counts did so over a range of 100 counts or
     more somewhere (168..191 alone, in the old probe's random rows, was only what showed)."""
-    counts = set(range(min_rows, min(2 * min_rows + 2, max_rows) + 1))
+    counts = {min_rows, *range(min_rows, min(2 * min_rows + 2, 2 * BLOCK_ROWS + 2, max_rows) + 1)}
     power = 4
     while power <= max_rows:
         counts.update((power - 1, power + 1, *(power + power * i // OCTAVE_STEPS for i in range(OCTAVE_STEPS))))
@@ -187,17 +212,23 @@ def probe_input(weight: torch.Tensor, rows: int, seed: int) -> torch.Tensor:
     return (x / x.std()).to(weight.dtype)
 
 
-_cache: dict[str, int | None] = {}
+class RowCounts(NamedTuple):
+    """What the probe found for a layer: see the module's docstring."""
+
+    whole_from: int | None  # the smallest count from which every count agrees with the largest call
+    split_rows: int  # every count 1..split_rows agrees (0: not one row)
+
+
+_cache: dict[str, list] = {}  # RowCounts as JSON lists
 _lock = threading.Lock()
 CACHE_FILE = "matmul-invariance.json"  # in the model cache directory: the probe costs seconds a shape
-PROBE_VERSION = 2  # in the cache key: a changed probe does not trust what an older one found
+PROBE_VERSION = 3  # in the cache key: a changed probe does not trust what an older one found
 
 
 @torch.inference_mode()
-def min_invariant_rows(linear: nn.Module, max_rows: int, seed: int = 0) -> int | None:
-    """The smallest row count from which ``linear`` gives each row the same bits at any count up
-    to ``max_rows`` (and in any position), or None. Cached per probe version, CPU, torch version,
-    shape, dtype, layout and threads, in memory and in a file of the model cache
+def invariant_row_counts(linear: nn.Module, max_rows: int, seed: int = 0) -> RowCounts:
+    """``probe_row_counts`` for calls of up to ``max_rows`` rows, cached per probe version, CPU,
+    torch version, shape, dtype, layout and threads, in memory and in a file of the model cache
     (BATCHAPI_MODEL_CACHE)."""
     weight = linear.weight
     key = "|".join(map(str, (f"probe{PROBE_VERSION}", _cpu_name(), torch.__version__,
@@ -207,16 +238,16 @@ def min_invariant_rows(linear: nn.Module, max_rows: int, seed: int = 0) -> int |
         if not _cache:
             _cache.update(_read_cache_file())
         if key not in _cache:
-            _cache[key] = probe_min_rows(linear, max_rows, seed)
+            _cache[key] = list(probe_row_counts(linear, max_rows, seed))
             _write_cache_file()
-        return _cache[key]
+        return RowCounts(*_cache[key])
 
 
 def _cache_path() -> Path:
     return Path(os.environ.get("BATCHAPI_MODEL_CACHE", "~/.cache/batchapi")).expanduser() / CACHE_FILE
 
 
-def _read_cache_file() -> dict[str, int | None]:
+def _read_cache_file() -> dict[str, list]:
     try:
         return json.loads(_cache_path().read_text())
     except (OSError, ValueError):
@@ -244,50 +275,97 @@ def _cpu_name() -> str:
     return "unknown cpu"
 
 
-def probe_min_rows(linear: nn.Module, max_rows: int, seed: int = 0) -> int | None:
-    """``min_invariant_rows`` uncached: compared on rows from ``probe_input``."""
+def probe_row_counts(linear: nn.Module, max_rows: int, seed: int = 0) -> RowCounts:
+    """``invariant_row_counts`` uncached: compared on rows from ``probe_input``. A whole_from above
+    BLOCK_ROWS is looked for only where small counts agree, as only a split layer uses one."""
     x = probe_input(linear.weight, max_rows, seed)
     full = linear(x)
     moved = torch.roll(x, shifts=max_rows // 3 + 1, dims=0)  # every row in another position
     if not torch.equal(linear(moved), torch.roll(full, shifts=max_rows // 3 + 1, dims=0)):
-        return None
+        return RowCounts(None, 0)
     same: dict[int, bool] = {}  # each count run once, and only while a candidate still needs it
+
+    def agrees(m: int) -> bool:
+        if m not in same:
+            same[m] = _same_rows(linear, x, full, m)
+        return same[m]
+
+    def first_differing(candidate: int) -> int | None:  # ascending: a small count that differs costs little
+        return next((m for m in probe_rows(candidate, max_rows) if not agrees(m)), None)
+
+    split_rows = 0
+    while split_rows < min(SPLIT_MAX_ROWS, max_rows - 1) and agrees(split_rows + 1):
+        split_rows += 1
+    candidates = [c for c in CANDIDATE_MIN_ROWS if c <= max_rows]
+    candidates += [c for c in CANDIDATE_WHOLE_ROWS if split_rows and c < max_rows]  # max_rows: none compared
+    return RowCounts(_whole_from(candidates, first_differing), split_rows)
+
+
+def _whole_from(candidates: list[int], first_differing: Callable[[int], int | None]) -> int | None:
+    """The first candidate whose counts all agree; one above BLOCK_ROWS bisected down to the count
+    after the largest found to differ (a split layer splits every call below it)."""
     worst = 0  # the largest count found to differ: no candidate up to it can hold
-    for candidate in (c for c in CANDIDATE_MIN_ROWS if c <= max_rows):
+    for candidate in candidates:
         if candidate <= worst:
             continue
-        for m in probe_rows(candidate, max_rows):  # ascending: a small count that differs costs little
-            if m not in same:
-                same[m] = _same_rows(linear, x, full, m)
-            if not same[m]:
-                worst = max(worst, m)
-                break
-        else:
+        differs = first_differing(candidate)
+        if differs is not None:
+            worst = max(worst, differs)
+            continue
+        while candidate > BLOCK_ROWS and candidate - worst > 1:
+            middle = (worst + candidate) // 2
+            differs = first_differing(middle)
+            if differs is None:
+                candidate = middle
+            else:
+                worst = max(worst, differs)  # past the candidate: another count the candidate's probe missed
+        if worst < candidate:
             return candidate
     return None
 
 
 def _same_rows(linear: nn.Module, x: torch.Tensor, full: torch.Tensor, m: int) -> bool:
-    """Whether a call of ``m`` rows gives the rows of the full call: small counts in windows
-    covering the first 32 rows, larger ones in one window placed by ``m``."""
+    """Whether a call of ``m`` rows gives the rows of the full call: counts a split call may run
+    in windows covering the first 32 rows and one more placed by ``m``, larger ones in that one."""
     rows = x.shape[0]
-    starts = range(0, min(32, rows - m + 1), m) if m <= 16 else ((37 * m) % (rows - m + 1),)
+    placed = (37 * m) % (rows - m + 1)
+    starts = {*range(0, min(32, rows - m + 1), m), placed} if m <= SPLIT_MAX_ROWS else {placed}
     return all(torch.equal(linear(x[s : s + m]), full[s : s + m]) for s in starts)
 
 
 def invariant_linear(linear: nn.Module, max_rows: int) -> nn.Module:
-    """``linear`` as batch invariance runs it on CPU for calls of up to ``max_rows`` rows: itself
-    where its kernel is invariant from one row, else padded to the probe's min rows, else in
-    fixed blocks of BLOCK_ROWS."""
-    min_rows = min_invariant_rows(linear, max_rows)
-    if min_rows is None:
-        return InvariantLinear(linear, BLOCK_ROWS, block_rows=BLOCK_ROWS)
-    return linear if min_rows == 1 else InvariantLinear(linear, min_rows)  # at 1: no wrapper to call
+    """``linear`` as batch invariance runs it on CPU for calls of up to ``max_rows`` rows."""
+    return invariant_layer(linear, invariant_row_counts(linear, max_rows))
+
+
+def invariant_layer(linear: nn.Module, counts: RowCounts) -> nn.Module:
+    """``linear`` run as ``counts`` allow: itself where its kernel is invariant from one row, else
+    padded, split or in fixed blocks of BLOCK_ROWS (the module's docstring says when)."""
+    whole_from, split_rows = counts
+    if whole_from == 1:
+        return linear  # no wrapper to call
+    if whole_from is not None and whole_from <= BLOCK_ROWS:
+        return InvariantLinear(linear, whole_from)
+    if whole_from is not None and split_rows:
+        return InvariantLinear(linear, whole_from, split_rows=split_rows)
+    return InvariantLinear(linear, BLOCK_ROWS, block_rows=BLOCK_ROWS)
+
+
+def plan_entry(layer: nn.Module) -> int | str:
+    """How ``layer`` runs, for the log: the rows a call is padded to (1: as it is), "blocks", or
+    "32-row pieces below 768"."""
+    if not isinstance(layer, InvariantLinear):
+        return 1
+    if layer.block_rows is not None:
+        return "blocks"
+    if layer.split_rows is not None:
+        return f"{layer.split_rows}-row pieces below {layer.min_rows}"
+    return layer.min_rows
 
 
 def make_invariant(model: nn.Module, device: torch.device, max_tokens: int,
                    max_logit_rows: int) -> dict[str, int | str]:
-    """Wrap every linear layer of ``model`` in place; returns {layer shape: min rows, "blocks" or
+    """Wrap every linear layer of ``model`` in place; returns {layer shape: ``plan_entry`` or
     "triton"} for the log. ``lm_head`` sees at most ``max_logit_rows`` rows a step, the other
     layers ``max_tokens``."""
     plan: dict[str, int | str] = {}
@@ -301,12 +379,7 @@ def make_invariant(model: nn.Module, device: torch.device, max_tokens: int,
             continue
         layer = invariant_linear(child, max_logit_rows if name == "lm_head" else max_tokens)
         setattr(parent, name, layer)
-        if not isinstance(layer, InvariantLinear):
-            plan[shape] = 1
-        elif layer.block_rows is None:
-            plan[shape] = layer.min_rows
-        else:
-            plan[shape] = "blocks"
+        plan[shape] = plan_entry(layer)
     blocked = [shape for shape, rows in plan.items() if rows == "blocks"]
     if blocked:
         log.warning("the matmuls of %s are not row-invariant on this CPU from any row count: they run in "

@@ -2,7 +2,17 @@ import pytest
 import torch
 from torch import nn
 
-from batchapi.engine.model.linears import PackedLinear, can_pack, pack_linears, probe_input, probe_min_rows
+from batchapi.engine.model.linears import (
+    BLOCK_ROWS,
+    InvariantLinear,
+    PackedLinear,
+    RowCounts,
+    can_pack,
+    invariant_layer,
+    pack_linears,
+    probe_input,
+    probe_row_counts,
+)
 
 
 def _linear(bias: bool, dtype=torch.bfloat16) -> nn.Linear:
@@ -71,8 +81,38 @@ def _split_sums(split: range) -> SumsSplitAtSomeCounts:
 
 
 def test_the_probe_finds_sums_taken_in_another_order_at_a_few_counts():
-    assert probe_min_rows(_split_sums(range(168, 192)), 200) is None
-    assert probe_min_rows(_split_sums(range(0)), 200) == 1  # the same sums at every count
+    assert probe_row_counts(_split_sums(range(168, 192)), 200) == RowCounts(192, 32)  # one call from 192 rows
+    assert probe_row_counts(_split_sums(range(0)), 200) == RowCounts(1, 32)  # the same sums at every count
+
+
+@torch.inference_mode()
+def _assert_invariant(layer: nn.Module, max_rows: int) -> None:
+    """Every count next to where the fake's sums change (33, 200) and every 7th count between."""
+    x = probe_input(layer.weight, max_rows, seed=2)
+    full = layer(x)
+    for m in sorted({*range(1, 41), *range(41, max_rows, 7), *range(190, 211), max_rows - 1}):
+        for start in {0, (37 * m) % (max_rows - m + 1), max_rows - m}:
+            assert torch.equal(layer(x[start : start + m]), full[start : start + m]), (m, start)
+
+
+def test_a_layer_whose_small_and_large_counts_agree_splits_the_counts_between():
+    """As oneDNN's AMX kernel: the largest call's sums at 1..32 rows and from about N rows on."""
+    linear = _split_sums(range(33, 200))
+    counts = probe_row_counts(linear, 300)
+    assert counts == RowCounts(200, 32)
+    layer = invariant_layer(linear, counts)
+    assert isinstance(layer, InvariantLinear) and layer.block_rows is None
+    assert (layer.split_rows, layer.min_rows) == (32, 200)  # 33..199 rows: pieces of at most 32
+    _assert_invariant(layer, 300)
+
+
+def test_a_layer_whose_small_counts_differ_too_runs_in_fixed_blocks():
+    linear = _split_sums(range(1, 200))
+    counts = probe_row_counts(linear, 300)
+    assert counts == RowCounts(None, 0)
+    layer = invariant_layer(linear, counts)
+    assert isinstance(layer, InvariantLinear) and layer.block_rows == BLOCK_ROWS
+    _assert_invariant(layer, 300)
 
 
 def test_the_probes_rows_show_another_order_of_the_sums_that_random_rows_hide():
