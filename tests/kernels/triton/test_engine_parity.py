@@ -6,7 +6,8 @@ A tiny random Llama (GQA 3, llama3 rope scaling, untied head) in fp32: the inter
 bf16, and fp32 keeps all three bit-close, so the greedy tokens must be identical. And a tiny random
 Qwen3-MoE (q/k norm through the Triton norm, yarn rope, a sparse and a dense layer). And a tiny Gemma 2
 (a local layer with an 8-token window and a global one, both logit soft-caps, GELU-tanh) and Gemma 3
-(q/k norm, the local layers' rope base, linear rope on the global layer).
+(q/k norm, the local layers' rope base, linear rope on the global layer). And a tiny Mixtral whose
+every layer has an 8-token window: its blocks past the window are released while it generates.
 """
 
 import random
@@ -34,6 +35,8 @@ MOE = dict(
 GEMMA2 = dict(TINY, query_pre_attn_scalar=48, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
               attn_logit_softcapping=3.0, final_logit_softcapping=5.0, rope_parameters={"rope_type": "default",
                                                                                          "rope_theta": 10000.0})
+MIXTRAL = dict(TINY, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+               rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 GEMMA3 = dict(GEMMA2, attn_logit_softcapping=None, final_logit_softcapping=None, rope_parameters={
     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
     "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0}})
@@ -47,16 +50,19 @@ def _families():
         Gemma3TextConfig,
         LlamaConfig,
         LlamaForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
         Qwen3MoeConfig,
         Qwen3MoeForCausalLM,
     )
 
     return {"llama": (TINY, LlamaConfig, LlamaForCausalLM), "qwen3_moe": (MOE, Qwen3MoeConfig, Qwen3MoeForCausalLM),
+            "mixtral": (MIXTRAL, MixtralConfig, MixtralForCausalLM),
             "gemma2": (GEMMA2, Gemma2Config, Gemma2ForCausalLM),
             "gemma3": (GEMMA3, Gemma3TextConfig, Gemma3ForCausalLM)}
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3_moe", "gemma2", "gemma3"])
+@pytest.fixture(scope="module", params=["llama", "qwen3_moe", "mixtral", "gemma2", "gemma3"])
 def tiny_model(tmp_path_factory, request):
     out = tmp_path_factory.mktemp(f"tiny-random-{request.param}")
     shape, config_class, model_class = _families()[request.param]
