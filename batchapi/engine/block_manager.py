@@ -156,6 +156,8 @@ class BlockManager:
         """Release the blocks of ``seq`` wholly before the window of its next token, leaving -1 at
         their places (in place: the model runner keeps the ids it wrote, which the kernels never
         read there). Call it after ``cache_full_blocks``, so a shared prompt's blocks still hit."""
+        if self.window is None:  # every step calls it: nothing to release without a window
+            return
         bs = self.block_size
         position = seq.num_computed_tokens
         if seq.num_forks:  # children still to fork start from the last block boundary (fork): keep what they read

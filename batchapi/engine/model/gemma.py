@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from batchapi.engine.model.layers import MLP, Attention, RMSNorm
+from batchapi.engine.model.layers import MLP, Attention, RMSNorm, input_norm
 from batchapi.engine.model.loader import ModelConfig
 
 NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
@@ -43,11 +43,7 @@ class GemmaDecoderLayer(nn.Module):
     def forward(self, x, residual, positions, ropes, meta):
         """x: the last layer's output (its post-feedforward norm applied), not yet in the residual."""
         ops = self.ops
-        norm = self.input_layernorm
-        if residual is None:
-            residual, x = x, ops.rms_norm(x, norm.weight, norm.eps)
-        else:
-            x, residual = ops.fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+        x, residual = input_norm(ops, x, residual, self.input_layernorm)
         x = self.self_attn.forward(x, positions, ropes, meta)
         x = ops.rms_norm(x, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
         norm = self.pre_feedforward_layernorm

@@ -38,6 +38,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
 
+def input_norm(ops, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm):
+    """A layer's input norm -> (normed, residual): of x alone in the first layer (x becomes the
+    residual), else of x added to the residual."""
+    if residual is None:
+        return ops.rms_norm(x, norm.weight, norm.eps), x
+    return ops.fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, ops, layer: int):
         super().__init__()

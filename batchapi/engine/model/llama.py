@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from batchapi.engine.model.gemma import NORMS, GemmaDecoderLayer, norm_weight, soft_cap
-from batchapi.engine.model.layers import MLP, Attention, AttentionMetadata, RMSNorm
+from batchapi.engine.model.layers import MLP, Attention, AttentionMetadata, RMSNorm, input_norm
 from batchapi.engine.model.loader import ModelConfig
 from batchapi.engine.model.moe import SparseMoE
 
@@ -30,11 +30,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, residual, positions, ropes, meta):
-        norm = self.input_layernorm
-        if residual is None:
-            residual, x = x, self.ops.rms_norm(x, norm.weight, norm.eps)
-        else:
-            x, residual = self.ops.fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+        x, residual = input_norm(self.ops, x, residual, self.input_layernorm)
         x = self.self_attn.forward(x, positions, ropes, meta)
         norm = self.post_attention_layernorm
         x, residual = self.ops.fused_add_rms_norm(x, residual, norm.weight, norm.eps)
@@ -56,8 +52,7 @@ class CausalLM(nn.Module):
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)  # [max_pos, D], set by the runner
         # the local layers' rope table where it differs (Gemma 3), else the same tensor
         self.register_buffer("cos_sin_local", torch.empty(0), persistent=False)
-        # Gemma scales the embeddings by sqrt(hidden), rounded to the model's dtype
-        self.embed_scale = cfg.hidden_size**0.5 if cfg.gemma else None
+        self.embed_scale: float | None = None  # Gemma's sqrt(hidden), rounded to the weights' dtype at load
         self.final_softcap = cfg.gemma.final_softcap if cfg.gemma else 0.0
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -66,7 +61,7 @@ class CausalLM(nn.Module):
         model's dtype (the sampler works in fp32 where it needs to; greedy needs no copy)."""
         x, residual = self.embed_tokens(input_ids), None  # [T, H]
         if self.embed_scale is not None:
-            x = x * float(torch.tensor(self.embed_scale).to(x.dtype))  # as transformers rounds it
+            x = x * self.embed_scale
         ropes = (self.cos_sin, self.cos_sin_local)  # [max_pos, D] each: global, local layers
         for layer in self.layers:  # each module's forward called straight: a step makes ~400 such calls
             x, residual = layer.forward(x, residual, positions, ropes, meta)
@@ -84,6 +79,8 @@ class CausalLM(nn.Module):
         own = dict(self.named_parameters())
         done = set()
         gemma = self.cfg.gemma is not None
+        if gemma:  # rounded as transformers rounds it: an fp32 scalar cast to the weights' dtype
+            self.embed_scale = float(torch.tensor(self.cfg.hidden_size**0.5).to(self.embed_tokens.weight.dtype))
 
         def put(name: str, value: torch.Tensor) -> None:
             if gemma and name.endswith("norm.weight"):
