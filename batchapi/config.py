@@ -55,6 +55,9 @@ class Settings(BaseSettings):
     enable_prefix_caching: bool = True
     batch_invariant: bool = True  # a request's tokens do not depend on its batch (docs/USAGE.md, "Reproducible results")
     cuda_graphs: bool = True  # CUDA: decode steps replayed from CUDA graphs (docs/BENCHMARKS.md, "Engine throughput")
+    # the engine core in a child process of the worker (batchapi/engine/core.py), where no other
+    # Python thread holds its GIL; false: on a thread of the worker's own process
+    engine_process: bool = True
 
     # service
     host: str = "127.0.0.1"

@@ -60,7 +60,7 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
     settings = load_settings()
     config = engine_config_from(settings, args.model)
     counts = run_batch(Path(args.input), Path(args.output), config, progress=not args.quiet,
-                       max_line_bytes=settings.max_line_bytes)
+                       max_line_bytes=settings.max_line_bytes, engine_process=settings.engine_process)
     console.print(counts)
     return 0
 

@@ -84,6 +84,16 @@ class EngineFront:
     def kv_usage(self) -> float:
         return self.engine.kv_usage()
 
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def grammar_compiles(self) -> int:
+        """Schemas compiled so far (one shared by many requests compiles once)."""
+        grammars = self.engine._grammars
+        return grammars.compiles if grammars is not None else 0
+
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop the engine thread; requests still in flight fail with RuntimeError."""
         self._thread.stop(timeout)

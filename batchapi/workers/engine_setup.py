@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import socket
@@ -12,7 +13,8 @@ import torch
 
 from batchapi.config import Settings
 from batchapi.context import Context
-from batchapi.engine import EngineConfig, EngineFront
+from batchapi.engine import EngineConfig
+from batchapi.engine.core import start_engine
 from batchapi.models.registry import context_length, served_model
 from batchapi.models.store import CHAT, resolve_model
 from batchapi.workers.codec import Codec
@@ -22,21 +24,30 @@ from batchapi.workers.shard_runner import ShardRunner
 
 class TakeTurns:
     """A lock granted in the order it was asked for. A plain Lock lets the thread that just
-    released it take it straight back, so a step loop would starve the encoder waiting beside it."""
+    released it take it straight back, so a step loop would starve the encoder waiting beside it.
+    ``processes``: one that works across processes too (the engine core runs in a child: pass it
+    to the child when starting it), on ``multiprocessing``'s condition and shared counters."""
 
-    def __init__(self):
-        self._cond = threading.Condition()
-        self._next_ticket = self._serving = 0
+    def __init__(self, processes: bool = False):
+        if processes:
+            mp = multiprocessing.get_context("spawn")
+            self._cond = mp.Condition()
+            self._tickets = mp.RawArray("q", 2)  # the next ticket, the one served
+        else:
+            self._cond = threading.Condition()
+            self._tickets = [0, 0]
 
     def __enter__(self) -> TakeTurns:
+        tickets = self._tickets
         with self._cond:
-            ticket, self._next_ticket = self._next_ticket, self._next_ticket + 1
-            self._cond.wait_for(lambda: self._serving == ticket)
+            ticket = tickets[0]
+            tickets[0] = ticket + 1
+            self._cond.wait_for(lambda: tickets[1] == ticket)
         return self
 
     def __exit__(self, *exc) -> None:
         with self._cond:
-            self._serving += 1
+            self._tickets[1] += 1
             self._cond.notify_all()
 
 
@@ -57,9 +68,9 @@ def start_runner(ctx: Context) -> ShardRunner:
     front = codec = None
     # one compute turn for every model on the CPU: each forward runs OpenMP teams as wide as the
     # cores, so two at once would run twice as many threads as cores (and each would wait on the other)
-    turn = TakeTurns() if resolve_device(settings.device) == "cpu" else None
+    turn = TakeTurns(processes=settings.engine_process) if resolve_device(settings.device) == "cpu" else None
     if chat:
-        front = EngineFront(engine_config_from(settings, str(chat[0].path)), compute_turn=turn).start()
+        front = start_engine(engine_config_from(settings, str(chat[0].path)), turn, settings.engine_process)
         codec = Codec(front.tokenizer, chat[0].id, front.system_fingerprint, chat[0].aliases,
                       context_length(chat[0].path))  # validation's: the worker refuses what it refused
     encoders = {m.id: start_encoder(settings, m.path, m.id, turn) for m in served if m.kind != CHAT}

@@ -29,6 +29,7 @@ from rich.progress import (
 )
 
 from batchapi.engine import EngineConfig, EngineFront, GenerationResult
+from batchapi.engine.core import EngineProcess, start_engine
 from batchapi.models.registry import context_length
 from batchapi.openai.embeddings import EMBEDDINGS
 from batchapi.openai.errors import ErrorCode, RequestError
@@ -114,16 +115,18 @@ def _progress(enabled: bool) -> Progress:
 
 
 def run_batch(input_path: Path, output_path: Path, engine_config: EngineConfig | None = None, progress: bool = True,
-              front: EngineFront | None = None, max_in_flight: int | None = None,
-              max_line_bytes: int | None = None) -> BatchCounts:
+              front: EngineFront | EngineProcess | None = None, max_in_flight: int | None = None,
+              max_line_bytes: int | None = None, engine_process: bool = True) -> BatchCounts:
     """Run every line of ``input_path`` and write one output line each to ``output_path``, in
     input order; a line over ``max_line_bytes`` is refused (``line_too_long``) without being read
     into memory. At most ``max_in_flight`` requests are in the engine, and at most
-    ``WINDOW`` times that many lines wait behind a slow one before reading stops."""
+    ``WINDOW`` times that many lines wait behind a slow one before reading stops. Without a
+    ``front``, one is started for the run: the engine core in a child process, or with
+    ``engine_process`` false on a thread of this one."""
     own_front = front is None
     if own_front:
         assert engine_config is not None, "pass an engine_config or a started front"
-        front = EngineFront(engine_config).start()
+        front = start_engine(engine_config, process=engine_process)
     limit = max_in_flight or 2 * front.config.max_num_seqs + 64
     counts = BatchCounts(total=count_lines(Path(input_path), max_line_bytes))
     done: queue.Queue[tuple[str, Future]] = queue.Queue()

@@ -1,4 +1,5 @@
-"""EngineFront: submit from many threads, futures and callbacks, abort, capacity readings."""
+"""The engine's two doors, EngineFront (a thread) and EngineProcess (a child process): submit from
+many threads, futures and callbacks, abort, capacity readings, the same for both."""
 
 from __future__ import annotations
 
@@ -14,12 +15,13 @@ from batchapi.engine import (
     GenerationRequest,
     SamplingParams,
 )
+from batchapi.engine.core import EngineProcess
 
 
-@pytest.fixture(scope="module")
-def front(tiny_llama_dir):
-    front = EngineFront(EngineConfig(model_path=tiny_llama_dir, dtype="float32", kv_cache_bytes=4 << 20,
-                                     max_num_seqs=4)).start()
+@pytest.fixture(scope="module", params=["thread", "process"])
+def front(request, tiny_llama_dir):
+    config = EngineConfig(model_path=tiny_llama_dir, dtype="float32", kv_cache_bytes=4 << 20, max_num_seqs=4)
+    front = (EngineFront if request.param == "thread" else EngineProcess)(config).start()
     yield front
     front.shutdown()
 

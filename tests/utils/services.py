@@ -109,8 +109,29 @@ def weed_binary() -> str:
 
 
 @contextlib.contextmanager
-def seaweedfs(workdir: Path, bucket: str = "batchapi-test") -> Iterator[S3Server]:
-    """`weed mini` on free ports, with credentials and a bucket, stopped afterwards."""
+def seaweedfs(workdir: Path, bucket: str = "batchapi-test", attempts: int = 3) -> Iterator[S3Server]:
+    """`weed mini` on free ports, with credentials and a bucket, stopped afterwards. A start that
+    loses a port race (another process bound one of the free ports first, or one weed derives from
+    them: "address already in use") is tried again on fresh ports."""
+    for attempt in range(1, attempts + 1):
+        proc, log, server = _start_weed(workdir / f"try{attempt}", bucket)
+        try:
+            wait_until(lambda: proc.poll() is not None or _bucket_ready(server), 90, 0.2, "SeaweedFS S3")
+            if proc.poll() is None:
+                break
+        except BaseException:
+            _stop(proc, log)
+            raise
+        _stop(proc, log)
+        assert attempt < attempts, f"weed mini exited {proc.returncode}; see {log.name}"
+    try:
+        yield server
+    finally:
+        _stop(proc, log)
+
+
+def _start_weed(workdir: Path, bucket: str):
+    workdir.mkdir(parents=True)
     ports = {name: free_port() for name in (
         "master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
         "filer.port.grpc", "s3.port", "s3.port.grpc", "s3.port.iceberg", "admin.port",
@@ -121,19 +142,18 @@ def seaweedfs(workdir: Path, bucket: str = "batchapi-test") -> Iterator[S3Server
     args += [f"-{name}={port}" for name, port in ports.items()]
     key, secret = "batchapi-test", uuid.uuid4().hex
     env = {**os.environ, "AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret}
-    log = open(workdir / "weed.log", "wb")  # noqa: SIM115 - closed below
+    log = open(workdir / "weed.log", "wb")  # noqa: SIM115 - closed by _stop
     proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
-    server = S3Server(f"http://127.0.0.1:{ports['s3.port']}", bucket, key, secret)
+    return proc, log, S3Server(f"http://127.0.0.1:{ports['s3.port']}", bucket, key, secret)
+
+
+def _stop(proc: subprocess.Popen, log) -> None:
+    proc.terminate()
     try:
-        wait_until(lambda: proc.poll() is None and _bucket_ready(server), 90, 0.2, "SeaweedFS S3")
-        yield server
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
 
 
 def _bucket_ready(server: S3Server) -> bool:
