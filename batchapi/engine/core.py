@@ -75,7 +75,11 @@ def run_core(config: EngineConfig, conn, compute_turn: AbstractContextManager | 
     """The child's loop: take every message waiting, step while there is work, send what
     finished. Blocks on the channel only when the engine has nothing to do. Returns when told to
     stop or when the parent's end closes (the parent died)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which stops us
+    # Ctrl-C, or a supervisor's SIGTERM to the process group, reaches the parent too, which stops
+    # the core in its own shutdown (after giving its shards back); a parent that dies closes the
+    # channel, and the core ends at its next look at it
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from batchapi.engine.engine import LLMEngine
@@ -190,7 +194,8 @@ class EngineProcess:
     def __init__(self, config: EngineConfig, compute_turn: AbstractContextManager | None = None,
                  max_restarts: int = 3, tokenizer=None):
         """Starts the core and waits until its model is loaded (the tokenizer loads here meanwhile).
-        ``compute_turn``: one that works across processes (``TakeTurns(processes=True)``)."""
+        ``compute_turn``: one that works across processes and can be given up for a dead core
+        (``workers.engine_setup.TakeTurns(processes=True)``, with its ``forfeit``)."""
         from transformers import AutoTokenizer
 
         self.config = config
@@ -278,6 +283,7 @@ class EngineProcess:
         if self._process.is_alive():
             self._process.kill()
             self._process.join()
+            self._forfeit_turn()
         self._thread.stop(timeout)
         self._conn.close()
         self._fail_all(RuntimeError("the engine front was shut down"))
@@ -317,6 +323,13 @@ class EngineProcess:
         assert kind == "ready", kind
         return payload
 
+    def _forfeit_turn(self) -> None:
+        """A core that died holding (or awaiting) the compute turn gives it up: a turn shared
+        across processes has ``forfeit`` (``workers.engine_setup.TakeTurns``)."""
+        forfeit = getattr(self._compute_turn, "forfeit", None)
+        if forfeit is not None:
+            forfeit()
+
     def _send(self, message) -> None:
         with self._send_lock:
             try:
@@ -351,6 +364,7 @@ class EngineProcess:
         every request failed) once it has died too often."""
         self._process.join(5)
         code = self._process.exitcode
+        self._forfeit_turn()
         now = time.monotonic()
         self._deaths = [t for t in self._deaths if now - t < RESTART_WINDOW] + [now]
         if len(self._deaths) > self.max_restarts:
@@ -361,6 +375,8 @@ class EngineProcess:
             return False
         log.warning("the engine core died (exit code %s); starting a new one and resubmitting %d requests",
                     code, len(self._pending))
+        if self._thread.stopping.is_set():
+            return False
         try:
             process, conn = self._spawn()
             self._await_ready(process, conn)

@@ -152,6 +152,9 @@ class LLMEngine:
         self.requests[request.request_id] = state
         try:
             params.check_vocab(self.runner.model_config.vocab_size)
+            if params.n > self.config.max_num_seqs:
+                raise ValueError(f"n is {params.n}; this engine runs at most {self.config.max_num_seqs} sequences "
+                                 "at once (max_num_seqs)")
             bad = [t for t in request.prompt_token_ids if not 0 <= t < self.runner.model_config.vocab_size]
             if bad:
                 raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary")

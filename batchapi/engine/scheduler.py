@@ -196,10 +196,11 @@ class Scheduler:
         full = False  # out of budget, seq slots or blocks: admit nothing more this step
         scheduled = dict(zip(batch.seqs, batch.num_new_tokens, strict=True))  # seq -> tokens it computes now
         waves: dict[int, int] = {}  # block filled by a copy this step -> the copy's wave
+        forks = sum(s.num_forks for s in self.running)  # children that running parents (n > 1) fork yet
         for group in self.waiting.runs():
             count = 0
             for seq in group:
-                if budget <= 0 or not self._has_seq_slot(seq):
+                if budget <= 0 or not self._has_seq_slot(seq, forks):
                     full = True
                     break
                 cached, hashes = self.bm.match_prefix(seq)
@@ -213,6 +214,7 @@ class Scheduler:
                     full = True
                     break
                 self._admit(seq, cached, hashes, num_cached + copied, n, batch)
+                forks += seq.num_forks
                 scheduled[seq] = n
                 if donor:
                     src, _, wave = donor
@@ -274,9 +276,10 @@ class Scheduler:
         batch.seqs.append(seq)
         batch.num_new_tokens.append(n)
 
-    def _has_seq_slot(self, seq: Sequence) -> bool:
-        # children forked later take slots too
-        return not self.running or len(self.running) + 1 + seq.num_forks <= self.max_num_seqs
+    def _has_seq_slot(self, seq: Sequence, forks: int) -> bool:
+        """Whether ``seq`` and the children it forks fit beside the running sequences and the
+        children those fork later (``forks``)."""
+        return not self.running or len(self.running) + forks + 1 + seq.num_forks <= self.max_num_seqs
 
     def _preempt(self, seq: Sequence) -> None:
         self.bm.free_blocks(seq)

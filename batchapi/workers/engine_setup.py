@@ -25,30 +25,60 @@ from batchapi.workers.shard_runner import ShardRunner
 class TakeTurns:
     """A lock granted in the order it was asked for. A plain Lock lets the thread that just
     released it take it straight back, so a step loop would starve the encoder waiting beside it.
-    ``processes``: one that works across processes too (the engine core runs in a child: pass it
-    to the child when starting it), on ``multiprocessing``'s condition and shared counters."""
+
+    ``processes``: one that works across processes too, on ``multiprocessing``'s condition and
+    shared counters, for an engine core in a child process (pass it to the child when starting
+    it). A child killed while it holds or awaits its turn would stop the line for good, so the
+    child's ticket is kept, and ``forfeit`` (its parent calls it once the child is dead) gives
+    the turn on, or marks the ticket to be skipped when its turn comes."""
+
+    NEXT, SERVING, CHILD, SKIP = range(4)  # the shared counters: a ticket each, -1 for none
 
     def __init__(self, processes: bool = False):
         if processes:
             mp = multiprocessing.get_context("spawn")
             self._cond = mp.Condition()
-            self._tickets = mp.RawArray("q", 2)  # the next ticket, the one served
+            self._tickets = mp.RawArray("q", [0, 0, -1, -1])
         else:
             self._cond = threading.Condition()
-            self._tickets = [0, 0]
+            self._tickets = [0, 0, -1, -1]
+        self._parent = os.getpid()
 
     def __enter__(self) -> TakeTurns:
         tickets = self._tickets
         with self._cond:
-            ticket = tickets[0]
-            tickets[0] = ticket + 1
-            self._cond.wait_for(lambda: tickets[1] == ticket)
+            ticket = tickets[self.NEXT]
+            tickets[self.NEXT] = ticket + 1
+            if os.getpid() != self._parent:
+                tickets[self.CHILD] = ticket
+            self._cond.wait_for(lambda: tickets[self.SERVING] == ticket)
         return self
 
     def __exit__(self, *exc) -> None:
         with self._cond:
-            self._tickets[1] += 1
-            self._cond.notify_all()
+            if os.getpid() != self._parent:
+                self._tickets[self.CHILD] = -1
+            self._next_turn()
+
+    def forfeit(self) -> None:
+        """The child process died: pass the turn it held, or skip the one it waited for."""
+        tickets = self._tickets
+        with self._cond:
+            ticket, tickets[self.CHILD] = tickets[self.CHILD], -1
+            if ticket < 0:
+                return
+            if tickets[self.SERVING] == ticket:
+                self._next_turn()
+            else:
+                tickets[self.SKIP] = ticket
+
+    def _next_turn(self) -> None:
+        tickets = self._tickets
+        tickets[self.SERVING] += 1
+        if tickets[self.SERVING] == tickets[self.SKIP]:
+            tickets[self.SERVING] += 1
+            tickets[self.SKIP] = -1
+        self._cond.notify_all()
 
 
 def worker_owner() -> str:

@@ -72,7 +72,7 @@ def message(record: dict) -> tuple[dict, dict]:
 
 
 def compiles(server) -> int:
-    return server.worker.runner.front.engine.grammars.compiles
+    return server.worker.runner.front.grammar_compiles
 
 
 REVIEWS = ["I love this phone, the battery is great.", "Terrible service, I want my money back.",

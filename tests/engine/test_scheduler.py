@@ -55,6 +55,24 @@ def test_sequence_cap_keeps_extra_requests_waiting():
     assert step(sched) == [("b", 1), ("c", 3)]
 
 
+def test_the_cap_counts_the_children_a_prefilling_parent_forks_later():
+    # a, b and c are n=2 requests: each forks a child once its prompt is done. Four slots hold
+    # two of them with their children; c waits, even while a and b are still prefilling
+    sched = make(max_num_seqs=4, budget=8)
+    a = add(sched, "a", range(12))
+    b, c = (add(sched, name, range(50 + i, 53 + i)) for i, name in enumerate("bc"))
+    for seq in (a, b, c):
+        seq.num_forks = 1
+    assert step(sched) == [("a", 8)]
+    assert step(sched) == [("a", 4), ("b", 3)]  # budget left for c, but no slot for c and its child
+    for parent in (a, b):  # both prompts done: each forks its child, with its own first token (LLMEngine._fork)
+        parent.num_forks = 0
+        child = Sequence(parent.request_id, list(parent.token_ids[: parent.num_prompt_tokens]), params=None)
+        sched.fork(parent, child)
+        child.token_ids.append(8)
+    assert [r for r, _ in step(sched)] == ["a", "b", "a", "b"] and c.status is SequenceStatus.WAITING
+
+
 def test_preemption_frees_the_newest_and_recomputes_it_later():
     sched = make(num_blocks=4, block_size=4, budget=32)
     a = add(sched, "a", range(7))

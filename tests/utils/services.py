@@ -116,7 +116,7 @@ def seaweedfs(workdir: Path, bucket: str = "batchapi-test", attempts: int = 3) -
     for attempt in range(1, attempts + 1):
         proc, log, server = _start_weed(workdir / f"try{attempt}", bucket)
         try:
-            wait_until(lambda: proc.poll() is not None or _bucket_ready(server), 90, 0.2, "SeaweedFS S3")
+            wait_until(lambda p=proc, s=server: p.poll() is not None or _bucket_ready(s), 90, 0.2, "SeaweedFS S3")
             if proc.poll() is None:
                 break
         except BaseException:

@@ -68,3 +68,36 @@ def test_engine_steps_and_encoder_forwards_never_overlap(tiny_llama_dir, minilm_
     assert {name for _, _, name in spans} == {"engine", "encoder"}
     for (_, end, a), (start, _, b) in zip(spans, spans[1:], strict=False):
         assert end <= start, f"{a} and {b} computed at once"
+
+
+def hold_the_turn_forever(turn, held) -> None:
+    with turn:
+        held.set()
+        time.sleep(600)
+
+
+def test_a_turn_held_by_a_killed_child_process_is_given_on():
+    import multiprocessing
+    import os
+    import signal
+
+    mp = multiprocessing.get_context("spawn")
+    turn, held = TakeTurns(processes=True), mp.Event()
+    child = mp.Process(target=hold_the_turn_forever, args=(turn, held), daemon=True)
+    child.start()
+    assert held.wait(60), "the child never took its turn"
+    got = threading.Event()
+
+    def take():
+        with turn:
+            got.set()
+
+    waiter = threading.Thread(target=take, daemon=True)
+    waiter.start()
+    assert not got.wait(0.3)  # the child holds the turn
+    os.kill(child.pid, signal.SIGKILL)
+    child.join(10)
+    turn.forfeit()  # what EngineProcess does for a dead core
+    assert got.wait(10), "the turn stayed with the dead child"
+    with turn:  # and the line goes on
+        pass

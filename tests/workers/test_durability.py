@@ -8,6 +8,8 @@ the test can say which requests were computed, and by whom."""
 
 from __future__ import annotations
 
+import os
+import signal
 import uuid
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from batchapi.db.session import session_scope
 from tests.utils.waiting import read_batch, wait_for_batch
 from tests.workers.conftest import WORKER_SETTINGS, running_cluster
 from tests.workers.helpers import assert_each_once, assert_usage_matches, lines_for, results, submit
+from tests.workers.processes import engine_cores
 
 pytestmark = pytest.mark.slow
 
@@ -34,16 +37,16 @@ MAX_TOKENS = 96  # a 64-request shard takes seconds even on a fast, quiet machin
 
 # run in the worker before `batchapi worker`: every request given to the engine is noted in a file
 RECORD_REQUESTS = """
-from batchapi.engine.front import EngineFront
+from batchapi.engine.core import EngineProcess
 
-_submit, _path = EngineFront.submit, {path!r}
+_submit, _path = EngineProcess.submit, {path!r}
 
 def submit(self, request, callback=None):
     with open(_path, "a") as f:
         f.write(request.request_id + "\\n")
     return _submit(self, request, callback)
 
-EngineFront.submit = submit
+EngineProcess.submit = submit
 """
 
 
@@ -202,6 +205,28 @@ def test_expiry_mid_shard_keeps_every_finished_request(cluster, worker, model):
     assert before <= len(output) < SHARD
     assert {e["error"]["code"] for e in errors} == {"batch_expired"}
     assert_usage_matches(batch, output)
+
+
+def test_kill_9_of_the_engine_core_mid_shard_loses_and_repeats_nothing(cluster, worker, model):
+    """The worker's engine core process dies: the worker starts a new one and resubmits what was
+    in flight; the shard stays the worker's (one attempt), every request ends once."""
+    name, record = worker
+    lines = shard_lines(model, "core")
+    with cluster.http() as http:
+        batch_id = submit(http, lines)
+        wait_for_batch(http, batch_id, until=mid_shard, message="some finished requests")
+        (core,) = engine_cores(cluster.workers[name].pid)
+        os.kill(core, signal.SIGKILL)
+        batch = wait_for_batch(http, batch_id)
+        assert batch["status"] == "completed", batch
+        output, errors = results(http, batch)
+    assert engine_cores(cluster.workers[name].pid) not in ([], [core]), "no new engine core"
+    shard = the_shard(cluster, batch_id)
+    assert sorted(computed(record, shard.id)) == [(1, seq) for seq in range(SHARD)]  # never given up
+    assert_each_once(lines, output, errors)
+    assert errors == [] and batch["request_counts"] == {"total": SHARD, "completed": SHARD, "failed": 0}
+    assert_usage_matches(batch, output)
+    assert cluster.workers[name].poll() is None
 
 
 def test_kill_9_mid_shard_recomputes_only_the_requests_without_a_result(cluster, worker, model):

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import pytest
 from openai.types.responses import Response
 
 from batchapi.engine import EngineConfig, EngineFront
+from batchapi.engine.core import EngineProcess
 from batchapi.openai.errors import RequestError
 from batchapi.openai.lines import parse_line
 from batchapi.workers.codec import Codec
@@ -181,3 +184,67 @@ def test_an_anthropic_request_for_another_model_or_past_the_context_is_refused_a
     chat = json.dumps({"custom_id": "c", "method": "POST", "url": "/v1/chat/completions", "body": {
         "model": "claude-x", "max_tokens": 500, "messages": [{"role": "user", "content": "Hi"}]}}).encode()
     assert codec.request(parse_line(chat, 1, None), "c").prompt_token_ids  # OpenAI's rule: validation's concern
+
+
+def comparable(text: str, cached: bool = True) -> list[dict]:
+    """Output lines without what differs between two runs of a request (its ids, the clock), and
+    with ``cached`` false without the prompt tokens the prefix cache held (a new core's is empty)."""
+    records = []
+    for record in map(json.loads, text.splitlines()):
+        record.pop("id")
+        record["response"].pop("request_id")
+        body = record["response"]["body"]
+        body.pop("id", None)
+        body.pop("created", None)
+        if not cached and "usage" in body:
+            body["usage"]["prompt_tokens_details"].pop("cached_tokens")
+        records.append(record)
+    return records
+
+
+def mixed_config(model_dir) -> EngineConfig:
+    return EngineConfig(model_path=model_dir, dtype="float32", kv_cache_bytes=4 << 20, max_num_seqs=4,
+                        max_model_len=200)
+
+
+@pytest.fixture(scope="module")
+def mixed_file(tmp_path_factory, tiny_llama_dir):
+    """Chat and completion lines (n, logprobs, stop strings, seeds) and what a new engine on a
+    thread writes for them."""
+    chat, lines = "/v1/chat/completions", []
+    for i in range(16):
+        if i % 4 == 3:
+            lines.append(line(f"c{i}", "/v1/completions", prompt=f"Once upon a time {i}", max_tokens=12 + i, n=2,
+                              logprobs=1, temperature=0.8, seed=i))
+        else:
+            lines.append(line(f"c{i}", chat, messages=[{"role": "user", "content": f"count to {i}"}],
+                              max_tokens=8 + 2 * i, temperature=0, stop=["e"] if i % 2 else None))
+    src = tmp_path_factory.mktemp("mixed") / "in.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    run_batch(src, src.with_suffix(".thread"), mixed_config(tiny_llama_dir), progress=False, engine_process=False)
+    return src, src.with_suffix(".thread").read_text()
+
+
+def test_run_batch_through_the_engine_core_process_writes_what_the_thread_writes(mixed_file, tiny_llama_dir):
+    src, on_a_thread = mixed_file
+    dst = src.with_suffix(".process")
+    counts = run_batch(src, dst, mixed_config(tiny_llama_dir), progress=False)  # its own front: the engine core in a child process
+    assert (counts.completed, counts.failed) == (16, 0)
+    assert comparable(dst.read_text()) == comparable(on_a_thread)
+
+
+def test_run_batch_with_its_engine_core_killed_loses_and_repeats_nothing(mixed_file, tiny_llama_dir):
+    src, on_a_thread = mixed_file
+    dst, killed = src.with_suffix(".killed"), []
+    with EngineProcess(mixed_config(tiny_llama_dir)) as front:
+        def kill_after_some_results(seconds, results):
+            if results and not killed:
+                killed.append(front.num_in_flight())
+                os.kill(front.pid, signal.SIGKILL)
+
+        front.on_step = kill_after_some_results
+        counts = run_batch(src, dst, front=front, progress=False)
+        assert front.restarts == 1
+    assert killed and killed[0] > 0, "nothing was in flight at the kill"
+    assert (counts.completed, counts.failed) == (16, 0)
+    assert comparable(dst.read_text(), cached=False) == comparable(on_a_thread, cached=False)

@@ -147,7 +147,9 @@ def test_split_kv_splits_the_window(num_splits):
 
 def test_gemma_head_dim_256_with_window_and_softcap_matches_dense():
     # D=256 has a prefill tiling of its own (32 x 32 tiles): a prefill on a cached prefix and a decode
+    # (fp32 dot products of 256 terms summed in another order than the dense oracle's: a few times
+    # the error of D=64, 2e-5 seen on an AMD EPYC)
     case = _windowed([9, 1], [20, 30], 2, 2, 7, "nan", torch.float32, seed=2, d=256)
     for softcap in (0.0, 50.0):
         out = attention.paged_attention(*case.args(), case.scale, window=7, softcap=softcap)
-        torch.testing.assert_close(out, dense_attention(case, softcap), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out, dense_attention(case, softcap), atol=5e-5, rtol=5e-5)
