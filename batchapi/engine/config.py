@@ -5,16 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from batchapi.kernels import MODES
-
 DTYPES = ("auto", "bfloat16", "float16", "float32")  # engine.platform maps them to torch dtypes
-KERNELS = MODES  # the kernel sets of batchapi.kernels.get_ops
+KERNELS = ("auto", "triton", "cpu", "torch")  # batchapi.kernels.MODES (a test checks they agree)
 
 
 @dataclass
 class EngineConfig:
     model_path: str | Path
-    device: str = "cpu"
+    device: str = "cpu"  # auto: cuda where torch sees a GPU, else cpu (LLMEngine resolves it)
     dtype: str = "auto"  # auto: CUDA bfloat16 (else float16); CPU the faster of bfloat16 and float32, measured
     kernels: str = "auto"  # auto: triton on CUDA, cpu (C decode attention + twins) elsewhere
     max_num_seqs: int = 256
@@ -37,7 +35,7 @@ class EngineConfig:
         self.model_path = Path(self.model_path).expanduser()
         assert self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}"
         assert self.kernels in KERNELS, f"kernels must be one of {KERNELS}, got {self.kernels!r}"
-        assert self.device == "cpu" or self.device.startswith("cuda"), f"unsupported device {self.device!r}"
+        assert self.device in ("auto", "cpu") or self.device.startswith("cuda"), f"unsupported device {self.device!r}"
         assert self.max_num_seqs >= 1, "max_num_seqs must be at least 1"
         assert self.max_num_batched_tokens >= self.max_num_seqs, (
             "max_num_batched_tokens must be at least max_num_seqs (one decode token per sequence)"

@@ -96,8 +96,10 @@ def run_core(config: EngineConfig, conn, compute_turn: AbstractContextManager | 
         core.loop()
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the parent is gone: nobody is left to read a result
-    finally:
-        engine.close()
+    engine.close()
+    conn.close()
+    logging.shutdown()
+    os._exit(0)  # nothing is left to flush; tearing down torch's interpreter state takes most of a second
 
 
 class _Core:
@@ -196,8 +198,6 @@ class EngineProcess:
         """Starts the core and waits until its model is loaded (the tokenizer loads here meanwhile).
         ``compute_turn``: one that works across processes and can be given up for a dead core
         (``workers.engine_setup.TakeTurns(processes=True)``, with its ``forfeit``)."""
-        from transformers import AutoTokenizer
-
         self.config = config
         self.max_restarts = max_restarts
         self._compute_turn = compute_turn
@@ -213,7 +213,11 @@ class EngineProcess:
         self.restarts = 0
         self.on_step: Callable[[float, list[GenerationResult]], None] | None = None
         self._process, self._conn = self._spawn()
-        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(str(config.model_path))
+        if tokenizer is None:  # transformers is imported here, while the core imports torch beside us
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(config.model_path))
+        self.tokenizer = tokenizer
         info = self._await_ready(self._process, self._conn)
         self.system_fingerprint = info.system_fingerprint
         self.max_model_len = info.max_model_len

@@ -6,7 +6,7 @@ import functools
 import hashlib
 import logging
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ from batchapi.engine.block_manager import BlockManager
 from batchapi.engine.config import EngineConfig
 from batchapi.engine.detokenizer import IncrementalDetokenizer, StopChecker, check_finish
 from batchapi.engine.model_runner import ModelRunner
+from batchapi.engine.platform import resolve_device
 from batchapi.engine.request import (
     CompletionOutput,
     DuplicateRequestId,
@@ -106,6 +107,7 @@ def device_kind(device: str) -> str:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer=None):
+        config = replace(config, device=resolve_device(config.device))
         self.config = config
         self.runner = ModelRunner(config)
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(str(config.model_path))

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+import math
 from itertools import chain
 
 import numpy as np
 import torch
+from torch import nn
 
 from batchapi.engine.config import EngineConfig
 from batchapi.engine.model.layers import AttentionMetadata
@@ -65,7 +67,7 @@ class ModelRunner:
         check_context(cfg, max_pos)  # before any weight is read
         with torch.device("meta"):
             model = CausalLM(cfg, self.ops)
-        model = model.to_empty(device=self.device).to(self.dtype)
+        model = materialize(model.to(self.dtype), self.device)
         model.load(load_weights(self.config.model_path))
         model.cos_sin = self.ops.build_rope_cache(cfg.head_dim, max_pos, cfg.rope_theta, cfg.rope_scaling,
                                                   self.device, self.dtype, cfg.max_position_embeddings)  # [max_pos, D]
@@ -112,8 +114,8 @@ class ModelRunner:
         cfg = self.model_config
         shape = (self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
         for layer in self.model.layers:
-            layer.self_attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            layer.self_attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.self_attn.k_cache = zeroed(shape, self.dtype, self.device)
+            layer.self_attn.v_cache = zeroed(shape, self.dtype, self.device)
         log.info("KV pool: %d blocks of %d tokens (%.0f MiB)", self.num_blocks, self.block_size,
                  self.num_blocks * self._kv_bytes_per_block() / 2**20)
 
@@ -179,6 +181,39 @@ def sample_rows(batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
         rows.append((seq, seq.sample_index))
         rows.extend((seq, seq.sample_index + 1 + i) for i in range(seq.num_forks))
     return rows
+
+
+def materialize(model: nn.Module, device: torch.device) -> nn.Module:
+    """``model.to_empty(device=device)`` for a model built on the meta device, without its cost:
+    ``to_empty`` goes through ``empty_like`` on meta tensors, whose Python reference imports
+    sympy and torch.fx's symbolic shapes (about a second of a worker's start). A parameter shared
+    by two modules stays shared; the loader fills every one."""
+    made: dict[int, torch.Tensor] = {}
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            made[id(t)] = torch.empty(t.shape, dtype=t.dtype, device=device)
+        return made[id(t)]
+
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                module._parameters[name] = nn.Parameter(empty(param), requires_grad=param.requires_grad)
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = empty(buffer)
+    return model
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor. On the CPU its memory comes from calloc (through numpy), whose large
+    blocks are fresh pages of the OS, zero until first written: a pool of gigabytes costs nothing
+    at start, and only the blocks a run touches are ever faulted in (``torch.zeros`` writes every
+    byte first: half a second a 2 GiB pool)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape) * dtype.itemsize
+    return torch.from_numpy(np.zeros(count, dtype=np.uint8)).view(dtype).view(shape)
 
 
 class StepInputs:

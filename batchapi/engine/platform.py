@@ -29,6 +29,13 @@ def keep_freed_memory() -> None:
     libc.mallopt(m_trim_threshold, 1 << 30)
 
 
+def resolve_device(device: str) -> str:
+    """``auto``: cuda where torch sees a GPU, else cpu; any other name as it is."""
+    if device != "auto":
+        return device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def resolve_dtype(name: str, device: torch.device, hidden_size: int = 1024) -> torch.dtype:
     if name != "auto":
         return TORCH_DTYPES[name]

@@ -9,16 +9,15 @@ import socket
 import threading
 import uuid
 
-import torch
-
 from batchapi.config import Settings
 from batchapi.context import Context
-from batchapi.engine import EngineConfig
 from batchapi.engine.core import start_engine
+from batchapi.engine.platform import resolve_device
 from batchapi.models.registry import context_length, served_model
-from batchapi.models.store import CHAT, resolve_model
+from batchapi.models.store import CHAT
 from batchapi.workers.codec import Codec
 from batchapi.workers.embedding_codec import EmbeddingCodec
+from batchapi.workers.engine_config import engine_config_from
 from batchapi.workers.shard_runner import ShardRunner
 
 
@@ -122,27 +121,3 @@ def stop_this_process() -> None:
     ``batchapi worker``, uvicorn's in ``batchapi serve``), and the supervisor (systemd, Docker,
     Kubernetes) starts a fresh process with a fresh engine."""
     os.kill(os.getpid(), signal.SIGTERM)
-
-
-def resolve_device(device: str) -> str:
-    if device != "auto":
-        return device
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def engine_config_from(settings: Settings, model: str | None = None) -> EngineConfig:
-    """EngineConfig from settings: the one place a worker or the CLI builds it."""
-    path = resolve_model(model or settings.model, settings.model_cache)
-    return EngineConfig(
-        model_path=str(path),
-        device=resolve_device(settings.device),
-        dtype=settings.dtype,
-        kernels=settings.kernels,
-        max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        kv_cache_bytes=int(settings.kv_cache_gb * 2**30),
-        gpu_memory_utilization=settings.gpu_memory_utilization,
-        enable_prefix_caching=settings.enable_prefix_caching,
-        batch_invariant=settings.batch_invariant,
-        cuda_graphs=settings.cuda_graphs,
-    )

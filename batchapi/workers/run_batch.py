@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.progress import (
     BarColumn,
@@ -28,14 +29,18 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from batchapi.engine import EngineConfig, EngineFront, GenerationResult
+from batchapi.engine.config import EngineConfig
 from batchapi.engine.core import EngineProcess, start_engine
+from batchapi.engine.request import GenerationResult
 from batchapi.models.registry import context_length
 from batchapi.openai.embeddings import EMBEDDINGS
 from batchapi.openai.errors import ErrorCode, RequestError
 from batchapi.openai.lines import InputLine, is_blank, iter_lines, parse_line
 from batchapi.storage.streams import CHUNK
 from batchapi.workers.codec import Codec
+
+if TYPE_CHECKING:
+    from batchapi.engine.front import EngineFront
 
 WINDOW = 4  # lines waiting to be written, in multiples of the requests in flight
 

@@ -42,7 +42,10 @@ class CausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.ops = ops
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # built on the meta device and loaded: a weight of our own skips nn.Embedding's random init,
+        # whose normal_ on meta tensors imports torch._dynamo (1.7 s of a worker's start)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         layer = GemmaDecoderLayer if cfg.gemma else DecoderLayer
         self.layers = nn.ModuleList(layer(cfg, ops, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
