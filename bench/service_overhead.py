@@ -140,7 +140,7 @@ def through_engine(args, lines: list[dict], warmup: list[dict]) -> tuple[float, 
     from batchapi.engine import EngineFront
     from batchapi.openai.lines import parse_line
     from batchapi.workers.codec import Codec
-    from batchapi.workers.engine_config import engine_config_from
+    from batchapi.workers.engine_setup import engine_config_from
 
     settings = load_settings(model=args.model)
     with EngineFront(engine_config_from(settings)) as front:

@@ -54,7 +54,7 @@ def cmd_models_list(args: argparse.Namespace) -> int:
 
 
 def cmd_run_batch(args: argparse.Namespace) -> int:
-    from batchapi.workers.engine_config import engine_config_from
+    from batchapi.workers.engine_setup import engine_config_from
     from batchapi.workers.run_batch import run_batch
 
     settings = load_settings()

@@ -45,6 +45,7 @@ Callback = Callable[[GenerationResult], None]
 
 RESTART_WINDOW = 600.0  # seconds: deaths older than this no longer count against max_restarts
 START_TIMEOUT = 600.0  # seconds a new core may take to load its model
+MAX_MESSAGES_A_STEP = 4096  # messages the core takes in between two steps, so that a flood never stops them
 
 
 @dataclass
@@ -114,7 +115,9 @@ class _Core:
                 conn.poll(None)  # idle: wait for the parent
             failed: list[tuple[str, BaseException]] = []
             aborted: list[GenerationResult] = []
-            while conn.poll(0):
+            for _ in range(MAX_MESSAGES_A_STEP):
+                if not conn.poll(0):
+                    break
                 kind, payload = conn.recv()
                 if kind == "stop":
                     return

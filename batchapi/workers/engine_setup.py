@@ -1,4 +1,6 @@
-"""Building the one engine and shard runner of a worker process (never at import)."""
+"""Building the one engine and shard runner of a worker process (never at import), and the
+engine's configuration from the settings. Imports no torch: ``run-batch`` reads its engine
+configuration here and starts its engine core before this process imports torch."""
 
 from __future__ import annotations
 
@@ -11,13 +13,11 @@ import uuid
 
 from batchapi.config import Settings
 from batchapi.context import Context
+from batchapi.engine.config import EngineConfig
 from batchapi.engine.core import start_engine
-from batchapi.engine.platform import resolve_device
 from batchapi.models.registry import context_length, served_model
-from batchapi.models.store import CHAT
+from batchapi.models.store import CHAT, resolve_model
 from batchapi.workers.codec import Codec
-from batchapi.workers.embedding_codec import EmbeddingCodec
-from batchapi.workers.engine_config import engine_config_from
 from batchapi.workers.shard_runner import ShardRunner
 
 
@@ -97,6 +97,8 @@ def start_runner(ctx: Context) -> ShardRunner:
     front = codec = None
     # one compute turn for every model on the CPU: each forward runs OpenMP teams as wide as the
     # cores, so two at once would run twice as many threads as cores (and each would wait on the other)
+    from batchapi.engine.platform import resolve_device  # torch: the worker's own models need it anyway
+
     turn = TakeTurns(processes=settings.engine_process) if resolve_device(settings.device) == "cpu" else None
     if chat:
         front = start_engine(engine_config_from(settings, str(chat[0].path)), turn, settings.engine_process)
@@ -110,6 +112,8 @@ def start_runner(ctx: Context) -> ShardRunner:
 def start_encoder(settings: Settings, path, model_id: str, turn: TakeTurns | None = None) -> tuple:
     """An embedding model's encoder front (fp32: vectors as sentence-transformers computes them) and codec."""
     from batchapi.encoder import EncoderConfig, EncoderFront
+    from batchapi.engine.platform import resolve_device
+    from batchapi.workers.embedding_codec import EmbeddingCodec
 
     front = EncoderFront(EncoderConfig(path, device=resolve_device(settings.device)), compute_turn=turn).start()
     return front, EmbeddingCodec(front.tokenizer, model_id, front.max_seq_length, front.dimensions)
@@ -121,3 +125,21 @@ def stop_this_process() -> None:
     ``batchapi worker``, uvicorn's in ``batchapi serve``), and the supervisor (systemd, Docker,
     Kubernetes) starts a fresh process with a fresh engine."""
     os.kill(os.getpid(), signal.SIGTERM)
+
+
+def engine_config_from(settings: Settings, model: str | None = None) -> EngineConfig:
+    """EngineConfig from settings: the one place a worker or the CLI builds it."""
+    path = resolve_model(model or settings.model, settings.model_cache)
+    return EngineConfig(
+        model_path=str(path),
+        device=settings.device,  # auto: the engine resolves it, in the process it runs in
+        dtype=settings.dtype,
+        kernels=settings.kernels,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        kv_cache_bytes=int(settings.kv_cache_gb * 2**30),
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        enable_prefix_caching=settings.enable_prefix_caching,
+        batch_invariant=settings.batch_invariant,
+        cuda_graphs=settings.cuda_graphs,
+    )

@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 from sqlalchemy.exc import OperationalError
 
@@ -32,7 +33,6 @@ from batchapi.batches import leases, request_results
 from batchapi.batches.leases import Claimed
 from batchapi.batches.shard_input import read_shard
 from batchapi.context import Context
-from batchapi.engine import EngineFront
 from batchapi.errors import TRANSIENT, NotFound
 from batchapi.openai.errors import ErrorCode
 from batchapi.workers.codec import Codec, LineCodec
@@ -41,11 +41,15 @@ from batchapi.workers.result_writer import ResultWriter
 from batchapi.workers.shard_finisher import ShardFinisher
 from batchapi.workers.shard_work import ShardWork, engine_failure
 
+if TYPE_CHECKING:
+    from batchapi.engine.core import EngineProcess
+    from batchapi.engine.front import EngineFront
+
 log = logging.getLogger(__name__)
 
 
 class ShardRunner:
-    def __init__(self, ctx: Context, front: EngineFront | None, codec: Codec | None, owner: str,
+    def __init__(self, ctx: Context, front: EngineFront | EngineProcess | None, codec: Codec | None, owner: str,
                  on_engine_death: Callable[[], None] | None = None, encoders: dict[str, tuple] | None = None):
         """``front``/``codec``: the chat model's engine (None on a worker of embedding models only);
         ``encoders``: model id -> (``encoder.EncoderFront``, ``EmbeddingCodec``) of its embedding models."""

@@ -60,10 +60,11 @@ class Cluster:
         if self.beat is not None:
             processes.stop(self.beat)
 
-    def start_worker(self, name: str | None = None, prelude: str | None = None) -> str:
+    def start_worker(self, name: str | None = None, prelude: str | None = None, env: dict | None = None) -> str:
+        """``env``: variables of this worker's own on top of the cluster's."""
         name = name or f"w{len(self.workers)}-{uuid.uuid4().hex[:4]}"
-        self.workers[name] = processes.spawn(["worker", "-n", f"{name}@%h"], self.env, self.logdir / f"{name}.log",
-                                             prelude)
+        self.workers[name] = processes.spawn(["worker", "-n", f"{name}@%h"], {**self.env, **(env or {})},
+                                             self.logdir / f"{name}.log", prelude)
         return name
 
     def wait_ready(self, name: str, timeout: float = 120) -> None:

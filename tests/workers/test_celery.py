@@ -176,7 +176,9 @@ def test_kill_9_of_a_worker_mid_batch(cluster, two_workers, model):
     assert all(s.lease_owner.split(":")[1] != victim_pid for s in shards if s.status == "succeeded" and s.attempts > 1)
 
 
-# run in a worker process before `batchapi worker`: its engine thread dies at its 20th step
+# run in a worker process before `batchapi worker` whose engine runs on a thread of it
+# (BATCHAPI_ENGINE_PROCESS=false): its engine thread dies at its 20th step. (An engine core in a
+# child process that dies is restarted: tests/workers/test_durability.py, tests/engine/test_core.py.)
 ENGINE_DIES = """
 import itertools
 from batchapi.engine.engine import LLMEngine
@@ -196,7 +198,7 @@ LLMEngine.step = step
 
 
 def test_a_worker_whose_engine_dies_gives_its_shards_back_and_exits(cluster, two_workers, model):
-    doomed = cluster.start_worker(prelude=ENGINE_DIES)
+    doomed = cluster.start_worker(prelude=ENGINE_DIES, env={"BATCHAPI_ENGINE_PROCESS": "false"})
     cluster.wait_ready(doomed)
     proc = cluster.workers[doomed]
     lines = long_lines(model, "dead-engine", n=120)

@@ -164,7 +164,7 @@ class EngineKilled(BaseException):
 def started_front(settings, monkeypatch, step):
     """A running EngineFront whose engine steps with ``step(real_step)`` instead."""
     from batchapi.engine import EngineFront
-    from batchapi.workers.engine_config import engine_config_from
+    from batchapi.workers.engine_setup import engine_config_from
 
     front = EngineFront(engine_config_from(settings))
     real = front.engine.step

@@ -84,7 +84,7 @@ def status(ctx, batch_id: str) -> str:
 def runner(ctx, owner: str):
     from batchapi.engine import EngineFront
     from batchapi.workers.codec import Codec
-    from batchapi.workers.engine_config import engine_config_from
+    from batchapi.workers.engine_setup import engine_config_from
     from batchapi.workers.shard_runner import ShardRunner
 
     front = EngineFront(engine_config_from(ctx.settings)).start()
