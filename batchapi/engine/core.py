@@ -240,16 +240,27 @@ class EngineProcess:
 
     def submit(self, request: GenerationRequest, callback: Callback | None = None) -> Future:
         """Queue a request; raises DuplicateRequestId while one with the same id is in flight."""
-        future: Future = Future()
+        return self.submit_many([request], callback)[0]
+
+    def submit_many(self, requests: list[GenerationRequest], callback: Callback | None = None) -> list[Future]:
+        """Queue requests in one message to the core, which takes them into one step; a request
+        id already in flight raises DuplicateRequestId and queues none of them."""
+        futures = [Future() for _ in requests]
         with self._lock:
             if self._thread.stopping.is_set() or self._dead.is_set():
                 raise RuntimeError("the engine core is shut down")
-            if request.request_id in self._pending:
-                raise DuplicateRequestId(f"request id {request.request_id!r} is already in flight")
-            self._pending[request.request_id] = (request, future, callback)
-            self._sent += 1
-        self._send(("add", [request]))
-        return future
+            ids = [r.request_id for r in requests]
+            seen: set[str] = set()
+            for rid in ids:
+                if rid in self._pending or rid in seen:
+                    raise DuplicateRequestId(f"request id {rid!r} is already in flight")
+                seen.add(rid)
+            for request, future in zip(requests, futures, strict=True):
+                self._pending[request.request_id] = (request, future, callback)
+            self._sent += len(requests)
+        if requests:
+            self._send(("add", list(requests)))
+        return futures
 
     def abort(self, request_id: str) -> None:
         with self._lock:

@@ -63,6 +63,10 @@ class EngineFront:
             self._wake.notify()
         return future
 
+    def submit_many(self, requests: list[GenerationRequest], callback: Callback | None = None) -> list[Future]:
+        """``submit`` each (``EngineProcess`` sends them to its core in one message)."""
+        return [self.submit(request, callback) for request in requests]
+
     def abort(self, request_id: str) -> None:
         with self._wake:
             self._aborts.append(request_id)

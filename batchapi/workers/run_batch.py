@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from batchapi.engine.front import EngineFront
 
 WINDOW = 4  # lines waiting to be written, in multiples of the requests in flight
+SEND_EVERY = 32  # requests read before they go to the engine together (and whenever reading must wait)
 
 
 @dataclass
@@ -155,6 +156,13 @@ def run_batch(input_path: Path, output_path: Path, engine_config: EngineConfig |
                     bar.update(task, completed=counts.completed + counts.failed,
                                tps=counts.completion_tokens / elapsed if elapsed else 0.0)
 
+            staged: list = []  # requests read and not yet sent: the engine takes them in one message
+
+            def send() -> None:
+                for request, future in zip(staged, front.submit_many(staged), strict=True):
+                    future.add_done_callback(lambda f, rid=request.request_id: done.put((rid, f)))
+                staged.clear()
+
             for number, _, _, content in iter_lines(_chunks(Path(input_path)), max_line_bytes):
                 if is_blank(content):
                     continue
@@ -177,11 +185,14 @@ def run_batch(input_path: Path, output_path: Path, engine_config: EngineConfig |
                     bar.update(task, completed=counts.completed + counts.failed)
                     continue
                 writer.lines[request.request_id] = line
-                future = front.submit(request)
-                future.add_done_callback(lambda f, rid=request.request_id: done.put((rid, f)))
+                staged.append(request)
+                if len(staged) >= SEND_EVERY:
+                    send()
                 while len(writer.lines) >= limit or len(writer.unwritten) >= WINDOW * limit:
+                    send()
                     drain(block=True)  # the oldest unwritten line is in flight, so a result comes
                 drain(block=False)
+            send()
             while writer.lines:
                 drain(block=True)
     finally:

@@ -215,8 +215,7 @@ class ShardRunner:
                  claimed.attempts, len(requests), len(earlier))
         if work.done.is_set():  # nothing to run: every line was rejected
             self._finish(work)
-        for request in requests:
-            future = front.submit(request)
+        for request, future in zip(requests, front.submit_many(requests), strict=True):  # one message to a core
             future.add_done_callback(lambda f, w=work, rid=request.request_id: self._on_done(w, rid, f))
         return work
 

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from batchapi.engine import EngineConfig, EngineFront, GenerationRequest, SamplingParams
+from batchapi.engine import DuplicateRequestId, EngineConfig, EngineFront, GenerationRequest, SamplingParams
 from batchapi.engine.core import CoreDied, EngineProcess
 from batchapi.engine.model.loader import UnsupportedModelError
 from tests.utils.waiting import wait_until
@@ -79,6 +79,15 @@ def test_a_killed_core_is_restarted_and_every_request_is_delivered_once(tiny_lla
     # the rerun requests give the same tokens and text; only what the new core's empty prefix cache held differs
     assert uncached(results) == uncached(on_a_thread)
     assert sorted(delivered) == sorted(on_a_thread)  # each callback once
+
+
+def test_submit_many_queues_all_or_none(tiny_llama_dir):
+    with EngineProcess(config(tiny_llama_dir)) as front:
+        with pytest.raises(DuplicateRequestId, match="'twice'"):
+            front.submit_many(requests(2) + [GenerationRequest("twice", [1, 2]), GenerationRequest("twice", [3])])
+        assert front.num_in_flight() == 0
+        results = [f.result(timeout=60) for f in front.submit_many(requests(3))]
+    assert [r.request_id for r in results] == ["r0", "r1", "r2"]
 
 
 def test_a_core_that_keeps_dying_is_given_up_and_its_requests_fail(tiny_llama_dir):

@@ -80,3 +80,9 @@ def test_a_malformed_request_fails_alone_and_the_engine_keeps_serving(front):
     assert front.is_alive()
     after = front.submit(request("after-broken", max_tokens=3)).result(timeout=60)
     assert after.completion_tokens == 3 and after.error is None
+
+
+
+def test_submit_many_resolves_each_future(front):
+    futures = front.submit_many([request(f"many-{i}", max_tokens=3) for i in range(5)])
+    assert [f.result(timeout=60).completion_tokens for f in futures] == [3] * 5

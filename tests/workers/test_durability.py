@@ -39,14 +39,14 @@ MAX_TOKENS = 96  # a 64-request shard takes seconds even on a fast, quiet machin
 RECORD_REQUESTS = """
 from batchapi.engine.core import EngineProcess
 
-_submit, _path = EngineProcess.submit, {path!r}
+_submit_many, _path = EngineProcess.submit_many, {path!r}
 
-def submit(self, request, callback=None):
+def submit_many(self, requests, callback=None):
     with open(_path, "a") as f:
-        f.write(request.request_id + "\\n")
-    return _submit(self, request, callback)
+        f.write("".join(request.request_id + "\\n" for request in requests))
+    return _submit_many(self, requests, callback)
 
-EngineProcess.submit = submit
+EngineProcess.submit_many = submit_many
 """
 
 
