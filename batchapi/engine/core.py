@@ -37,11 +37,16 @@ from dataclasses import dataclass
 
 from batchapi.background import Background
 from batchapi.engine.config import EngineConfig
-from batchapi.engine.request import DuplicateRequestId, ErrorCode, GenerationRequest, GenerationResult
+from batchapi.engine.request import (
+    Callback,
+    DuplicateRequestId,
+    ErrorCode,
+    GenerationRequest,
+    GenerationResult,
+    resolve,
+)
 
 log = logging.getLogger(__name__)
-
-Callback = Callable[[GenerationResult], None]
 
 RESTART_WINDOW = 600.0  # seconds: deaths older than this no longer count against max_restarts
 START_TIMEOUT = 600.0  # seconds a new core may take to load its model
@@ -424,14 +429,8 @@ class EngineProcess:
         with self._lock:
             _, future, callback = self._pending.pop(result.request_id, (None, None, None))
             self._aborted.discard(result.request_id)
-        if future is None:
-            return
-        future.set_result(result)
-        if callback is not None:
-            try:
-                callback(result)
-            except Exception:
-                log.exception("result callback for %s raised", result.request_id)
+        if future is not None:
+            resolve(future, callback, result)
 
     def _fail(self, request_id: str, exc: BaseException) -> None:
         with self._lock:

@@ -17,11 +17,10 @@ from contextlib import AbstractContextManager, nullcontext
 from batchapi.background import Background
 from batchapi.engine.config import EngineConfig
 from batchapi.engine.engine import LLMEngine
-from batchapi.engine.request import DuplicateRequestId, GenerationRequest, GenerationResult
+from batchapi.engine.request import Callback, DuplicateRequestId, GenerationRequest, GenerationResult, resolve
 
 log = logging.getLogger(__name__)
 
-Callback = Callable[[GenerationResult], None]
 
 
 class EngineFront:
@@ -169,14 +168,8 @@ class EngineFront:
     def _deliver(self, result: GenerationResult) -> None:
         with self._lock:
             future, callback = self._pending.pop(result.request_id, (None, None))
-        if future is None:
-            return
-        future.set_result(result)
-        if callback is not None:
-            try:
-                callback(result)
-            except Exception:
-                log.exception("result callback for %s raised", result.request_id)
+        if future is not None:
+            resolve(future, callback, result)
 
     def _fail(self, request_id: str, exc: Exception) -> None:
         with self._lock:

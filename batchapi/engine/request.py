@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -58,3 +61,18 @@ class GenerationResult:
     @property
     def completion_tokens(self) -> int:
         return sum(len(o.token_ids) for o in self.outputs)
+
+
+Callback = Callable[[GenerationResult], None]  # called with a request's result once it is done
+
+log = logging.getLogger(__name__)
+
+
+def resolve(future: Future, callback: Callback | None, result: GenerationResult) -> None:
+    """Give a request its result: the future first, then its callback (one that raises is logged)."""
+    future.set_result(result)
+    if callback is not None:
+        try:
+            callback(result)
+        except Exception:
+            log.exception("result callback for %s raised", result.request_id)
