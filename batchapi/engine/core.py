@@ -222,9 +222,9 @@ class EngineProcess:
         self.on_step: Callable[[float, list[GenerationResult]], None] | None = None
         self._process, self._conn = self._spawn()
         if tokenizer is None:  # transformers is imported here, while the core imports torch beside us
-            from transformers import AutoTokenizer
+            from batchapi.engine.detokenizer import load_tokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(str(config.model_path))
+            tokenizer = load_tokenizer(config.model_path)
         self.tokenizer = tokenizer
         info = self._await_ready(self._process, self._conn)
         self.system_fingerprint = info.system_fingerprint

@@ -1,4 +1,4 @@
-"""Token ids to text as they are generated, stop strings, and when a sequence is done.
+"""The tokenizer; token ids to text as they are generated, stop strings, and when a sequence is done.
 
 Decoding one token at a time is wrong for byte-level BPE: a CJK character or an emoji spans
 several tokens, each of which alone decodes to U+FFFD. So, as vLLM's detokenize_incrementally
@@ -10,7 +10,9 @@ decoders the preceding token, so a leading space is not dropped.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Collection, Iterable, Sequence
+from pathlib import Path
 
 from batchapi.engine.sampling_params import SamplingParams
 
@@ -19,6 +21,25 @@ PROMPT_CONTEXT = 5
 # drop decoded tokens before the window once this many pile up, so memory stays flat
 TRIM_AFTER = 1024
 REPLACEMENT_CHAR = "\ufffd"
+
+
+def load_tokenizer(model_dir: str | Path):
+    """transformers' ``AutoTokenizer`` of a model directory, handed the directory's config.json as a
+    plain ``PreTrainedConfig`` (with its model type). Left to itself, ``AutoTokenizer`` loads the
+    model's own config class, whose module imports transformers' model-loading machinery: 0.8 s,
+    paid by the engine core and by its parent at every start. The tokenizer's class comes from
+    tokenizer_config.json (else from the model type) either way."""
+    from transformers import AutoTokenizer
+    from transformers.configuration_utils import PreTrainedConfig
+
+    try:
+        fields = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):  # no readable config.json: AutoTokenizer finds its own way
+        config = None
+    else:
+        config = PreTrainedConfig.from_dict(fields)
+        config.model_type = fields.get("model_type") or ""
+    return AutoTokenizer.from_pretrained(str(model_dir), config=config)
 
 
 class IncrementalDetokenizer:

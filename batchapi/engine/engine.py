@@ -11,11 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer
 
 from batchapi.engine.block_manager import BlockManager
 from batchapi.engine.config import EngineConfig
-from batchapi.engine.detokenizer import IncrementalDetokenizer, StopChecker, check_finish
+from batchapi.engine.detokenizer import IncrementalDetokenizer, StopChecker, check_finish, load_tokenizer
 from batchapi.engine.model_runner import ModelRunner
 from batchapi.engine.platform import resolve_device
 from batchapi.engine.request import (
@@ -110,7 +109,7 @@ class LLMEngine:
         config = replace(config, device=resolve_device(config.device))
         self.config = config
         self.runner = ModelRunner(config)
-        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(str(config.model_path))
+        self.tokenizer = tokenizer or load_tokenizer(config.model_path)
         mc = self.runner.model_config
         self.eos_token_ids = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:

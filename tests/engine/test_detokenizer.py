@@ -11,6 +11,7 @@ from batchapi.engine.detokenizer import (
     IncrementalDetokenizer,
     StopChecker,
     check_finish,
+    load_tokenizer,
 )
 from batchapi.engine.sampling_params import SamplingParams
 
@@ -215,3 +216,32 @@ def test_adding_after_a_stop_changes_nothing():
 )
 def test_check_finish(params, token, count, expected):
     assert check_finish(params, token, count, eos_token_ids={2}) == expected
+
+
+def _same_tokenizer(a, b) -> None:
+    assert type(a) is type(b)
+    assert (a.all_special_ids, a.eos_token_id, a.bos_token_id, a.chat_template) == (
+        b.all_special_ids, b.eos_token_id, b.bos_token_id, b.chat_template)
+    for text in TEXTS:
+        chat = [{"role": "user", "content": text}]
+        assert a.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == b.apply_chat_template(
+            chat, add_generation_prompt=True, tokenize=False)
+        ids = a.encode(text)
+        assert ids == b.encode(text) and a.decode(ids) == b.decode(ids)
+
+
+def test_load_tokenizer_gives_autotokenizers_tokenizer(smollm2_dir, tmp_path):
+    _same_tokenizer(load_tokenizer(smollm2_dir), AutoTokenizer.from_pretrained(smollm2_dir))
+    # a tokenizer_config.json that names no class: the class comes from the model type, as AutoTokenizer's
+    bare = tmp_path / "no-class"
+    bare.mkdir()
+    for path in smollm2_dir.iterdir():
+        if path.suffix in (".json", ".txt", ".jinja") and path.is_file():
+            (bare / path.name).write_bytes(path.read_bytes())
+    config = json.loads((bare / "tokenizer_config.json").read_text())
+    config.pop("tokenizer_class", None)
+    (bare / "tokenizer_config.json").write_text(json.dumps(config))
+    _same_tokenizer(load_tokenizer(bare), AutoTokenizer.from_pretrained(bare))
+    # and a directory with the tokenizer alone
+    (bare / "config.json").unlink()
+    _same_tokenizer(load_tokenizer(bare), AutoTokenizer.from_pretrained(bare))
