@@ -61,7 +61,9 @@ def test_the_core_gives_the_results_the_thread_gives(tiny_llama_dir, on_a_thread
     with EngineProcess(config(tiny_llama_dir)) as front:
         results, delivered = run_all(front, requests(12))
         assert front.pid != os.getpid() and front.restarts == 0
-    assert results == on_a_thread
+    # cached_tokens counts a prompt's tokens copied from a sequence running beside it: which ran
+    # beside it depends on when each request arrived, in either door
+    assert uncached(results) == uncached(on_a_thread)
     assert sorted(delivered) == sorted(on_a_thread)
 
 
@@ -76,7 +78,7 @@ def test_a_killed_core_is_restarted_and_every_request_is_delivered_once(tiny_lla
         results, delivered = run_all(front, requests(12), on_first=kill)
         assert front.restarts == 1 and front.pid != first_pid and front.is_alive()
     assert unfinished[0] > 0, "every request finished before the kill: the test proved nothing"
-    # the rerun requests give the same tokens and text; only what the new core's empty prefix cache held differs
+    # the rerun requests give the same tokens and text (the new core's prefix cache starts empty)
     assert uncached(results) == uncached(on_a_thread)
     assert sorted(delivered) == sorted(on_a_thread)  # each callback once
 

@@ -230,7 +230,9 @@ def test_run_batch_through_the_engine_core_process_writes_what_the_thread_writes
     dst = src.with_suffix(".process")
     counts = run_batch(src, dst, mixed_config(tiny_llama_dir), progress=False)  # its own front: the engine core in a child process
     assert (counts.completed, counts.failed) == (16, 0)
-    assert comparable(dst.read_text()) == comparable(on_a_thread)
+    # which prompt blocks a request finds cached depends on what ran in the steps before it, so
+    # two runs of either path may count other cached_tokens; everything else is byte for byte
+    assert comparable(dst.read_text(), cached=False) == comparable(on_a_thread, cached=False)
 
 
 def test_run_batch_with_its_engine_core_killed_loses_and_repeats_nothing(mixed_file, tiny_llama_dir):
