@@ -251,28 +251,32 @@ class EngineProcess:
         """Queue requests in one message to the core, which takes them into one step; a request
         id already in flight raises DuplicateRequestId and queues none of them."""
         futures = [Future() for _ in requests]
-        with self._lock:
-            if self._thread.stopping.is_set() or self._dead.is_set():
-                raise RuntimeError("the engine core is shut down")
-            ids = [r.request_id for r in requests]
-            seen: set[str] = set()
-            for rid in ids:
-                if rid in self._pending or rid in seen:
-                    raise DuplicateRequestId(f"request id {rid!r} is already in flight")
-                seen.add(rid)
-            for request, future in zip(requests, futures, strict=True):
-                self._pending[request.request_id] = (request, future, callback)
-            self._sent += len(requests)
-        if requests:
-            self._send(("add", list(requests)))
+        # Registered and written under the send lock: a restart (which takes it first) then sees
+        # these requests either pending before its resubmission or not at all, never sent twice.
+        with self._send_lock:
+            with self._lock:
+                if self._thread.stopping.is_set() or self._dead.is_set():
+                    raise RuntimeError("the engine core is shut down")
+                seen: set[str] = set()
+                for request in requests:
+                    rid = request.request_id
+                    if rid in self._pending or rid in seen:
+                        raise DuplicateRequestId(f"request id {rid!r} is already in flight")
+                    seen.add(rid)
+                for request, future in zip(requests, futures, strict=True):
+                    self._pending[request.request_id] = (request, future, callback)
+                self._sent += len(requests)
+            if requests:
+                self._write(("add", list(requests)))
         return futures
 
     def abort(self, request_id: str) -> None:
-        with self._lock:
-            if request_id not in self._pending:
-                return
-            self._aborted.add(request_id)
-        self._send(("abort", [request_id]))
+        with self._send_lock:
+            with self._lock:
+                if request_id not in self._pending:
+                    return
+                self._aborted.add(request_id)
+            self._write(("abort", [request_id]))
 
     def is_alive(self) -> bool:
         """Whether a core runs or is being restarted (a worker stops claiming work when not)."""
@@ -355,10 +359,14 @@ class EngineProcess:
 
     def _send(self, message) -> None:
         with self._send_lock:
-            try:
-                self._conn.send(message)
-            except OSError:  # the core died: the receiver restarts it and resends what is pending
-                pass
+            self._write(message)
+
+    def _write(self, message) -> None:
+        """Send to the current core; the caller holds the send lock."""
+        try:
+            self._conn.send(message)
+        except OSError:  # the core died: the receiver restarts it and resends what is pending
+            pass
 
     # ---- the receiver thread ----
 
