@@ -18,7 +18,7 @@ browser:
 # pyproject.toml keeps a loose range for users with GPUs.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev,eval]"  # eval: tests/evals runs lm-eval
 	touch $(STAMP)
 
 model: $(STAMP)

@@ -7,7 +7,10 @@ else in the package reads ``os.environ``.
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
+import secrets
+import time
 from decimal import Decimal
 from pathlib import Path
 from typing import Annotated, Literal
@@ -78,6 +81,9 @@ class Settings(BaseSettings):
     auth_required: bool = True
     # a key's lookup is reused this long per API process, so a revoked key is refused within it
     auth_cache_seconds: float = Field(default=2.0, ge=0, le=60)
+    # the key that signs the thinking blocks of Message Batch results and verifies those sent back;
+    # empty: a random one kept in the data dir (one host); a deployment on several hosts sets it
+    thinking_secret: str = ""
     # one upload; unset: max_file_bytes (a larger upload would only fail validation later)
     max_upload_bytes: int | None = Field(default=None, ge=1)
     validation_lease_seconds: int = Field(default=300, ge=5)
@@ -233,6 +239,26 @@ class Settings(BaseSettings):
         if self.models:
             return list(self.models)
         return [self.model, DEFAULT_EMBEDDING_MODEL] if self.model == DEFAULT_MODEL else [self.model]
+
+    def thinking_key(self) -> bytes:
+        """``thinking_secret``, or the data dir's own key, made on first use (readable by its owner only)."""
+        if self.thinking_secret:
+            return self.thinking_secret.encode()
+        path = self.data_dir / "thinking.key"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            try:  # two processes starting at once: the first writes it, the other reads it
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "w") as out:
+                    out.write(secrets.token_hex(32))
+            except FileExistsError:
+                pass
+        for _ in range(50):
+            key = path.read_text().strip()
+            if key:
+                return key.encode()
+            time.sleep(0.01)  # written by a process that started at the same moment
+        raise SettingsError(f"{path} is empty; delete it or set BATCHAPI_THINKING_SECRET")
 
     @property
     def embedded(self) -> bool:

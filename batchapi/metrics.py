@@ -90,8 +90,9 @@ class DatabaseCollector:
         rows = session.execute(
             select(Batch.model, func.sum(Batch.input_tokens), func.sum(Batch.cached_tokens),
                    func.sum(Batch.output_tokens), func.sum(Batch.request_completed))
-            .where(Batch.model.is_not(None)).group_by(Batch.model)
+            .where(Batch.model.is_not(None), Batch.per_model.is_(None)).group_by(Batch.model)
         ).all()
+        rows = _with_model_shares(rows, session.scalars(select(Batch.per_model).where(Batch.per_model.is_not(None))))
         families = [
             CounterMetricFamily("batchapi_input_tokens", "Prompt tokens of succeeded requests, by model "
                                 "(cached ones included).", labels=["model"]),
@@ -107,10 +108,11 @@ class DatabaseCollector:
         yield from families
 
     def _shards(self, session: Session) -> Iterator[Metric]:
+        model = func.coalesce(Shard.model, Batch.model)  # a shard's own model (a Message Batch's may be several)
         rows = session.execute(
-            select(Batch.model, Shard.status, func.count(), func.sum(Shard.request_count))
+            select(model, Shard.status, func.count(), func.sum(Shard.request_count))
             .join(Batch, Shard.batch_id == Batch.id)
-            .where(Shard.status.in_(OPEN_SHARDS)).group_by(Batch.model, Shard.status)
+            .where(Shard.status.in_(OPEN_SHARDS)).group_by(model, Shard.status)
         ).all()
         shards = GaugeMetricFamily("batchapi_shards", "Open shards by model and status (queued: the queue "
                                    "depth; running: held by a worker).", labels=["model", "status"])
@@ -324,3 +326,15 @@ def detach_runner(runner) -> None:
 def serve_engine_metrics(port: int, host: str = "0.0.0.0") -> None:
     """``/metrics`` of this process's engine on its own port (a ``batchapi worker``)."""
     start_http_server(port, addr=host, registry=engine_stats().registry)
+
+
+def _with_model_shares(rows, shares) -> list[tuple]:
+    """The per-model token rows with each share of the batches of several models added to its
+    model (``Batch.per_model``)."""
+    sums = {model: [int(v or 0) for v in values] for model, *values in rows}
+    for per_model in shares:
+        for model, share in per_model.items():
+            total = sums.setdefault(model, [0, 0, 0, 0])
+            for i, name in enumerate(("input_tokens", "cached_tokens", "output_tokens", "request_completed")):
+                total[i] += share[name]
+    return [(model, *values) for model, values in sums.items()]

@@ -8,6 +8,8 @@ token and to the 1e-8 of the currency unit, since each batch's cost is the one `
 rounds once. A batch still running is in no report yet. ``num_model_requests`` counts succeeded
 requests, the ones that carry usage (failed, cancelled and expired requests cost nothing).
 A deleted Message Batch still counts: what it used was billed, so its row stays (``deleted_at``).
+A Message Batch whose requests ran on several models counts as one part per model
+(``billing.model_parts``), each priced and rounded on its own, adding up to the batch's cost.
 
 Buckets are ``bucket_width`` long from ``start_time`` on (the last one ends at ``end_time``);
 every bucket in range is listed, empty ones included, ``limit`` to a page.
@@ -24,7 +26,7 @@ from decimal import Decimal
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from batchapi.batches.billing import batch_price, cost, discounted, list_amount
+from batchapi.batches.billing import batch_price, cost, discounted, list_amount, model_parts
 from batchapi.db.clock import now
 from batchapi.db.models import Batch
 from batchapi.errors import InvalidRequest
@@ -168,12 +170,15 @@ def _ended_batches(session: Session, query: Query, window: Window, visible: list
     statement = select(Batch, ENDED_AT).where(ENDED_AT >= first, ENDED_AT < last, Batch.model.is_not(None))
     if projects is not None:
         statement = statement.where(Batch.project_id.in_(projects))
-    if query.models:
-        statement = statement.where(Batch.model.in_(query.models))
+    if query.models:  # a batch of several models may hold one of them beside its first
+        statement = statement.where(Batch.model.in_(query.models) | Batch.per_model.is_not(None))
     found = []
     for b, ended in session.execute(statement):
-        b.ended = ended  # a transient attribute: the bucket's key
-        found.append(b)
+        for part in model_parts(b):  # the batch itself, or its share per model
+            if query.models and part.model not in query.models:
+                continue
+            part.ended = ended  # a transient attribute: the bucket's key
+            found.append(part)
     return found
 
 

@@ -13,7 +13,7 @@ from batchapi.context import open_context
 from batchapi.db.migrate import upgrade
 from tests.utils import services
 from tests.utils.batch_service import live_server, new_key, service_settings
-from tests.utils.tiny_models import build_tiny_model
+from tests.utils.tiny_models import build_thinking_model, build_tiny_model
 
 MODEL_CACHE = Path(os.environ.get("BATCHAPI_MODEL_CACHE", "~/.cache/batchapi")).expanduser()
 
@@ -57,6 +57,12 @@ tiny_qwen3_moe_dir = _tiny_model_fixture("qwen3_moe")
 tiny_gemma2_dir = _tiny_model_fixture("gemma2")
 tiny_gemma3_dir = _tiny_model_fixture("gemma3")
 tiny_mixtral_dir = _tiny_model_fixture("mixtral")
+
+
+@pytest.fixture(scope="session")
+def tiny_thinking_dir(tmp_path_factory, smollm2_dir: Path) -> Path:
+    """A tiny random Qwen3 model whose chat template thinks (tests/utils/tiny_models.py)."""
+    return build_thinking_model(tmp_path_factory.mktemp("models") / "tiny-thinking", smollm2_dir)
 
 
 @pytest.fixture(scope="session")

@@ -24,6 +24,9 @@ FORBIDDEN = {
     "reports.py": {"batchapi.api", "batchapi.workers", "batchapi.validation", "batchapi.cli", "celery",
                    "fastapi"} | TORCH,
     "cli": set(),  # the top: it may import anything, and nothing imports it (test_nothing_imports_the_cli)
+    # lm-eval's model: a client of the HTTP API (the openai SDK), nothing of the service itself
+    "evals": SERVICE | (TORCH - {"transformers"}) | {"batchapi.openai", "batchapi.models", "batchapi.context",
+                                                     "batchapi.grammar", "batchapi.webhooks", "batchapi.cli"},
     "api": {"batchapi.workers", "batchapi.engine", "batchapi.encoder", "batchapi.kernels", "torch", "triton",
             "celery"},
     "db": {"batchapi.api", "batchapi.storage", "batchapi.openai", "batchapi.batches", "batchapi.validation",
@@ -45,7 +48,8 @@ FORBIDDEN = {
                "batchapi.storage", "batchapi.openai", "batchapi.cli", "sqlalchemy", "celery", "fastapi", "boto3",
                "batchapi.engine", "batchapi.encoder", "batchapi.kernels"},
     "engine": SERVICE | {"batchapi.openai"},
-    "encoder": SERVICE | {"batchapi.openai", "batchapi.engine", "batchapi.kernels", "batchapi.grammar"},
+    # the encoder runs decoder embedding models on the engine's model code and kernels
+    "encoder": SERVICE | {"batchapi.openai", "batchapi.grammar", "batchapi.models"},
     "grammar": SERVICE | {"batchapi.openai", "batchapi.engine", "batchapi.kernels"},
     "kernels": SERVICE | {"batchapi.openai", "batchapi.engine"},
 }

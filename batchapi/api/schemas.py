@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -135,6 +136,72 @@ class BatchList(_Page, BaseModel):
     last_id: str | None
     has_more: bool
 
+
+
+class DiffSide(BaseModel):
+    """A listed request's result in one of the two batches."""
+
+    status: Literal["succeeded", "failed"]
+    output: str = Field(description="the answer, tool calls, vectors' sizes or error, cut to 600 characters")
+    prompt_tokens: int
+    completion_tokens: int
+    system_fingerprint: str | None
+    error_code: str | None
+
+
+class DiffEntry(BaseModel):
+    custom_id: str
+    change: Literal["output_changed", "status_changed", "error_changed", "only_in_batch", "only_in_against",
+                    "usage_changed"]
+    reproducibility_break: bool
+    same_fingerprint: bool | None
+    same_request: bool | None
+    deterministic: bool | None
+    prompt_tokens_delta: int | None
+    completion_tokens_delta: int | None
+    batch: DiffSide | None
+    against: DiffSide | None
+
+
+class DiffSummary(BaseModel):
+    batch_requests: int
+    against_requests: int
+    compared: int
+    identical: int
+    output_changed: int
+    reproducibility_breaks: int
+    usage_changed: int
+    status_changed: int
+    error_changed: int
+    only_in_batch: int
+    only_in_against: int
+    different_fingerprints: int
+    prompt_tokens_delta: int
+    completion_tokens_delta: int
+    unnamed: int
+
+
+class BatchDiffObject(BaseModel):
+    """batchapi's run-to-run diff of two ended batches (docs/API_EXTENSIONS.md)."""
+
+    object: Literal["batch.diff"] = "batch.diff"
+    batch_id: str
+    against: str
+    endpoint: str
+    reproducible: bool
+    inputs_compared: bool
+    summary: DiffSummary
+    system_fingerprints: dict[str, list[str]]
+    data: list[DiffEntry]
+    has_more: bool
+
+    @classmethod
+    def of(cls, diff) -> BatchDiffObject:
+        """From a ``batches.diff.compare.BatchDiff``."""
+        return cls(batch_id=diff.batch_id, against=diff.against, endpoint=diff.endpoint,
+                   reproducible=diff.reproducible, inputs_compared=diff.inputs_compared,
+                   summary=asdict(diff.summary), system_fingerprints=diff.fingerprints,
+                   data=[asdict(d) for d in diff.data], has_more=diff.has_more)
 
 class ModelObject(BaseModel):
     id: str

@@ -11,7 +11,10 @@ from batchapi.db.models import File, Upload, UploadPart
 
 
 class CreateUploadRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """Checked as OpenAI checks it: no unknown fields, ``bytes`` an integer (not "10" or true); the
+    values themselves by ``batches.uploads.create_upload``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     bytes: int
     filename: str

@@ -2,7 +2,9 @@
 
 A price is the list price per million tokens; a batch pays the list price less the batch
 discount, at the price in force when it was created. Only succeeded requests carry usage, so
-failed, cancelled and expired requests cost nothing.
+failed, cancelled and expired requests cost nothing. A Message Batch whose requests name several
+models is priced per model: ``Batch.per_model`` holds each model's price, counts, usage and
+estimate, and its cost is the sum of its models' (``model_parts``), each rounded as a batch's is.
 """
 
 from __future__ import annotations
@@ -98,22 +100,109 @@ class Cost:
         }
 
 
-def batch_price(batch: Batch) -> Price:
+def batch_price(batch: Batch | ModelPart) -> Price:
     return Price(batch.price_input, batch.price_cached_input, batch.price_output, batch.currency)
 
 
-def cost(batch: Batch) -> Cost:
+def cost(batch: Batch | ModelPart) -> Cost:
     """What the batch costs so far: usage is only ever added for succeeded requests."""
+    if batch.per_model:
+        return _sum(batch.currency, [cost(part) for part in model_parts(batch)])
     full = list_amount(batch_price(batch), batch.input_tokens, batch.cached_tokens, batch.output_tokens)
     return Cost(batch.currency, discounted(full, batch.discount_percent), full)
 
 
-def estimated_cost(batch: Batch) -> Cost | None:
+def estimated_cost(batch: Batch | ModelPart) -> Cost | None:
     """An upper bound for an unfinished batch: every prompt token and the max_tokens bound."""
     if batch.status not in ESTIMATED_WHILE:
         return None
+    if batch.per_model:
+        return _sum(batch.currency, [estimated_cost(part) for part in model_parts(batch)])
     full = list_amount(batch_price(batch), batch.estimated_input_tokens, 0, batch.estimated_output_tokens)
     return Cost(batch.currency, discounted(full, batch.discount_percent), full)
+
+
+def _sum(currency: str, costs: list[Cost]) -> Cost:
+    return Cost(currency, sum((c.amount for c in costs), Decimal(0)), sum((c.list_amount for c in costs), Decimal(0)))
+
+
+# a batch of several models: ``Batch.per_model``, model id -> its share
+
+COUNTED = ("request_completed", "request_failed", "input_tokens", "cached_tokens", "output_tokens")
+ESTIMATED = ("estimated_input_tokens", "estimated_output_tokens")
+
+
+@dataclass
+class ModelPart:
+    """One model's share of a batch of several, with the batch's fields that the bill and the
+    reports read, so that each reads a part as it reads a batch of one model (the reports mark
+    when it ended on it, as on a batch)."""
+
+    id: str
+    project_id: str
+    endpoint: str
+    model: str
+    status: str
+    currency: str
+    price_input: Decimal
+    price_cached_input: Decimal
+    price_output: Decimal
+    discount_percent: Decimal
+    request_completed: int = 0
+    request_failed: int = 0
+    input_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    estimated_input_tokens: int = 0
+    estimated_output_tokens: int = 0
+    per_model: None = None
+
+
+def new_per_model(settings: Settings, models: list[str]) -> dict | None:
+    """``Batch.per_model`` of a new batch whose requests name ``models`` (served ids, the batch's
+    own first): each at its price now, nothing used yet; None for fewer than two."""
+    if len(models) < 2:
+        return None
+    out = {}
+    for model in models:
+        price = price_for(settings, model)
+        out[model] = {"currency": price.currency, "price": [str(price.input), str(price.cached_input), str(price.output)],
+                      **dict.fromkeys(COUNTED + ESTIMATED, 0)}
+    return out
+
+
+def model_parts(batch: Batch) -> list[Batch | ModelPart]:
+    """The batch per model: itself when it has one, else one part per model in ``per_model``."""
+    if not batch.per_model:
+        return [batch]
+    parts = []
+    for model, entry in batch.per_model.items():
+        price_input, price_cached, price_output = (Decimal(p) for p in entry["price"])
+        parts.append(ModelPart(
+            id=batch.id, project_id=batch.project_id, endpoint=batch.endpoint, model=model, status=batch.status,
+            currency=entry["currency"], price_input=price_input, price_cached_input=price_cached,
+            price_output=price_output, discount_percent=batch.discount_percent,
+            **{name: entry[name] for name in COUNTED + ESTIMATED},
+        ))
+    return parts
+
+
+def add_usage(per_model: dict, model: str, counts: dict[str, int]) -> dict:
+    """``per_model`` with ``counts`` (``COUNTED`` names) added to ``model``'s share."""
+    out = {name: dict(entry) for name, entry in per_model.items()}
+    entry = out[model]
+    for name, value in counts.items():
+        entry[name] += value
+    return out
+
+
+def set_estimates(per_model: dict, estimates: dict[str, tuple[int, int]]) -> dict:
+    """``per_model`` with each model's estimate (prompt tokens, max_tokens bound) replaced; a model
+    with no shard left (all its requests refused) estimates nothing."""
+    out = {name: dict(entry) for name, entry in per_model.items()}
+    for model, entry in out.items():
+        entry["estimated_input_tokens"], entry["estimated_output_tokens"] = estimates.get(model, (0, 0))
+    return out
 
 
 def usage(batch: Batch) -> dict:

@@ -5,6 +5,7 @@ and the sweeper deletes its object and row (``remove_expired``)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
@@ -24,6 +25,8 @@ from batchapi.storage.keys import file_key
 from batchapi.storage.streams import LimitedReader
 
 UPLOAD_PURPOSES = ("batch",)
+MAX_FILENAME = 512  # characters, as the column holds
+CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 MIN_EXPIRY_SECONDS = 3600
 MAX_EXPIRY_SECONDS = 30 * 86400
 BATCH_INPUT_EXPIRY_SECONDS = 30 * 86400  # OpenAI's default for purpose=batch
@@ -77,9 +80,16 @@ def check_purpose(purpose: str) -> None:
 
 
 def check_filename(filename: str, param: str = "file") -> None:
+    """A file name of 1 to ``MAX_FILENAME`` characters, none of them a control character (NUL, a newline)."""
     if not filename:
         raise InvalidRequest("the upload needs a file name", param)
     check_text(filename, param)
+    if len(filename) > MAX_FILENAME:
+        raise InvalidRequest(f"the file name is {len(filename)} characters long; at most {MAX_FILENAME} are allowed",
+                             param)
+    bad = CONTROL.search(filename)
+    if bad is not None:
+        raise InvalidRequest(f"the file name holds the control character {bad.group()!r} at {bad.start()}", param)
 
 
 def expiry_seconds(value: dict | None, param: str) -> int | None:

@@ -40,7 +40,8 @@ class Claimed:
     input_key: str
     endpoint: str
     expires_at: int
-    model: str | None = None  # the batch's model: which of a worker's models runs it
+    model: str | None = None  # the shard's model: which of a worker's models runs it
+    lines: tuple[int, ...] | None = None  # its requests' lines where the range holds other models' too
     # taken to be closed without running (``claim_for_closing``): its outcome names every request
     # as never run, and ``complete`` counts the ones with a stored result as they ended
     closing: bool = False
@@ -68,19 +69,19 @@ def _runnable_batches(t: int):
 
 
 def _of_models(query, models: list[str] | None):
-    """Only batches of ``models`` (None: any), so a worker claims only what it can run."""
-    return query if models is None else query.where(Batch.model.in_(models))
+    """Only shards of ``models`` (None: any), so a worker claims only what it can run."""
+    return query if models is None else query.where(Shard.model.in_(models))
 
 
 def claim(ctx: Context, shard_id: str, owner: str, models: list[str] | None = None) -> Claimed | None:
-    """Claim ``shard_id`` if it is queued, its batch still runs (and is of one of ``models``); None
+    """Claim ``shard_id`` if it is queued (and of one of ``models``) and its batch still runs; None
     when someone else has it, it is done, or its batch was cancelled or expired."""
     t = now()
     with session_scope(ctx.sessions) as session:
         result = session.execute(
-            update(Shard)
+            _of_models(update(Shard), models)
             .where(Shard.id == shard_id, Shard.status == ShardStatus.QUEUED,
-                   Shard.batch_id.in_(_of_models(_runnable_batches(t), models)))
+                   Shard.batch_id.in_(_runnable_batches(t)))
             .values(_lease_values(ctx, owner, t))
             .execution_options(synchronize_session=False)
         )
@@ -152,18 +153,17 @@ def _load(session, shard_id: str) -> Claimed:
         id=shard.id, batch_id=shard.batch_id, index=shard.index, first_line=shard.first_line,
         start_byte=shard.start_byte, end_byte=shard.end_byte, request_count=shard.request_count,
         attempts=shard.attempts, input_key=input_key, endpoint=batch.endpoint, expires_at=batch.expires_at,
-        model=batch.model,
+        model=shard.model or batch.model, lines=tuple(shard.lines) if shard.lines is not None else None,
     )
 
 
 def models_of(ctx: Context, shard_ids: list[str]) -> dict[str | None, list[str]]:
-    """The shards grouped by their batch's model (to send each to its model's queue)."""
+    """The shards grouped by their model (to send each to its model's queue)."""
     out: dict[str | None, list[str]] = {}
     if not shard_ids:
         return out
     with ctx.sessions() as session:
-        rows = session.execute(select(Shard.id, Batch.model).join(Batch, Batch.id == Shard.batch_id)
-                               .where(Shard.id.in_(shard_ids)))
+        rows = session.execute(select(Shard.id, Shard.model).where(Shard.id.in_(shard_ids)).order_by(Shard.id))
         for sid, model in rows:
             out.setdefault(model, []).append(sid)
     return out
@@ -236,7 +236,7 @@ def complete(ctx: Context, claimed: Claimed, owner: str, outcome: Outcome, outpu
             total.input_tokens - stored.input_tokens, total.cached_tokens - stored.cached_tokens,
             total.output_tokens - stored.output_tokens,
         )
-        request_results.add_counts(session, claimed.batch_id, rest, unrun=total.unrun)
+        request_results.add_counts(session, claimed.batch_id, rest, unrun=total.unrun, model=claimed.model)
         if not claimed.closing:
             request_results.forget(session, claimed.id)
         return True

@@ -3,11 +3,12 @@
 A Message Batch is an ordinary batch row whose endpoint is ``/v1/messages``: the API writes its
 requests as an input file (one line per request, ``{"custom_id", "method": "POST", "url":
 "/v1/messages", "body": params}``) through the Files service, and validation, shards, workers,
-usage and cost are those of every batch. Its id is the row's under Anthropic's prefix
-(``batch_X`` is ``msgbatch_X``). The results are the batch's stored output and error lines in
-Anthropic's shape (``openai.message_results``); a batch that ended before any shard ran (it failed
-validation, or was cancelled or expired while validating) has each request of its input ended
-with the batch's reason. Deleting a batch removes its files and results but keeps the row, marked
+usage and cost are those of every batch. Each request runs on the model its ``params`` name: a
+batch whose requests name several served models has shards per model, and is priced per model.
+Its id is the row's under Anthropic's prefix (``batch_X`` is ``msgbatch_X``). The results are
+the batch's stored output and error lines in Anthropic's shape (``openai.message_results``); a
+batch that ended before any shard ran (it failed validation, or was cancelled or expired while
+validating) has each request of its input ended with the batch's reason. Deleting a batch removes its files and results but keeps the row, marked
 ``deleted_at``, so that what it was billed stays in the usage and cost reports; every route here
 then finds no such batch.
 """
@@ -123,10 +124,13 @@ def _encode(record: dict) -> bytes:
 def create(ctx: Context, project_id: str, body: object) -> Batch:
     """A new batch over the requests, written as an input file; a refused create leaves no file."""
     data, count = input_lines(ctx, body)
+    names = (request["params"].get("model") for request in body["requests"])
+    named = list(dict.fromkeys(name for name in names if isinstance(name, str)))  # a bad one: its request's error
     file = upload_file(ctx, project_id, "message_batch_requests.jsonl", "batch", io.BytesIO(data),
                        max_bytes=max_file_bytes())
     try:
-        return service.create_batch(ctx, project_id, file.id, MESSAGES, WINDOW, request_total=count)
+        return service.create_batch(ctx, project_id, file.id, MESSAGES, WINDOW, request_total=count,
+                                    request_models=named)
     except Exception:  # refused, or the database away: the client retries with a new file
         with contextlib.suppress(NotFound, *TRANSIENT):  # gone already, or left for the file expiry
             if not _has_batch(ctx, file.id):  # an error after the batch's commit leaves a live batch its input

@@ -24,6 +24,7 @@ from sqlalchemy import delete, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
+from batchapi.batches.billing import add_usage
 from batchapi.batches.states import ShardStatus
 from batchapi.context import Context
 from batchapi.db.clock import now
@@ -68,12 +69,13 @@ def _counted(rows: list[Finished]) -> Counted:
 
 @dataclass(frozen=True)
 class Group:
-    """The rows of one shard to write: ``shard_id`` of ``batch_id`` at ``attempt``."""
+    """The rows of one shard to write: ``shard_id`` of ``batch_id`` at ``attempt``, run on ``model``."""
 
     shard_id: str
     batch_id: str
     attempt: int
     rows: list[Finished]
+    model: str | None = None
 
 
 def record(ctx: Context, groups: list[Group], owner: str) -> set[str]:
@@ -81,7 +83,7 @@ def record(ctx: Context, groups: list[Group], owner: str) -> set[str]:
     the shards ``owner`` still holds (which extends their leases); returns those shards' ids."""
     t = now()
     written: set[str] = set()
-    per_batch: dict[str, list[Finished]] = {}
+    per_batch: dict[tuple[str, str | None], list[Finished]] = {}
     with session_scope(ctx.sessions) as session:
         for group in sorted(groups, key=lambda g: g.shard_id):  # one lock order for every writer
             if not group.rows:
@@ -109,9 +111,9 @@ def record(ctx: Context, groups: list[Group], owner: str) -> set[str]:
             written.add(group.shard_id)
             # only rows new to the table count: a group written again (its commit's answer was lost
             # and the writer put it back) must not count its rows twice
-            per_batch.setdefault(group.batch_id, []).extend(r for r in group.rows if r.seq in inserted)
-        for batch_id in sorted(per_batch):
-            add_counts(session, batch_id, _counted(per_batch[batch_id]))
+            per_batch.setdefault((group.batch_id, group.model), []).extend(r for r in group.rows if r.seq in inserted)
+        for batch_id, model in sorted(per_batch, key=lambda key: (key[0], key[1] or "")):
+            add_counts(session, batch_id, _counted(per_batch[batch_id, model]), model=model)
     return written
 
 
@@ -122,8 +124,10 @@ def _insert_new(session: Session):
     return sqlite.insert(RequestResult)
 
 
-def add_counts(session: Session, batch_id: str, c: Counted, unrun: int = 0) -> None:
-    session.execute(
+def add_counts(session: Session, batch_id: str, c: Counted, unrun: int = 0, model: str | None = None) -> None:
+    """Add to the batch's counts and usage, and to ``model``'s share of a batch of several models
+    (read back under the row lock this UPDATE took, so two writers never lose each other's)."""
+    per_model = session.execute(
         update(Batch)
         .where(Batch.id == batch_id)
         .values(
@@ -134,8 +138,15 @@ def add_counts(session: Session, batch_id: str, c: Counted, unrun: int = 0) -> N
             cached_tokens=Batch.cached_tokens + c.cached_tokens,
             output_tokens=Batch.output_tokens + c.output_tokens,
         )
+        .returning(Batch.per_model)
         .execution_options(synchronize_session=False)
-    )
+    ).scalar_one_or_none()
+    if not per_model or model not in per_model:
+        return
+    share = dict(request_completed=c.completed, request_failed=c.failed, input_tokens=c.input_tokens,
+                 cached_tokens=c.cached_tokens, output_tokens=c.output_tokens)
+    session.execute(update(Batch).where(Batch.id == batch_id).values(per_model=add_usage(per_model, model, share))
+                    .execution_options(synchronize_session=False))
 
 
 def counted(session: Session, shard_id: str) -> Counted:

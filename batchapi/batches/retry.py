@@ -86,6 +86,7 @@ class _Shard:
     last_line: int
     failed: bool  # some of its requests did not succeed
     succeeded: frozenset[str | None] = frozenset()  # the custom_ids in its output, when some did
+    lines: tuple[int, ...] | None = None  # its own lines, where its range holds other models' (``Shard.lines``)
 
 
 class _ShardOutcomes:
@@ -96,14 +97,17 @@ class _ShardOutcomes:
     succeeded and failed has its output read (a succeeded line always carries its ``custom_id``)."""
 
     def __init__(self, shards: list[_Shard]):
-        self.shards = shards
-        self.firsts = [s.first_line for s in shards]
+        self.by_line = {line: s for s in shards if s.lines is not None for line in s.lines}
+        self.shards = [s for s in shards if s.lines is None]  # contiguous runs, in line order
+        self.firsts = [s.first_line for s in self.shards]
 
     def unfinished(self, number: int, content: bytes) -> bool:
-        at = bisect_right(self.firsts, number) - 1
-        if at < 0 or number > self.shards[at].last_line:
-            return False  # in no shard: not a request of the batch
-        shard = self.shards[at]
+        shard = self.by_line.get(number)
+        if shard is None:
+            at = bisect_right(self.firsts, number) - 1
+            if at < 0 or number > self.shards[at].last_line:
+                return False  # in no shard: not a request of the batch
+            shard = self.shards[at]
         return shard.failed and (not shard.succeeded or _custom_id(content) not in shard.succeeded)
 
 
@@ -111,19 +115,20 @@ def _shard_outcomes(ctx: Context, original: Batch) -> _ShardOutcomes:
     with ctx.sessions() as session:
         rows = session.execute(
             select(Shard.id, Shard.first_line, Shard.last_line, Shard.status, Shard.completed_count,
-                   Shard.failed_count, Shard.output_key)
+                   Shard.failed_count, Shard.output_key, Shard.lines)
             .where(Shard.batch_id == original.id).order_by(Shard.first_line)
         ).all()
         with_rows = request_results.shards_with_rows(session, original.id)
     shards = []
-    for sid, first, last, status, completed, failed, output_key in rows:
+    for sid, first, last, status, completed, failed, output_key, lines in rows:
+        own = tuple(lines) if lines is not None else None
         if status not in DONE_SHARDS or not completed:  # none of it succeeded (or it never ended)
-            shards.append(_Shard(first, last, True))
+            shards.append(_Shard(first, last, True, lines=own))
         elif not failed:
-            shards.append(_Shard(first, last, False))
+            shards.append(_Shard(first, last, False, lines=own))
         else:
             output = request_results.shard_lines(ctx, sid, output_key, True, sid in with_rows)
-            shards.append(_Shard(first, last, True, frozenset(_result_ids(output))))
+            shards.append(_Shard(first, last, True, frozenset(_result_ids(output)), own))
     return _ShardOutcomes(shards)
 
 

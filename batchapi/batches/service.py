@@ -13,7 +13,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from batchapi.batches import request_results, states
-from batchapi.batches.billing import price_for
+from batchapi.batches.billing import new_per_model, price_for
 from batchapi.batches.files import expiry_seconds, get_file_row
 from batchapi.batches.states import DONE_SHARDS, BatchStatus
 from batchapi.context import Context
@@ -79,12 +79,15 @@ def create_batch(
     request_total: int = 0,
     retry_of: str | None = None,
     output_expires_after: dict | None = None,
+    request_models: list[str | None] | None = None,
 ) -> Batch:
     """A new ``validating`` batch (validation starts after the commit), or, for a repeated
     ``idempotency_key`` with the same parameters, the batch the first request created.
     ``request_total``: the requests already known to be in the file (a Message Batch's), which
     validation confirms. ``retry_of``: the batch whose unfinished requests the file holds
-    (``retry.retry_batch``); a retry's key stands for that batch, whatever the new file."""
+    (``retry.retry_batch``); a retry's key stands for that batch, whatever the new file.
+    ``request_models``: the model each request names, where the caller has them (a Message Batch's
+    create body), so that the file is not read again to find them."""
     for value, param in ((input_file_id, "input_file_id"), (idempotency_key, "Idempotency-Key")):
         check_text(value, param)
     if endpoint not in ENDPOINTS:
@@ -98,7 +101,8 @@ def create_batch(
         existing = by_idempotency_key(ctx, project_id, idempotency_key, fingerprint)
         if existing is not None:
             return _same_expiry(existing, output_expiry, retry_of)
-    model = batch_model(ctx, project_id, input_file_id, each_request=endpoint == MESSAGES)
+    models = batch_models(ctx, project_id, input_file_id, each_request=endpoint == MESSAGES, named=request_models)
+    model = models[0] if models else None
     price = price_for(ctx.settings, model or served_model_id(ctx.settings))
     t = now()
     try:
@@ -111,6 +115,7 @@ def create_batch(
                 currency=price.currency, price_input=price.input, price_cached_input=price.cached_input,
                 price_output=price.output, discount_percent=ctx.settings.batch_discount_percent,
                 request_total=request_total, model=model, retry_of=retry_of, output_expires_after=output_expiry,
+                per_model=new_per_model(ctx.settings, models),
             )
             session.add(batch)
             session.flush()
@@ -130,22 +135,27 @@ def create_batch(
     return batch
 
 
-def batch_model(ctx: Context, project_id: str, input_file_id: str, each_request: bool = False) -> str | None:
-    """The served model the file's first request names: the batch's model, priced at create and
-    the one whose workers run it. ``ModelNotServed`` (``model_not_found``) when no worker serves it;
-    None when the first line names no model (validation reports what is wrong with it).
-    ``each_request`` (a Message Batch: Anthropic validates each request alone): the first served
-    chat model any request names, a request naming another being only that request's error;
-    None when none does (the default model's workers then refuse each request)."""
-    with ctx.sessions() as session:
-        storage_key = get_file_row(session, project_id, input_file_id).storage_key
-    if each_request:
-        served = (served_id_for(ctx.settings, named, CHAT) for named in _models(ctx, storage_key) if named)
-        return next(filter(None, served), None)
-    named = next(_models(ctx, storage_key), None)
+def batch_models(ctx: Context, project_id: str, input_file_id: str, each_request: bool = False,
+                 named: list[str | None] | None = None) -> list[str]:
+    """The served models the batch runs on, priced at create: the first is the batch's model.
+    One model, the one the file's first request names: ``ModelNotServed`` (``model_not_found``)
+    when no worker serves it; none when the first line names no model (validation reports what
+    is wrong with it). ``each_request`` (a Message Batch: Anthropic validates each request
+    alone, and runs each on its own model): every served chat model a request names (``named``,
+    else read from the file), in the order they first appear; a request naming a model not
+    served is only that request's error; none when no request names a served one (the default
+    model's workers then refuse each request)."""
     if named is None:
-        return None
-    return require_served(ctx.settings, named, "input_file_id", "of the file's first request")
+        with ctx.sessions() as session:
+            storage_key = get_file_row(session, project_id, input_file_id).storage_key
+        named = _models(ctx, storage_key) if each_request else [next(_models(ctx, storage_key), None)]
+    if each_request:
+        served = (served_id_for(ctx.settings, name, CHAT) for name in named if isinstance(name, str))
+        return list(dict.fromkeys(filter(None, served)))
+    first = next(iter(named), None)
+    if first is None:
+        return []
+    return [require_served(ctx.settings, first, "input_file_id", "of the file's first request")]
 
 
 def _models(ctx: Context, storage_key: str) -> Iterator[str | None]:

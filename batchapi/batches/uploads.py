@@ -1,6 +1,7 @@
-"""Uploads, as OpenAI's: create one (its final size, name, purpose and MIME type), add parts of up
-to 64 MB (8 GB in all) within an hour, in any order and in parallel, then complete it with the
-ordered ``part_ids`` (and optionally the whole file's ``md5``) or cancel it.
+"""Uploads, as OpenAI's: create one (its final size, name, purpose and MIME type; the name and the
+purpose checked as ``POST /v1/files`` checks them), add parts of up to 64 MB (8 GB in all) within
+an hour, in any order and in parallel, then complete it with the ordered ``part_ids`` (and
+optionally the whole file's ``md5``) or cancel it.
 
 Each part is streamed into an object of its own (``upload_part_key``); completing composes them,
 in the order given, into the new File's object (``Storage.compose``: on S3 a multipart upload of
@@ -13,6 +14,7 @@ a process died first)."""
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Callable
 from enum import StrEnum
 from typing import BinaryIO
@@ -34,6 +36,8 @@ MAX_PART_BYTES = 64 * 1024**2
 MAX_PARTS = 10_000
 UPLOAD_SECONDS = 3600  # to complete an Upload, from its creation
 MAX_MIME_TYPE = 255
+# RFC 6838's type/subtype names, then any parameters (``; charset=utf-8``) in printable ASCII
+MIME_TYPE = re.compile(r"[A-Za-z0-9][A-Za-z0-9!#$&^_.+-]*/[A-Za-z0-9][A-Za-z0-9!#$&^_.+-]*(?:\s*;[\x20-\x7e]*)?")
 EXPIRE_PER_SWEEP = 200
 
 
@@ -50,6 +54,11 @@ def create_upload(ctx: Context, project_id: str, filename: str, purpose: str, si
     files.check_filename(filename, "filename")
     if not isinstance(mime_type, str) or not 0 < len(mime_type) <= MAX_MIME_TYPE:
         raise InvalidRequest(f"mime_type must be a string of 1 to {MAX_MIME_TYPE} characters", "mime_type")
+    if not MIME_TYPE.fullmatch(mime_type):
+        raise InvalidRequest(f"mime_type {mime_type!r} is not a MIME type (type/subtype, e.g. 'application/jsonl')",
+                             "mime_type")
+    if isinstance(size, bool) or not isinstance(size, int):
+        raise InvalidRequest("bytes must be an integer", "bytes")
     if not 0 < size <= MAX_UPLOAD_BYTES:
         raise InvalidRequest(f"bytes must be between 1 and {MAX_UPLOAD_BYTES} (8 GB)", "bytes")
     limit = ctx.settings.max_file_bytes  # what validation takes of a batch input file
@@ -59,7 +68,7 @@ def create_upload(ctx: Context, project_id: str, filename: str, purpose: str, si
     seconds = files.expiry_seconds(expires_after, "expires_after")
     t = now()
     row = Upload(
-        id=new_id("upload_"), project_id=project_id, filename=filename.replace("\x00", "")[:512], purpose=purpose,
+        id=new_id("upload_"), project_id=project_id, filename=filename, purpose=purpose,
         mime_type=mime_type, bytes=size, status=UploadStatus.PENDING, file_expires_after=seconds, created_at=t,
         expires_at=t + UPLOAD_SECONDS,
     )

@@ -1,12 +1,13 @@
-"""``batchapi batches list | show | cancel | download | retry``: batches for people, over HTTP.
+"""``batchapi batches list | show | cancel | download | retry | diff``: batches for people, over HTTP.
 
 Like ``submit``, on the official ``openai`` SDK against a running server: tables for the
 batches, and ``--wait`` follows a batch with ``submit --wait``'s progress view. ``retry`` posts
-to the ``/v1/batches/{id}/retry`` extension.
+to the ``/v1/batches/{id}/retry`` extension, ``diff`` reads ``/v1/batches/{id}/diff``.
 """
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -14,9 +15,12 @@ from rich.console import Console
 from rich.table import Table
 
 from batchapi.cli.client import client_for
-from batchapi.cli.failures import CommandError
+from batchapi.cli.failures import CommandError, explain
 from batchapi.cli.submit import TERMINAL, follow
 
+# `batches diff`'s exit statuses beyond 0 (no output changed under the same system_fingerprint)
+REPRODUCIBILITY_BREAK = 3
+DIFF_FAILED = 4  # the diff could not be made: a batch not ended or not found, its files gone, no server
 TIMES = ("created_at", "in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at",
          "cancelling_at", "cancelled_at", "expires_at")
 
@@ -130,6 +134,77 @@ def retry(client, batch_id: str, idempotency_key: str | None, wait: bool, consol
     return 0 if batch.status == "completed" else 1
 
 
+def diff(client, batch_id: str, against: str, limit: int, as_json: bool, console: Console) -> int:
+    """The requests whose results differ between two ended batches; exits ``REPRODUCIBILITY_BREAK``
+    when an output changed under the same system_fingerprint, ``DIFF_FAILED`` when no diff came."""
+    import openai
+
+    try:
+        found = client.get(f"/batches/{batch_id}/diff", cast_to=object,
+                           options={"params": {"against": against, "limit": limit}})
+    except openai.APIError as exc:
+        failure = CommandError(explain(exc, str(client.base_url).rstrip("/")).line)
+        failure.status = DIFF_FAILED
+        raise failure from None
+    if as_json:
+        print(json.dumps(found, indent=2, ensure_ascii=False))
+    else:
+        _print_diff(found, console)
+    return 0 if found["reproducible"] else REPRODUCIBILITY_BREAK
+
+
+def _print_diff(found: dict, console: Console) -> None:
+    s = found["summary"]
+    console.print(f"[bold]{found['batch_id']}[/bold] -> [bold]{found['against']}[/bold] ({found['endpoint']})",
+                  soft_wrap=True)
+    prints = found["system_fingerprints"]
+    table = Table("what", "count", box=None, pad_edge=False, show_header=False)
+    rows = [("requests", f"{s['batch_requests']} -> {s['against_requests']} ({s['compared']} in both)"),
+            ("identical", s["identical"]),
+            ("output changed", f"{s['output_changed']} ({s['reproducibility_breaks']} under the same fingerprint)"),
+            ("succeeded <-> failed", s["status_changed"]), ("other error", s["error_changed"]),
+            ("only in the first", s["only_in_batch"]), ("only in the second", s["only_in_against"]),
+            ("token counts only", s["usage_changed"]),
+            ("tokens", f"prompt {s['prompt_tokens_delta']:+d}, completion {s['completion_tokens_delta']:+d}"),
+            ("fingerprints", f"{', '.join(prints['batch']) or '-'} -> {', '.join(prints['against']) or '-'}")]
+    if not found["inputs_compared"]:
+        rows.append(("inputs", "not compared (an input file is gone)"))
+    for name, value in rows:
+        table.add_row(f"[bold]{name}[/bold]", str(value))
+    console.print(table)
+    if found["data"]:
+        console.print(_changes(found["data"]))
+    if found["has_more"]:
+        console.print(f"(the first {len(found['data'])} listed; --limit lists more)")
+    if found["reproducible"]:
+        console.print("reproducible: no output changed under the same system_fingerprint")
+    else:
+        console.print(f"[bold red]reproducibility break[/bold red]: {s['reproducibility_breaks']} request(s) "
+                      "changed output under the same system_fingerprint", soft_wrap=True)
+
+
+def _changes(data: list[dict]) -> Table:
+    table = Table(box=None, pad_edge=False)
+    table.add_column("custom_id", overflow="fold")
+    for name in ("change", "fingerprint", "tokens"):
+        table.add_column(name, no_wrap=True)
+    table.add_column("first", overflow="fold")
+    table.add_column("second", overflow="fold")
+    same = {True: "same", False: "differs", None: "-"}
+    for d in data:
+        change = "BREAK" if d["reproducibility_break"] else d["change"]
+        tokens = ("-" if d["prompt_tokens_delta"] is None
+                  else f"{d['prompt_tokens_delta']:+d}/{d['completion_tokens_delta']:+d}")
+        sides = [_short(d[side]["output"]) if d[side] else "(absent)" for side in ("batch", "against")]
+        table.add_row(d["custom_id"], change, same[d["same_fingerprint"]], tokens, *sides)
+    return table
+
+
+def _short(text: str, size: int = 80) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= size else text[: size - 1] + "…"
+
+
 def run(action: str, args, base_url: str, console: Console) -> int:
     """One ``batchapi batches ACTION``; an API error reaches ``batchapi.cli.commands.main``."""
     client = client_for(base_url, args.api_key)
@@ -141,5 +216,7 @@ def run(action: str, args, base_url: str, console: Console) -> int:
         return cancel(client, args.batch_id, args.wait, console)
     if action == "download":
         return download(client, args.batch_id, Path(args.output_dir), console)
+    if action == "diff":
+        return diff(client, args.batch_id, args.against, args.limit, args.json, console)
     assert action == "retry", f"unknown action {action}"
     return retry(client, args.batch_id, args.idempotency_key, args.wait, console)

@@ -194,11 +194,11 @@ BASE_URL_HELP = "the server, http://HOST:PORT with or without /v1 (default: http
 
 
 def _add_batches_parser(sub) -> None:
-    """``batchapi batches list | show | cancel | download | retry`` (batchapi/cli/batches.py)."""
+    """``batchapi batches list | show | cancel | download | retry | diff`` (batchapi/cli/batches.py)."""
     client = argparse.ArgumentParser(add_help=False)
     client.add_argument("--base-url", default=None, help=BASE_URL_HELP)
     client.add_argument("--api-key", default=None, help="default: OPENAI_API_KEY")
-    batches = sub.add_parser("batches", help="list, show, cancel, download and retry batches on a running server")
+    batches = sub.add_parser("batches", help="list, show, cancel, download, retry and diff batches on a running server")
     actions = batches.add_subparsers(dest="action", required=True)
     listing = actions.add_parser("list", parents=[client], help="the newest batches, as a table")
     listing.add_argument("--limit", type=int, default=20, help="how many (1-100)")
@@ -213,6 +213,13 @@ def _add_batches_parser(sub) -> None:
             action.add_argument("--wait", action="store_true", help="follow it with a progress bar until it ends")
         if name == "retry":
             action.add_argument("--idempotency-key", default=None, help="the same key returns the same retry batch")
+    compare = actions.add_parser("diff", parents=[client], help="what changed between two ended runs, by custom_id; "
+                                 "exits 3 when an output changed under the same system_fingerprint, 4 when the "
+                                 "diff cannot be made")
+    compare.add_argument("batch_id", help="the first run")
+    compare.add_argument("against", help="the run compared with it")
+    compare.add_argument("--limit", type=int, default=100, help="changed requests to list (1-10000)")
+    compare.add_argument("--json", action="store_true", help="the API's diff object as JSON")
     batches.set_defaults(func=cmd_batches)
 
 

@@ -91,7 +91,11 @@ class Batch(Base):
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"))
     endpoint: Mapped[str] = mapped_column(String(64))
-    model: Mapped[str | None] = mapped_column(String(256))  # set by validation
+    # set by validation; of a Message Batch whose requests name several models, the first of them
+    model: Mapped[str | None] = mapped_column(String(256))
+    # a batch of several models (a Message Batch): model id -> its price, request counts, usage and
+    # estimate (``billing.model_parts``); None for a batch of one model, whose columns say it all
+    per_model: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
     input_file_id: Mapped[str] = mapped_column(String(64), index=True)
     completion_window: Mapped[str] = mapped_column(String(16))
     status: Mapped[str] = mapped_column(String(16))  # a batches.states.BatchStatus
@@ -145,10 +149,13 @@ class Batch(Base):
 
 
 class Shard(Base):
-    """A contiguous run of input lines, the unit a worker claims.
+    """A run of input lines of one model, the unit a worker claims.
 
     ``start_byte``/``end_byte`` are the half-open byte range of the input object holding lines
     ``first_line``..``last_line`` (1-based, inclusive); blank lines inside it are not requests.
+    In a batch of several models a model's requests sit between other models' lines: ``lines``
+    then names the shard's own (their line numbers, ascending), and the rest of the range is not
+    the shard's.
     """
 
     __tablename__ = "shards"
@@ -165,6 +172,8 @@ class Shard(Base):
     start_byte: Mapped[int]
     end_byte: Mapped[int]
     request_count: Mapped[int]
+    model: Mapped[str | None] = mapped_column(String(256))  # the served model that runs it
+    lines: Mapped[list[int] | None] = mapped_column(JSON(none_as_null=True))  # None: every line of the range
     # prompt tokens: an upper bound from validation, exact once ``tokens_counted`` (a background
     # pass after the batch started fills ``prompt_token_counts``, one per request in line order)
     prompt_tokens: Mapped[int] = mapped_column(default=0)

@@ -1,8 +1,9 @@
 """EncoderFront: a thread-safe door to one ``Encoder`` running on a background thread.
 
 Requests carry lists of token-id inputs; the thread takes everything queued, sorts the inputs
-by length (so a batch pads little), cuts them into batches of at most ``max_batch_tokens``
-padded tokens, encodes them and completes each request's future once all its inputs are done.
+by prompt and then by length (so a batch pads little, and a decoder runs the prompt its batch
+shares once), cuts them into batches of at most ``max_batch_tokens`` padded tokens, encodes them
+and completes each request's future once all its inputs are done.
 No KV cache, no steps: an input is encoded once. A bad request (a token id outside the
 vocabulary) finishes with an error; a failed forward fails that round's requests; neither stops
 the thread. The interface mirrors ``engine.EngineFront`` where the shard runner uses it.
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from batchapi.background import Background
 from batchapi.encoder.model import Encoder
+from batchapi.encoder.pooling import shorten
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +39,14 @@ class EncoderConfig:
     model_path: str | Path
     device: str = "cpu"
     dtype: str = "float32"
-    max_batch_tokens: int = 16384  # padded tokens per forward
+    # padded tokens per forward; None: 16384 on a GPU, 1024 on the CPU, where a forward whose
+    # activations stay in the caches runs 2x faster than one of 16384 tokens (bench/embeddings.py)
+    max_batch_tokens: int | None = None
 
     def __post_init__(self):
         self.model_path = Path(self.model_path).expanduser()
+        if self.max_batch_tokens is None:
+            self.max_batch_tokens = 1024 if self.device == "cpu" else 16384
         assert self.dtype in ("float32", "bfloat16", "float16"), f"unsupported dtype {self.dtype!r}"
         assert self.max_batch_tokens >= 512, "max_batch_tokens must hold at least one full-window input"
 
@@ -49,6 +55,8 @@ class EncoderConfig:
 class EmbeddingRequest:
     request_id: str
     inputs: list[list[int]]  # token ids, each truncated to the model's max_seq_length by the front
+    prompt_length: int = 0  # the prompt's tokens at the start of each input (the model may pool without them)
+    dimensions: int | None = None  # a Matryoshka model's vectors cut to these (the codec checked them)
 
 
 @dataclass
@@ -82,6 +90,7 @@ class EncoderFront:
         self.tokenizer = self.encoder.tokenizer
         self.max_seq_length = self.encoder.max_seq_length
         self.dimensions = self.encoder.dimensions
+        self.pipeline = self.encoder.pipeline
         self.system_fingerprint = None
         self._wake = threading.Condition()
         self._inbox: list[_Pending] = []
@@ -173,7 +182,8 @@ class EncoderFront:
             for i, ids in enumerate(pending.request.inputs):
                 ids = ids[: self.max_seq_length]
                 items.append((len(ids), pending, i, ids))
-        items.sort(key=lambda item: item[0], reverse=True)
+        # the inputs of one prompt together (a decoder runs a prompt a batch shares once), longest first
+        items.sort(key=lambda item: (_prompt_of(item), item[0]), reverse=True)
         for group in self._groups(items):
             self._forward(group)
 
@@ -181,7 +191,8 @@ class EncoderFront:
         started = time.perf_counter()
         try:
             with self._compute_turn:
-                vectors = self.encoder.encode([ids for _, _, _, ids in group])
+                vectors = self.encoder.encode([ids for _, _, _, ids in group],
+                                              [p.request.prompt_length for _, p, _, _ in group])
         except Exception as exc:  # noqa: BLE001 - a failed forward fails its requests, never the thread
             log.exception("the encoder failed on a batch of %d inputs", len(group))
             for _, pending, _, _ in group:
@@ -189,6 +200,7 @@ class EncoderFront:
             return
         finished = []  # (pending, result) of the requests whose last input this forward encoded
         for (_, pending, i, _), vector in zip(group, vectors, strict=True):
+            vector = shorten(vector, pending.request.dimensions, self.pipeline.normalize)
             result = self._done(pending, i, vector.numpy().astype("<f4").tobytes())
             if result is not None:
                 finished.append((pending, result))
@@ -198,10 +210,12 @@ class EncoderFront:
             pending.future.set_result(result)
 
     def _groups(self, items: list) -> list[list]:
-        """Sorted longest first, so a group's first input sets its padded length."""
+        """Sorted by prompt, then longest first, so a group's first input sets its padded length; a
+        group holds one prompt's inputs."""
         groups, current = [], []
         for item in items:
-            if current and current[0][0] * (len(current) + 1) > self.config.max_batch_tokens:
+            if current and (current[0][0] * (len(current) + 1) > self.config.max_batch_tokens
+                            or _prompt_of(item) != _prompt_of(current[0])):
                 groups.append(current)
                 current = []
             current.append(item)
@@ -232,3 +246,8 @@ class EncoderFront:
     def _fail(self, pending: _Pending, code: EncoderError, message: str) -> None:
         if not pending.future.done():
             pending.future.set_result(EmbeddingResult(pending.request.request_id, 0, error=message, error_code=code))
+
+
+def _prompt_of(item: tuple) -> tuple[int, ...]:
+    """The prompt ids an item (length, pending, input index, ids) starts with."""
+    return tuple(item[3][: item[1].request.prompt_length])

@@ -159,7 +159,7 @@ class _Core:
                 return self.engine.step()
         except Exception as exc:  # a bug, not a bad request: fail what is in flight, keep serving
             log.exception("engine step failed; failing %d requests", len(self.engine.requests))
-            for request_id in list(self.engine.requests):
+            for request_id in self.engine.request_ids():
                 self.engine.abort(request_id)
                 failed.append((request_id, _sendable(exc)))
             return []

@@ -27,6 +27,7 @@ from batchapi.engine.request import (
 )
 from batchapi.engine.scheduler import Scheduler
 from batchapi.engine.sequence import Sequence, SequenceStatus
+from batchapi.engine.thinking import ThinkingState
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class _Stream:
 
     detok: IncrementalDetokenizer
     stops: StopChecker | None
+    block_end: int = 0  # the text of a thinking block ends here in detok.text; stop strings search after it
 
 
 @dataclass
@@ -122,13 +124,16 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                           window=window)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len)
+                                   self.max_model_len, self.runner.scores)
         self.requests: dict[str, _RequestState] = {}
         self.system_fingerprint = system_fingerprint(config, str(self.runner.dtype), self.runner.ops.name)
         self._grammars = None  # grammar.GrammarCompiler, made for the first constrained request
         self.overlap_text = config.device.startswith("cuda") if config.overlap_text is None else config.overlap_text
-        self._text_queue: list[tuple[Sequence, int]] = []  # tokens appended whose text is still to work out
+        # tokens appended whose text is still to work out, and whether each is in a thinking block
+        self._text_queue: list[tuple[Sequence, int, bool]] = []
         self.compiling: list[tuple[Sequence, Future]] = []  # requests waiting for their grammar
+        # requests of several prompts: their id -> the part ids (one per prompt) and the parts finished
+        self._groups: dict[str, tuple[list[str], dict[str, GenerationResult], int]] = {}
 
     @property
     def grammars(self):
@@ -145,10 +150,24 @@ class LLMEngine:
     def add_request(self, request: GenerationRequest) -> None:
         """Queue a request; one the engine refuses finishes with an error at the next step.
         Raises DuplicateRequestId while a request with the same id is in the engine."""
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or request.request_id in self._groups:
             raise DuplicateRequestId(f"request id {request.request_id!r} is already in the engine")
+        if request.more_prompts:  # one part per prompt, merged into one result when all are done
+            prompts = [request.prompt_token_ids, *request.more_prompts]
+            ids = [f"{request.request_id}\x00{i}" for i in range(len(prompts))]
+            self._groups[request.request_id] = (ids, {}, request.params.n)
+            try:
+                for part_id, prompt in zip(ids, prompts, strict=True):
+                    self.add_request(GenerationRequest(part_id, prompt, request.params))
+            except Exception:
+                self.abort(request.request_id)
+                self._groups.pop(request.request_id, None)
+                raise
+            return
         params = request.params
         seq = Sequence(request.request_id, list(request.prompt_token_ids), params, num_forks=params.n - 1)
+        if params.thinking is not None:
+            seq.thinking = ThinkingState(params.thinking)
         state = _RequestState(request, [seq])
         self.requests[request.request_id] = state
         try:
@@ -196,6 +215,12 @@ class LLMEngine:
             self._grammars.close()
 
     def abort(self, request_id: str) -> GenerationResult | None:
+        if request_id in self._groups:
+            for part_id in self._groups[request_id][0]:
+                result = self.abort(part_id)
+                if result is not None:
+                    self._groups[request_id][1][part_id] = result
+            return self._merge(request_id)
         state = self.requests.pop(request_id, None)
         if state is None:
             return None
@@ -208,6 +233,11 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def request_ids(self) -> list[str]:
+        """The ids of the requests in flight, as they were added (a request of several prompts once)."""
+        parts = {part for ids, _, _ in self._groups.values() for part in ids}
+        return [rid for rid in self.requests if rid not in parts] + list(self._groups)
 
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting) + len(self.compiling)
@@ -234,7 +264,7 @@ class LLMEngine:
         if not len(batch) and not self._text_queue:
             if self.compiling and not finished:
                 wait([future for _, future in self.compiling], GRAMMAR_WAIT_SECONDS, FIRST_COMPLETED)
-            return finished
+            return self._grouped(finished)
         launched = self.runner.launch(batch) if len(batch) else None
         touched = self._work_text() if self.overlap_text else set()  # the last step's text, while this one runs
         if launched is not None:
@@ -251,12 +281,40 @@ class LLMEngine:
         if not self.overlap_text:
             touched |= self._work_text()
         self.scheduler.release_finished()
-        pending = {seq.request_id for seq, _ in self._text_queue}
+        pending = {seq.request_id for seq, _, _ in self._text_queue}
         for request_id in touched - pending:
             state = self.requests.get(request_id)
             if state is not None and all(s.is_finished for s in state.seqs):
                 finished.append(self._result(self.requests.pop(request_id)))
-        return finished
+        return self._grouped(finished)
+
+    def _grouped(self, finished: list[GenerationResult]) -> list[GenerationResult]:
+        """Finished results, the parts of a request of several prompts merged once all are done."""
+        if not self._groups:
+            return finished
+        out = []
+        for result in finished:
+            group_id, part, _ = result.request_id.partition("\x00")
+            if not part or group_id not in self._groups:
+                out.append(result)
+                continue
+            self._groups[group_id][1][result.request_id] = result
+            merged = self._merge(group_id)
+            if merged is not None:
+                out.append(merged)
+        return out
+
+    def _merge(self, group_id: str) -> GenerationResult | None:
+        ids, done, n = self._groups[group_id]
+        if len(done) < len(ids):
+            return None
+        del self._groups[group_id]
+        parts = [done[i] for i in ids]
+        outputs = [replace(out, index=i * n + out.index) for i, part in enumerate(parts) for out in part.outputs]
+        failed = next((p for p in parts if p.error is not None), None)
+        return GenerationResult(group_id, sum(p.prompt_tokens for p in parts), sum(p.cached_tokens for p in parts),
+                                outputs, failed.error if failed else None, failed.error_code if failed else None,
+                                parts=parts)
 
     def _take_rejected(self) -> list[GenerationResult]:
         results = []
@@ -273,6 +331,8 @@ class LLMEngine:
         state = self.requests[parent.request_id]
         if state.grammar is not None:  # a fork starts where its parent did: at the grammar's start
             child.matcher = state.grammar.matcher()
+        if parent.params.thinking is not None:
+            child.thinking = ThinkingState(parent.params.thinking)
         state.seqs.append(child)
         self._open_stream(state, child)
         self.scheduler.fork(parent, child)
@@ -288,6 +348,9 @@ class LLMEngine:
         """Add a sampled token to ``seq``; finish it if a stop condition of the ids holds. Its
         text goes to the queue that ``_work_text`` works through."""
         token = sample.token_id
+        if seq.params.max_tokens == 0:  # a prompt scored (prompt logprobs), nothing generated
+            seq.finish("length")
+            return
         seq.token_ids.append(token)
         params = seq.params
         if params.logprobs:
@@ -297,11 +360,15 @@ class LLMEngine:
         if reason == "stop":  # a stop token: its text is not part of the output
             seq.finish("stop")
             return
-        if seq.matcher is not None and not seq.matcher.accept(token):
+        matcher = seq.active_matcher  # none while a thinking block is open: the grammar follows it
+        in_block = seq.thinking is not None and not seq.thinking.ended
+        if in_block:
+            seq.thinking.accept(token, seq.output_token_ids)
+        if matcher is not None and not matcher.accept(token):
             seq.fail(ErrorCode.ENGINE_FAILURE, f"the grammar refused token {token}, which its mask allowed")
             return
-        self._text_queue.append((seq, token))
-        if seq.matcher is not None and seq.matcher.is_terminated:  # the document is complete
+        self._text_queue.append((seq, token, in_block))
+        if matcher is not None and matcher.is_terminated:  # the document is complete
             seq.finish("stop")
         elif reason == "length" or seq.num_tokens >= self.max_model_len:
             seq.finish("length")
@@ -312,13 +379,16 @@ class LLMEngine:
         request ids worked on."""
         queue, self._text_queue = self._text_queue, []
         touched = set()
-        for seq, token in queue:
+        for seq, token, in_block in queue:
             state = self.requests.get(seq.request_id)
             if state is None or seq.error:  # aborted meanwhile
                 continue
             touched.add(seq.request_id)
             stream = state.streams[seq.seq_id]
             text = stream.detok.add(token)
+            if in_block:  # the thinking is not searched for stop strings; the answer after it is
+                stream.block_end = len(stream.detok.text)
+                continue
             if stream.stops is not None and stream.stops.add(text):  # a stop string beats the length limit
                 seq.text = stream.stops.text
                 if seq.status is SequenceStatus.WAITING:  # preempted since: it must not run again
@@ -330,13 +400,17 @@ class LLMEngine:
         outputs, failed = [], None
         for seq in sorted(state.seqs, key=lambda s: s.sample_index):
             stream = state.streams.get(seq.seq_id)
-            if not seq.text and stream is not None:
-                seq.text = stream.stops.text if stream.stops is not None else stream.detok.text
-            outputs.append(CompletionOutput(seq.sample_index, seq.text, seq.output_token_ids,
-                                            seq.finish_reason, seq.logprobs))
+            block = ""
+            if stream is not None:
+                block = stream.detok.text[: stream.block_end]
+                if not seq.text:
+                    seq.text = stream.stops.text if stream.stops is not None else stream.detok.text[stream.block_end:]
+            outputs.append(CompletionOutput(seq.sample_index, seq.text, seq.output_token_ids, seq.finish_reason,
+                                            seq.logprobs, seq.thinking.tokens if seq.thinking is not None else 0,
+                                            block))
             if failed is None and seq.error:
                 failed = seq
         first = state.seqs[0]
         error, code = (failed.error, failed.error_code) if failed is not None else (None, None)
         return GenerationResult(state.request.request_id, first.num_prompt_tokens, first.num_cached_tokens,
-                                outputs, error, code)
+                                outputs, error, code, first.prompt_logprobs)

@@ -156,7 +156,7 @@ class EngineFront:
                 results = self.engine.step()
         except Exception as exc:  # a bug, not a bad request: fail what is in flight, keep serving
             log.exception("engine step failed; failing %d requests", len(self.engine.requests))
-            for request_id in list(self.engine.requests):
+            for request_id in self.engine.request_ids():
                 self.engine.abort(request_id)
                 self._fail(request_id, exc)
             return

@@ -17,6 +17,7 @@ from batchapi.engine.model.llama import CausalLM
 from batchapi.engine.model.loader import ModelConfig, UnsupportedModelError, load_config, load_weights
 from batchapi.engine.model.moe import SparseMoE
 from batchapi.engine.platform import keep_freed_memory, resolve_dtype
+from batchapi.engine.prompt_scores import PromptScorer, ScoreCache
 from batchapi.engine.sampler import OutputTokens, Sampler, SampleRow
 from batchapi.engine.scheduler import ScheduledBatch
 from batchapi.engine.sequence import Sequence
@@ -53,6 +54,9 @@ class ModelRunner:
         self.num_blocks = self._num_blocks()
         self._allocate_kv_cache()
         self.sampler = Sampler(self.ops)
+        # prompt logprobs: scored at most max_num_seqs rows at a time, the rows lm_head is invariant for
+        self.scores = ScoreCache(capacity=self.num_blocks)
+        self.scorer = PromptScorer(self.model, self.scores, self.block_size, config.max_num_seqs, self.device)
         self.inputs = StepInputs(config.max_num_batched_tokens, config.max_num_seqs, self.block_size, self.device)
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and config.cuda_graphs:
@@ -135,7 +139,11 @@ class ModelRunner:
         """Start one step: on CUDA the forward and the choice of tokens are queued on the device
         and this returns at once; ``result()`` waits for the tokens. On CPU it is done on return."""
         input_ids, positions, meta, logit_rows = self._prepare(batch)
-        if self.graphs is not None and self.graphs.takes(input_ids, meta, logit_rows):
+        scored = self.scorer.plan(batch.seqs, batch.num_new_tokens, self.inputs.cu_seqlens)
+        if scored is not None:  # prompt logprobs: the forward keeps those positions' hidden states too
+            logits, hidden = self.model(input_ids, positions, meta, logit_rows, scored[0])
+            self.scorer.finish(hidden, scored[1])
+        elif self.graphs is not None and self.graphs.takes(input_ids, meta, logit_rows):
             logits = self.graphs.run(input_ids, positions, meta)  # [S, V]
         else:
             logits = self.model(input_ids, positions, meta, logit_rows)  # [S, V]
@@ -144,7 +152,7 @@ class ModelRunner:
             repeat = torch.tensor([1 + seq.num_forks for seq, _ in _sampled(batch)], device=logits.device)
             logits = logits.repeat_interleave(repeat, dim=0, output_size=len(rows))  # the size given: no read-back
         sample_rows_ = [SampleRow(seq.params, OutputTokens(seq.token_ids, seq.num_prompt_tokens), index,
-                                  _matcher(seq, index)) for seq, index in rows]
+                                  _matcher(seq, index), _forced(seq, index)) for seq, index in rows]
         return LaunchedStep(self.sampler, rows, logits, sample_rows_, self.sampler.choose(logits, sample_rows_))
 
 
@@ -164,9 +172,19 @@ class LaunchedStep:
 def _matcher(seq: Sequence, index: int):
     """The grammar matcher of a row: a fork's first row gets a copy of its parent's (both are at
     the grammar's start), as one matcher may fill only one row of a step's bitmask."""
-    if seq.matcher is None or index == seq.sample_index:
-        return seq.matcher
-    return seq.matcher.fork()
+    matcher = seq.active_matcher
+    if matcher is None or index == seq.sample_index:
+        return matcher
+    return matcher.fork()
+
+
+def _forced(seq: Sequence, index: int) -> int | None:
+    """The token a row must take: a thinking marker (a fork's first row starts as its parent did)."""
+    if seq.thinking is None:
+        return None
+    if index == seq.sample_index:
+        return seq.forced_token
+    return None if seq.params.thinking.opened else seq.params.thinking.start[0]
 
 
 def _sampled(batch: ScheduledBatch) -> list[tuple[Sequence, int]]:

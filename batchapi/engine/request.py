@@ -31,6 +31,9 @@ class GenerationRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
+    # more prompts of the same request (a completions body's list of prompts): each runs with
+    # ``params``, and the result holds one part per prompt (``GenerationResult.parts``)
+    more_prompts: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -47,6 +50,11 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None  # stop | length | error
     logprobs: list[TokenLogprob] | None = None
+    # a request that thinks: its first output tokens form a thinking block (markers included), whose
+    # text is ``thinking_text``; ``text`` is then the answer after it (stop strings search only that)
+    thinking_tokens: int = 0
+    thinking_text: str = ""
+    reasoning: str | None = None  # the block's text without its markers, set by the codec (workers.codec)
 
 
 @dataclass
@@ -57,6 +65,11 @@ class GenerationResult:
     outputs: list[CompletionOutput]
     error: str | None = None  # for people; error_code is what callers act on
     error_code: ErrorCode | None = None
+    # SamplingParams.prompt_logprobs: an entry per prompt token, None for the first (nothing precedes it)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    # a request of several prompts: one result per prompt, in order (the counts above are their sums,
+    # ``outputs`` all their outputs, indexed prompt by prompt: prompt i's sample j is i * n + j)
+    parts: list[GenerationResult] | None = None
 
     @property
     def completion_tokens(self) -> int:

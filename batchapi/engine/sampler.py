@@ -63,6 +63,7 @@ class SampleRow:
     output_token_ids: Sequence[int]  # tokens generated so far (a list or OutputTokens); its length is the step number
     sample_index: int = 0  # which of the request's n samples, 0..n-1
     matcher: object | None = None  # grammar.Matcher: only the tokens it allows may be drawn
+    forced: int | None = None  # the token this row takes whatever the logits say (a thinking marker)
 
 
 @dataclass
@@ -97,6 +98,14 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (
             f"logits {tuple(logits.shape)} do not match {len(rows)} rows"
         )
+        token_ids = self._pick(logits, rows)
+        forced = [(i, r.forced) for i, r in enumerate(rows) if r.forced is not None]
+        if forced:  # its logprob stays the model's own: outputs() reads it from the raw logits
+            at, tokens = zip(*forced, strict=True)
+            token_ids[list(at)] = torch.tensor(tokens, dtype=token_ids.dtype).to(token_ids.device)
+        return token_ids
+
+    def _pick(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         plain_greedy = all(r.params.greedy and not _modifies_logits(r.params) for r in rows)
         matchers = [r.matcher for r in rows]
         if plain_greedy and all(m is None for m in matchers):

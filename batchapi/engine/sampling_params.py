@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from batchapi.engine.thinking import Thinking
 from batchapi.grammar.spec import GrammarSpec
 
 MAX_TOP_LOGPROBS = 20
@@ -35,6 +36,8 @@ class SamplingParams:
     top_logprobs: int = 0
     n: int = 1
     grammar: GrammarSpec | None = None  # the output follows it, token by token (structured outputs)
+    thinking: Thinking | None = None  # the output opens with a thinking block; the grammar applies after it
+    prompt_logprobs: int | None = None  # each prompt token's logprob and this many alternatives (0-20)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # OpenAI lets `stop` be one string
@@ -60,13 +63,16 @@ class SamplingParams:
         """Raise ValueError if a token id named here is outside the model's vocabulary.
 
         The engine calls this when a request is submitted, so that the sampler never sees one."""
-        bad = [t for t in (*self.logit_bias, *self.stop_token_ids) if t >= vocab_size]
+        markers = (*self.thinking.start, *self.thinking.end) if self.thinking is not None else ()
+        bad = [t for t in (*self.logit_bias, *self.stop_token_ids, *markers) if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary (size {vocab_size})")
 
     def _check_lengths(self) -> None:
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 0):
+            raise ValueError(f"max_tokens must be an integer >= 0 or None, got {self.max_tokens!r}")
+        if self.max_tokens == 0 and (self.prompt_logprobs is None or self.n != 1):
+            raise ValueError("max_tokens 0 (a prompt scored, nothing generated) needs prompt_logprobs and n 1")
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         if self.seed is not None and not _is_int(self.seed):
@@ -106,8 +112,13 @@ class SamplingParams:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=True")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}] or None, got {self.prompt_logprobs!r}")
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
             raise ValueError(f"grammar must be a GrammarSpec, got {self.grammar!r}")
+        if self.thinking is not None and not isinstance(self.thinking, Thinking):
+            raise ValueError(f"thinking must be a Thinking, got {self.thinking!r}")
 
 
 def _is_int(value: object) -> bool:

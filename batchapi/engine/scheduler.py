@@ -129,8 +129,11 @@ class WaitingQueue:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int):
+                 max_model_len: int, scores=None):
+        """``scores``: the prompt scores cache (``prompt_scores.ScoreCache``): a request that wants
+        prompt logprobs takes a prefix hit only as far as its blocks have scores."""
         self.bm = block_manager
+        self.scores = scores
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -204,10 +207,15 @@ class Scheduler:
                     full = True
                     break
                 cached, hashes = self.bm.match_prefix(seq)
+                if seq.params.prompt_logprobs is not None and self.scores is not None:  # hits need their scores
+                    known = self.scores.known(hashes)
+                    known = known if known == len(hashes) or self.bm.window is None else 0
+                    cached, hashes = cached[:known], hashes[:known]
                 if pending and group is not self.waiting.front and self._computed_now(seq, hashes, pending):
                     break  # its next blocks are being computed now: next step they are cache hits
                 num_cached = len(cached) * self.bm.block_size
-                donor = self._find_donor(seq, num_cached, scheduled, waves) if self.bm.enable_prefix_caching else None
+                donor = (self._find_donor(seq, num_cached, scheduled, waves)
+                         if self.bm.enable_prefix_caching and seq.params.prompt_logprobs is None else None)
                 copied = donor[1] if donor else 0
                 n = min(seq.num_tokens - num_cached - copied, budget)
                 if not self.bm.can_admit(cached, num_cached + copied + n):

@@ -42,6 +42,24 @@ class Sequence:
     num_forks: int = 0  # children still to fork once the prompt is computed (n > 1)
     text: str = ""
     matcher: Any = None  # grammar.Matcher of a constrained request, advanced by each output token
+    thinking: Any = None  # thinking.ThinkingState of a request that thinks
+    # prompt logprobs (engine.prompt_scores): an entry per prompt token (None for the first), the
+    # top alternatives kept for the score cache, and the prompt's block hashes
+    prompt_logprobs: list | None = None
+    prompt_top: dict = field(default_factory=dict)
+    prompt_hashes: list | None = None
+
+    @property
+    def active_matcher(self):
+        """The matcher that constrains the next token: none while a thinking block is open."""
+        if self.thinking is not None and not self.thinking.constrained:
+            return None
+        return self.matcher
+
+    @property
+    def forced_token(self) -> int | None:
+        """The token the next step must take (a thinking marker), if any."""
+        return self.thinking.forced_token() if self.thinking is not None else None
 
     def __post_init__(self):
         if self.num_prompt_tokens < 0:

@@ -48,6 +48,8 @@ CHAT_ARCHITECTURES = {
 # config.json's model_type of each, where a converter wrote no architectures (Gemma 3's text model
 # is "gemma3_text"; "gemma3" names the multimodal one)
 CHAT_MODEL_TYPES = {**{family: family for family in CHAT_ARCHITECTURES.values()}, "gemma3_text": "gemma3"}
+# the decoder families a sentence-transformers directory may hold (encoder.decoder.DECODER_TYPES)
+DECODER_EMBEDDING_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 ENCODER_TYPES = {"bert", "roberta", "xlm-roberta", "distilbert", "mpnet", "electra", "deberta-v2", "nomic_bert"}
 # a GGUF file's general.architecture -> the causal LM transformers' GGUF loader builds, where the
 # engine runs it. A Mistral GGUF says "llama" (transformers makes it a Mistral by its name); a
@@ -87,15 +89,16 @@ def accepted_names(name_or_path: str) -> set[str]:
 
 
 def model_kind(path: Path) -> str:
-    """``chat`` for a causal LM directory, ``embedding`` for an encoder (BERT-style) one."""
-    return _kind(_config(path))
+    """``chat`` for a causal LM directory, ``embedding`` for an encoder (BERT-style) one or a
+    sentence-transformers one (a decoder embedder such as Qwen3-Embedding included)."""
+    return _kind(_config(path), path)
 
 
 def model_info(path: Path) -> ModelInfo:
     """A model directory's architecture, context length and kind, from its JSON files alone."""
     config = _config(path)
     architecture = (config.get("architectures") or [None])[0] or config.get("model_type")
-    if _kind(config) == EMBEDDING:
+    if _kind(config, path) == EMBEDDING:
         return ModelInfo(architecture, embedding_window(path, config.get("max_position_embeddings", 512)), EMBEDDING)
     return ModelInfo(architecture, context_length(path), CHAT)
 
@@ -119,9 +122,13 @@ def context_length(path: Path) -> int:
 
 def embedding_window(path: Path, context: int) -> int:
     """What an embedding model's inputs are cut to: sentence-transformers' ``max_seq_length`` where
-    it is within the context, else the context (as the encoder reads it)."""
+    it is within the context, else the context (the encoder reads it here). Its older directories
+    hold it in sentence_bert_config.json, newer ones (6.x) as the tokenizer's ``model_max_length``."""
     st_config = Path(path) / "sentence_bert_config.json"
     limit = json.loads(st_config.read_text()).get("max_seq_length") if st_config.is_file() else None
+    tok_config = Path(path) / "tokenizer_config.json"
+    if limit is None and (Path(path) / "modules.json").is_file() and tok_config.is_file():
+        limit = json.loads(tok_config.read_text()).get("model_max_length")
     return limit if isinstance(limit, int) and 0 < limit <= context else context
 
 
@@ -130,7 +137,9 @@ def require_supported(path: Path) -> ModelInfo:
     config = _config(path)
     architectures = config.get("architectures") or []
     model_type = config.get("model_type")
-    if architectures:
+    if (Path(path) / "modules.json").is_file() and model_type in DECODER_EMBEDDING_TYPES:
+        supported = True  # a decoder embedding model (Qwen3-Embedding), run by the encoder
+    elif architectures:
         supported = any(a in CHAT_ARCHITECTURES for a in architectures) or model_type in ENCODER_TYPES
     else:  # some converters write only model_type
         supported = model_type in CHAT_MODEL_TYPES or model_type in ENCODER_TYPES
@@ -189,7 +198,9 @@ def _config(path: Path) -> dict:
     return json.loads((Path(path) / "config.json").read_text())
 
 
-def _kind(config: dict) -> str:
+def _kind(config: dict, path: Path) -> str:
+    if (Path(path) / "modules.json").is_file():  # sentence-transformers' modules: an embedding model
+        return EMBEDDING
     architectures = config.get("architectures") or []
     if architectures:  # a directory converted from GGUF may have none
         return CHAT if any(a.endswith("ForCausalLM") for a in architectures) else EMBEDDING

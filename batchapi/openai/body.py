@@ -26,6 +26,7 @@ from batchapi.openai.fields import (
 )
 from batchapi.openai.messages import FIELDS as MESSAGE_FIELDS
 from batchapi.openai.messages import parse_messages
+from batchapi.openai.reasoning import VERBOSITIES, Reasoning, chat_reasoning
 from batchapi.openai.responses import FIELDS as RESPONSE_FIELDS
 from batchapi.openai.responses import parse_responses
 from batchapi.openai.tools import NAME, call_arguments, parse_tools
@@ -43,13 +44,16 @@ PROMPT_PARAM = {CHAT: "messages", COMPLETIONS: "prompt", RESPONSES: "input", EMB
 MAX_TOKENS_PARAM = {CHAT: "max_tokens", COMPLETIONS: "max_tokens", RESPONSES: "max_output_tokens",
                     MESSAGES: "max_tokens"}
 SCHEMA_PARAM = {CHAT: "response_format.json_schema.schema", RESPONSES: "text.format.schema",
-                MESSAGES: "tools"}
+                MESSAGES: "output_config.format.schema"}
 
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 MAX_N = 128
+MAX_PROMPTS = 2048  # prompts in one completions body
+MAX_COMPLETION_LOGPROBS = 20
 MAX_STOP = 4
-# fields OpenAI accepts that do not change generation here
-IGNORED = {"user", "store", "metadata", "service_tier", "stream_options"}
+# fields OpenAI accepts that do not change generation here (``verbosity`` is checked first)
+IGNORED = {"user", "store", "metadata", "service_tier", "stream_options", "prompt_cache_key", "safety_identifier",
+           "verbosity"}
 
 
 @dataclass
@@ -93,10 +97,18 @@ class ParsedBody:
     tool_name: str | None = None
     parallel_tool_calls: bool = True
     echo: dict | None = None  # Responses only: the request's fields its Response object repeats
+    # completions only: the prompts after the first (``prompt`` a list of prompts), each its own
+    # choices; and ``echo``: the prompt comes back before each choice's text, with its logprobs
+    more_prompts: list[str | list[int]] = field(default_factory=list)
+    echo_prompt: bool = False
+    reasoning: Reasoning | None = None  # what it asked of thinking (None: as the chat template does by default)
+    # thinking blocks sent back in assistant turns: (text, signature, param), checked against the key
+    signed_thinking: list[tuple[str, str, str]] = field(default_factory=list)
     # embeddings only (``openai.embeddings``): the inputs (strings, or token-id lists) and the options
     inputs: list[str] | list[list[int]] | None = None
     encoding_format: str = "float"
     dimensions: int | None = None
+    prompt_name: str | None = None  # one of the model's named prompts, checked by the worker
 
     @property
     def continues_final_message(self) -> bool:
@@ -227,19 +239,36 @@ def _response_format(body: dict, parsed: ParsedBody) -> None:
     parsed.json_schema, parsed.json_schema_name, parsed.json_schema_strict = json_schema_format(spec, param)
 
 
-def _prompt(body: dict) -> str | list[int]:
+def _ignored_strings(body: dict) -> None:
+    """Fields OpenAI accepts that change nothing here, checked as OpenAI checks them."""
+    for name in ("user", "prompt_cache_key", "safety_identifier"):
+        if body.get(name) is not None and not isinstance(body[name], str):
+            raise RequestError(f"'{name}' must be a string", name, ErrorCode.INVALID_TYPE)
+    verbosity = body.get("verbosity")
+    if verbosity is not None and verbosity not in VERBOSITIES:
+        raise RequestError(f"invalid value {verbosity!r}; expected one of {list(VERBOSITIES)}", "verbosity")
+
+
+def _prompts(body: dict) -> list[str | list[int]]:
+    """The prompts of a completions body: a string, an array of token ids, or an array of either."""
     prompt = body.get("prompt")
     if prompt is None:
         raise RequestError("'prompt' is required", "prompt", ErrorCode.MISSING_REQUIRED_PARAMETER)
     if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and prompt and all(is_int(t) and t >= 0 for t in prompt):
-        return list(prompt)
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        return prompt[0]
-    raise RequestError(
-        "'prompt' must be a string or an array of token ids (one prompt per request)", "prompt"
-    )
+        return [prompt]
+    if _is_token_ids(prompt):
+        return [list(prompt)]
+    if isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt)
+                                                or all(_is_token_ids(p) for p in prompt)):
+        if len(prompt) > MAX_PROMPTS:
+            raise RequestError(f"'prompt' holds {len(prompt)} prompts; at most {MAX_PROMPTS} are allowed", "prompt")
+        return [p if isinstance(p, str) else list(p) for p in prompt]
+    raise RequestError("'prompt' must be a string, an array of token ids, or a non-empty array of strings or of "
+                       "token-id arrays", "prompt", ErrorCode.INVALID_TYPE)
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(is_int(t) and t >= 0 for t in value)
 
 
 def _stop(body: dict) -> list[str]:
@@ -286,10 +315,10 @@ CHAT_FIELDS = {
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
     "min_p", "seed", "presence_penalty", "frequency_penalty", "logit_bias", "stop",
     "stop_token_ids", "n", "logprobs", "top_logprobs", "ignore_eos", "stream", "response_format", "tools",
-    "tool_choice", "parallel_tool_calls",
+    "tool_choice", "parallel_tool_calls", "reasoning_effort",
 } | IGNORED
 CHAT_ONLY = {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice",
-             "parallel_tool_calls"}
+             "parallel_tool_calls", "reasoning_effort", "verbosity"}
 COMPLETION_FIELDS = (CHAT_FIELDS - CHAT_ONLY) | {
     "prompt", "echo", "suffix", "best_of",
 }
@@ -309,9 +338,8 @@ def parse_body(endpoint: str, body: Any) -> ParsedBody:
     if body.get("stream"):
         raise RequestError("'stream' is not supported in a batch", "stream")
     if endpoint == COMPLETIONS:
-        for name in ("echo", "suffix"):
-            if body.get(name):
-                raise RequestError(f"'{name}' is not supported", name)
+        if body.get("suffix"):
+            raise RequestError("'suffix' is not supported", "suffix")
         best_of = integer(body, "best_of", 1, MAX_N, None)
         if best_of not in (None, 1) and best_of != body.get("n", 1):
             raise RequestError("'best_of' other than n is not supported", "best_of")
@@ -336,11 +364,16 @@ def parse_body(endpoint: str, body: Any) -> ParsedBody:
             raise RequestError("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
         _response_format(body, parsed)
         parsed.tools, parsed.tool_choice, parsed.tool_name, parsed.parallel_tool_calls = parse_tools(body)
+        parsed.reasoning = chat_reasoning(body)
+        _ignored_strings(body)
     else:
-        parsed.prompt = _prompt(body)
-        parsed.max_tokens = integer(body, "max_tokens", 1, None, 16)
-        # completions: logprobs is the number of alternatives to return (0-5)
-        count = integer(body, "logprobs", 0, 5, None)
+        prompts = _prompts(body)
+        parsed.prompt, parsed.more_prompts = prompts[0], prompts[1:]
+        parsed.echo_prompt = boolean(body, "echo")
+        # max_tokens 0 with echo: the prompt scored (its logprobs), nothing generated
+        parsed.max_tokens = integer(body, "max_tokens", 0 if parsed.echo_prompt else 1, None, 16)
+        # completions: logprobs is the number of alternatives to return (0-20: OpenAI's 5, vLLM's 20)
+        count = integer(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS, None)
         parsed.logprobs = count is not None
         parsed.top_logprobs = count or 0
 

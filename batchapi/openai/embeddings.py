@@ -7,6 +7,8 @@ the whole model input: no ``[CLS]``/``[SEP]`` is added to them, while text gets 
 tokenizer. ``encoding_format`` is ``float`` (the default) or ``base64`` (the little-endian float32
 bytes of each vector, base64-encoded, as OpenAI). ``dimensions`` is checked against the model by
 the worker, which knows it (``workers.embedding_codec``). ``user`` is accepted and ignored.
+``prompt_name`` (an extension) names one of the model's sentence-transformers prompts (``query``,
+``document``...), prepended to each text input; the worker checks it against the model's.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 from batchapi.openai.errors import ErrorCode, RequestError
 
 EMBEDDINGS = "/v1/embeddings"
-FIELDS = {"model", "input", "encoding_format", "dimensions", "user"}
+FIELDS = {"model", "input", "encoding_format", "dimensions", "user", "prompt_name"}
 ENCODING_FORMATS = ("float", "base64")
 MAX_INPUTS = 2048  # per request, as OpenAI
 MAX_BATCH_INPUTS = 50_000  # across all the lines of a batch, as OpenAI
@@ -64,6 +66,10 @@ def parse_embeddings(body: dict, parsed) -> None:
     if dimensions is not None and (not isinstance(dimensions, int) or isinstance(dimensions, bool) or dimensions < 1):
         raise RequestError("'dimensions' must be a positive integer", "dimensions", ErrorCode.INVALID_TYPE)
     parsed.dimensions = dimensions
+    prompt_name = body.get("prompt_name")
+    if prompt_name is not None and (not isinstance(prompt_name, str) or not prompt_name):
+        raise RequestError("'prompt_name' must be a non-empty string", "prompt_name", ErrorCode.INVALID_TYPE)
+    parsed.prompt_name = prompt_name
 
 
 def _floats(vector: bytes) -> list[float]:

@@ -6,7 +6,8 @@ Two steps, each in one place. The worker renders a ``/v1/messages`` request's bo
 usual output line, so the batch's output and error files keep the one line format of every batch.
 The results route turns those stored lines into Anthropic's with ``result_line``: an output line is
 ``succeeded`` with its message; a 400 line (a refused body, or the engine's refusal) is ``errored``
-with an ``invalid_request_error`` (``api_error`` for a server error); a request never run is
+with an ``invalid_request_error`` (a 500 line, a server error, with an ``api_error``), its message
+led by the field it is about as Anthropic's are (``messages.0.content: ...``); a request never run is
 ``canceled`` or ``expired``, or ``errored`` (``api_error``) when the workers failed it.
 
 Usage: ``input_tokens`` are the prompt tokens the prefix cache did not hold and
@@ -17,10 +18,12 @@ Usage: ``input_tokens`` are the prompt tokens the prefix cache did not hold and
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from collections.abc import Iterable
 
 from batchapi.openai.errors import ErrorCode
+from batchapi.openai.reasoning import sign
 from batchapi.openai.tools import parse_tool_calls
 
 NOT_RUN = {ErrorCode.BATCH_CANCELLED: "canceled", ErrorCode.BATCH_EXPIRED: "expired"}
@@ -31,8 +34,9 @@ def usage(result) -> dict:
             "cache_read_input_tokens": result.cached_tokens, "cache_creation_input_tokens": 0}
 
 
-def message_body(parsed, result, model: str, tokenizer) -> dict:
-    """The Message of a ``/v1/messages`` request the engine finished (``parsed`` a ``body.ParsedBody``)."""
+def message_body(parsed, result, model: str, tokenizer, key: bytes = b"") -> dict:
+    """The Message of a ``/v1/messages`` request the engine finished (``parsed`` a ``body.ParsedBody``);
+    a thinking block first, signed with ``key`` (``openai.reasoning``), when the model thought."""
     assert result.error is None, f"request {result.request_id} failed ({result.error}); render it rejected"
     assert len(result.outputs) == 1, f"a Messages request has one output, got {len(result.outputs)}"
     out = result.outputs[0]
@@ -45,6 +49,8 @@ def message_body(parsed, result, model: str, tokenizer) -> dict:
     else:
         content = [{"type": "text", "text": out.text}]
         reason = "max_tokens" if out.finish_reason == "length" else "stop_sequence" if stop_sequence else "end_turn"
+    if getattr(out, "reasoning", None) is not None:
+        content = [{"type": "thinking", "thinking": out.reasoning, "signature": sign(out.reasoning, key)}, *content]
     return {"id": f"msg_{secrets.token_hex(12)}", "type": "message", "role": "assistant", "model": model,
             "content": content, "stop_reason": reason, "stop_sequence": stop_sequence, "usage": usage(result)}
 
@@ -54,7 +60,11 @@ def _stop_sequence(parsed, out, tokenizer) -> str | None:
     it, so it follows the text in the decoded tokens (an end-of-turn token decodes to nothing)."""
     if not parsed.stop:
         return None
-    tail = tokenizer.decode(out.token_ids, skip_special_tokens=True)[len(out.text):]
+    answer = out.token_ids[getattr(out, "thinking_tokens", 0):]  # the answer's tokens, after any thinking
+    decoded = tokenizer.decode(answer, skip_special_tokens=True)
+    if getattr(out, "thinking_tokens", 0):
+        decoded = decoded.lstrip("\n")  # as the answer's text was (openai.reasoning.split_output)
+    tail = decoded[len(out.text):]
     return next((s for s in parsed.stop if tail.startswith(s)), None)
 
 
@@ -70,11 +80,27 @@ def result_line(record: dict) -> bytes:
     elif response is not None:
         detail = response["body"]["error"]
         server = detail.get("code") == ErrorCode.SERVER_ERROR
-        result = error_result(detail["message"], "api_error" if server else "invalid_request_error")
+        result = error_result(anthropic_message(detail), "api_error" if server else "invalid_request_error")
     else:
         code = error.get("code")  # a str; an unknown code (another version's) is an api_error, never a crash
         result = {"type": NOT_RUN[code]} if code in NOT_RUN else error_result(error.get("message", ""), "api_error")
     return dump({"custom_id": record["custom_id"], "result": result})
+
+
+def anthropic_message(detail: dict) -> str:
+    """A stored error's message as Anthropic words one: led by the field it is about, in dotted form
+    (``messages.0.content.1.text: ...``), and an unknown field as "Extra inputs are not permitted"."""
+    message, param = detail.get("message", ""), detail.get("param")
+    if detail.get("code") == ErrorCode.UNKNOWN_PARAMETER:
+        message = "Extra inputs are not permitted"
+    if not param or param == "body":
+        return message
+    where = re.sub(r"\[(\d+)\]", r".\1", param)
+    for lead in (f"{param}: ", f"{where}: "):  # a message that already names its field (a schema's path)
+        if message.startswith(lead):
+            message = message[len(lead):]
+            break
+    return f"{where}: {message}"
 
 
 def result_lines(lines: Iterable[bytes]) -> Iterable[bytes]:

@@ -41,6 +41,7 @@ from typing import Any
 
 from batchapi.openai.errors import ErrorCode, RequestError, refuse_unknown
 from batchapi.openai.fields import RESPONSE_FORMATS, boolean, integer, json_schema_format
+from batchapi.openai.reasoning import VERBOSITIES, reasoning_tokens, responses_reasoning
 from batchapi.openai.tools import NAME, call_arguments, parse_tool_calls, parse_tools
 
 ROLES = ("user", "assistant", "system", "developer")
@@ -54,14 +55,13 @@ REFUSED = {
     "conversation": "a batch request cannot continue a stored conversation; send it in 'input'",
     "prompt": "stored prompt templates are not available; send the text in 'instructions' and 'input'",
     "background": "a batch request already runs in the background",
-    "reasoning": "the model has no reasoning settings",
     "include": "nothing can be added to the output here (no logprobs, reasoning or tool results)",
     "top_logprobs": "logprobs are not returned on /v1/responses; use /v1/chat/completions with 'logprobs'",
     "truncation": "only 'disabled' (the default): a prompt over the model's context fails its request",
 }
 HARMLESS = {"background": False, "include": [], "top_logprobs": 0, "truncation": "disabled"}
 FIELDS = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "text", "tools",
-          "tool_choice", "parallel_tool_calls", "stream"} | IGNORED | set(REFUSED)
+          "tool_choice", "parallel_tool_calls", "stream", "reasoning"} | IGNORED | set(REFUSED)
 
 
 # -- the request
@@ -79,7 +79,10 @@ def parse_responses(body: dict, parsed) -> None:
     parsed.max_tokens = integer(body, "max_output_tokens", 1, None, None)
     text = _text(body.get("text"), parsed)
     parsed.tools, parsed.tool_choice, parsed.tool_name, parsed.parallel_tool_calls = parse_tools(body, flat=True)
-    parsed.echo = {"instructions": instructions, "max_output_tokens": parsed.max_tokens, "text": text,
+    parsed.reasoning = responses_reasoning(body.get("reasoning"))
+    effort = parsed.reasoning.effort if parsed.reasoning is not None else None
+    summary = parsed.reasoning.summary if parsed.reasoning is not None else None
+    parsed.echo = {"reasoning": {"effort": effort, "summary": summary}, "instructions": instructions, "max_output_tokens": parsed.max_tokens, "text": text,
                    "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
                    "top_logprobs": 0, **_ignored(body)}
 
@@ -235,12 +238,12 @@ def _text(value: Any, parsed) -> dict:
     if not isinstance(value, dict):
         raise RequestError("'text' must be an object", "text", ErrorCode.INVALID_TYPE)
     refuse_unknown(value, {"format", "verbosity"}, "text")
-    if value.get("verbosity") not in (None, "medium"):
-        raise RequestError(f"'text.verbosity' {value['verbosity']!r} is not supported; only 'medium', the default",
-                           "text.verbosity")
+    verbosity = value.get("verbosity") or "medium"
+    if verbosity not in VERBOSITIES:  # accepted, and changes nothing here
+        raise RequestError(f"invalid value {verbosity!r}; expected one of {list(VERBOSITIES)}", "text.verbosity")
     fmt = value.get("format")
     if fmt is None:
-        return {"format": {"type": "text"}, "verbosity": "medium"}
+        return {"format": {"type": "text"}, "verbosity": verbosity}
     if not isinstance(fmt, dict):
         raise RequestError("'text.format' must be an object", "text.format", ErrorCode.INVALID_TYPE)
     kind = fmt.get("type")
@@ -251,7 +254,7 @@ def _text(value: Any, parsed) -> dict:
     parsed.response_format = kind
     if kind == "json_schema":
         parsed.json_schema, parsed.json_schema_name, parsed.json_schema_strict = json_schema_format(fmt, "text.format")
-    return {"format": fmt, "verbosity": "medium"}
+    return {"format": fmt, "verbosity": verbosity}
 
 
 # -- the result
@@ -261,7 +264,7 @@ def usage(result) -> dict:
         "input_tokens": result.prompt_tokens,
         "input_tokens_details": {"cached_tokens": result.cached_tokens, "cache_write_tokens": 0},
         "output_tokens": result.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens(result)},
         "total_tokens": result.prompt_tokens + result.completion_tokens,
     }
 
@@ -283,18 +286,28 @@ def response_body(parsed, result, model: str) -> dict:
         "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
         "model": model,
-        "output": [_function_call_item(call) for call in calls] if calls else [_message_item(out.text, cut)],
+        "output": _reasoning_items(out, cut) + (
+            [_function_call_item(call) for call in calls] if calls else [_message_item(out.text, cut)]),
         "parallel_tool_calls": parsed.parallel_tool_calls,
         "temperature": parsed.temperature,
         "top_p": parsed.top_p,
         "background": False,
         "previous_response_id": None,
-        "reasoning": {"effort": None, "summary": None},
         "service_tier": "default",
         "truncation": "disabled",
         **parsed.echo,
         "usage": usage(result),
     }
+
+
+def _reasoning_items(out, cut: bool) -> list[dict]:
+    """The ``reasoning`` item of an output that thought: its text as ``reasoning_text`` content (no
+    summary is written; ``summary`` stays empty)."""
+    if getattr(out, "reasoning", None) is None:
+        return []
+    return [{"type": "reasoning", "id": f"rs_{secrets.token_hex(24)}", "summary": [],
+             "content": [{"type": "reasoning_text", "text": out.reasoning}],
+             "status": "incomplete" if cut and not out.text else "completed"}]
 
 
 def _message_item(text: str, cut: bool) -> dict:

@@ -24,14 +24,22 @@ holds at most ``MAX_PROPERTIES`` properties and ``MAX_ENUM_VALUES`` enum values 
 
 In strict mode (OpenAI's ``strict: true``) the root is an object, and every object sets
 ``additionalProperties: false`` and lists all its properties in ``required``.
+
+A schema that no finite value satisfies (a required property whose ``$ref`` leads back to itself,
+directly or through ``$defs``, with no optional way out) is refused too, naming the ``$ref`` that
+closes the recursion (``grammar.size``); validation also refuses a schema whose shortest document
+cannot fit the model's context (``grammar.check``).
 """
 
 from __future__ import annotations
 
+import json
+import math
 import re
+from functools import lru_cache
 from typing import Any
-from urllib.parse import unquote
 
+from batchapi.grammar.size import ref_target, shortest_document
 from batchapi.openai.errors import ErrorCode, RequestError
 
 TYPES = ("string", "number", "integer", "boolean", "object", "array", "null")
@@ -61,8 +69,21 @@ def check_schema(schema: Any, param: str, *, strict: bool = False) -> None:
     walk = _Walk(strict)
     walk.schema(schema, (), param, depth=0, nesting=0)
     walk.check_refs()
+    endless = _endless(json.dumps(schema, separators=(",", ":"))) if walk.refs else None  # no $ref: all finite
+    if endless is not None:
+        raise _error(walk.paths.get(endless, param),
+                     "no finite JSON value satisfies the schema: this required value leads back to itself through "
+                     "'$ref' with no way to end (make a property on the way optional, or allow another type such "
+                     "as null)")
     if strict and not (isinstance(schema.get("type"), str) and schema["type"] == "object"):
         raise _error(param, "in strict mode the root schema must be of type 'object'")
+
+
+@lru_cache(maxsize=256)
+def _endless(schema: str) -> Pointer | None:
+    """Where a schema (compact JSON text: a file's lines mostly share one) recurses with no way out, if it does."""
+    shortest = shortest_document(json.loads(schema))
+    return shortest.pointer if math.isinf(shortest.size) else None
 
 
 def _error(path: str, problem: str) -> RequestError:
@@ -89,7 +110,7 @@ class _Walk:
         self.strict = strict
         self.properties = 0
         self.enum_values = 0
-        self.schemas: set[Pointer] = set()
+        self.paths: dict[Pointer, str] = {}  # every schema's pointer and its path in the body
         self.refs: dict[Pointer, tuple[Pointer, str]] = {}  # a $ref's schema: its target and path
 
     def schema(self, node: Any, pointer: Pointer, path: str, depth: int, nesting: int) -> None:
@@ -102,7 +123,7 @@ class _Walk:
         for key in node:
             if key not in KEYWORDS:
                 raise _error(path, f"the keyword {key!r} is not supported{HINTS.get(key, '')}")
-        self.schemas.add(pointer)
+        self.paths[pointer] = path
         if "$ref" in node:
             self.ref(node, pointer, path)
             return
@@ -121,13 +142,11 @@ class _Walk:
             raise _error(path, f"'$ref' may stand beside annotations only, not {others[0]!r}")
         if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
             raise _error(f"{path}.$ref", f"only local references ('#' or '#/...') are supported, got {ref!r}")
-        tokens = tuple(unquote(t).replace("~1", "/").replace("~0", "~") for t in ref[2:].split("/"))
-        tokens = () if ref == "#" else tokens
-        self.refs[pointer] = (tokens, f"{path}.$ref")
+        self.refs[pointer] = (ref_target(ref), f"{path}.$ref")
 
     def check_refs(self) -> None:
         for target, path in self.refs.values():
-            if target not in self.schemas:
+            if target not in self.paths:
                 raise _error(path, f"the reference '#/{'/'.join(target)}' does not name a schema of this document")
         for start in self.refs:
             seen, at = {start}, self.refs[start][0]

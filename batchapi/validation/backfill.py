@@ -15,6 +15,8 @@ from collections.abc import Callable
 from sqlalchemy import func, select, update
 
 from batchapi.batches import states
+from batchapi.batches.billing import set_estimates
+from batchapi.batches.shard_input import shard_contents
 from batchapi.batches.states import BatchStatus
 from batchapi.context import Context
 from batchapi.db.models import Batch, File, Shard
@@ -22,7 +24,7 @@ from batchapi.db.session import session_scope
 from batchapi.errors import TRANSIENT
 from batchapi.models.registry import served_model
 from batchapi.openai.body import MESSAGES
-from batchapi.openai.lines import is_blank, iter_lines, parse_line
+from batchapi.openai.lines import parse_line
 from batchapi.validation.token_counts import (
     PromptCounter,
     context_error,
@@ -57,14 +59,18 @@ def count_batch(
         shards = list(session.scalars(
             select(Shard).where(Shard.batch_id == batch_id, Shard.tokens_counted.is_(False)).order_by(Shard.index)
         ))
-    served = served_model(ctx.settings, batch.model)
-    counter = counter or counter_for(served.path)
+    models: dict[str, tuple] = {}  # model -> (its counter, its names): a Message Batch's shards run on several
     done = 0
     for shard in shards:
         if stop() or not _still_wanted(ctx, batch_id):
             break
+        model = shard.model or batch.model
+        if model not in models:
+            served = served_model(ctx.settings, model)
+            given = counter if counter is not None and model == batch.model else None
+            models[model] = (given or counter_for(served.path), served.aliases)
         try:
-            counts, outputs = _count_shard(ctx, counter, batch.endpoint, file.storage_key, shard, served.aliases)
+            counts, outputs = _count_shard(ctx, *models[model], batch.endpoint, file.storage_key, shard)
         except TRANSIENT:
             raise
         except Exception:  # it would fail on every sweep: keep validation's bounds, count the other shards
@@ -87,11 +93,11 @@ def _still_wanted(ctx: Context, batch_id: str) -> bool:
     return status in (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS)
 
 
-def _count_shard(ctx: Context, counter: PromptCounter, endpoint: str, key: str, shard: Shard,
-                 names: frozenset[str]) -> tuple[list[int], int]:
-    chunks = ctx.storage.iter_chunks(key, shard.start_byte, shard.end_byte)
-    lines = [parse_line(content, shard.first_line + number - 1, endpoint)
-             for number, _, _, content in iter_lines(chunks, ctx.settings.max_line_bytes) if not is_blank(content)]
+def _count_shard(ctx: Context, counter: PromptCounter, names: frozenset[str], endpoint: str, key: str,
+                 shard: Shard) -> tuple[list[int], int]:
+    contents = shard_contents(ctx.storage, key, shard.start_byte, shard.end_byte, shard.first_line, shard.lines,
+                              ctx.settings.max_line_bytes)
+    lines = [parse_line(content, line, endpoint) for line, content in contents]
     assert len(lines) == shard.request_count, f"shard {shard.id}: {len(lines)} lines, {shard.request_count} expected"
     # a line whose body is refused (found by validation, or a rule or limit changed since) is a 400
     # when its shard runs: it keeps its place in the counts with 0 tokens and generates nothing
@@ -111,9 +117,13 @@ def _count_shard(ctx: Context, counter: PromptCounter, endpoint: str, key: str, 
 
 def _refresh_estimate(ctx: Context, batch_id: str) -> None:
     with session_scope(ctx.sessions) as session:
-        prompt, output = session.execute(
-            select(func.sum(Shard.prompt_tokens), func.sum(Shard.estimated_output_tokens)).where(
-                Shard.batch_id == batch_id)
-        ).one()
+        rows = session.execute(
+            select(Shard.model, func.sum(Shard.prompt_tokens), func.sum(Shard.estimated_output_tokens))
+            .where(Shard.batch_id == batch_id).group_by(Shard.model)
+        ).all()
+        per_model = session.scalar(select(Batch.per_model).where(Batch.id == batch_id).with_for_update())
+        values = {} if not per_model else {"per_model": set_estimates(
+            per_model, {model: (int(prompt or 0), int(output or 0)) for model, prompt, output in rows})}
         session.execute(update(Batch).where(Batch.id == batch_id).values(
-            estimated_input_tokens=prompt or 0, estimated_output_tokens=output or 0))
+            estimated_input_tokens=sum(int(prompt or 0) for _, prompt, _ in rows),
+            estimated_output_tokens=sum(int(output or 0) for _, _, output in rows), **values))

@@ -15,10 +15,11 @@ import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from sqlalchemy import delete
+from sqlalchemy import delete, select
 from sqlalchemy.exc import OperationalError
 
 from batchapi.batches import leases, messages, states
+from batchapi.batches.billing import set_estimates
 from batchapi.batches.states import BatchStatus, ShardStatus
 from batchapi.context import Context
 from batchapi.db.clock import now
@@ -47,6 +48,7 @@ def validate_batch(ctx: Context, batch_id: str) -> str:
         file = session.get(File, batch.input_file_id)
         endpoint = batch.endpoint
         model = batch.model  # the first request's, found at create (None: it names none)
+        more = [m for m in batch.per_model or () if m != model]  # a Message Batch's other models
     if file is None or file.deleted_at is not None:
         return _fail(ctx, batch_id, [LineError(ErrorCode.FILE_NOT_FOUND, f"the input file {batch.input_file_id} is gone")])
     try:
@@ -65,6 +67,7 @@ def validate_batch(ctx: Context, batch_id: str) -> str:
     kind = EMBEDDING if endpoint == EMBEDDINGS else CHAT
     try:
         served = served_model(ctx.settings, model or default_model_for(ctx.settings, kind))
+        others = [served_model(ctx.settings, m) for m in more]
     except LookupError as exc:  # the operator has not pulled the model: say so on the batch
         return _fail(ctx, batch_id, [LineError(ErrorCode.MODEL_NOT_AVAILABLE, f"the served model is not available: {exc}")])
     if served.kind != kind:
@@ -75,8 +78,10 @@ def validate_batch(ctx: Context, batch_id: str) -> str:
         endpoint=endpoint, served_model=served.id, model_aliases=served.aliases,
         max_lines=max_lines, shard_size=ctx.settings.shard_size,
         max_line_bytes=ctx.settings.max_line_bytes, max_inputs=ctx.settings.max_embedding_inputs,
+        thinking_key=ctx.settings.thinking_key(),
+        more_models={m.id: m.aliases for m in others},
     )
-    scanner = Scanner(limits, counter_for(served.path))
+    scanner = Scanner(limits, counter_for(served.path), {m.id: counter_for(m.path) for m in others})
     result = scanner.scan(ctx.storage.iter_chunks(file.storage_key), lambda scan: _renew(ctx, batch_id, scan))
     if result.errors:
         return _fail(ctx, batch_id, result.errors, result.request_report)
@@ -107,11 +112,13 @@ def _start(ctx: Context, batch_id: str, result: ScanResult) -> str:
     t = now()
     shard_ids = [shard_id(batch_id, plan.index) for plan in result.shards]
     with session_scope(ctx.sessions) as session:
+        per_model = session.scalar(select(Batch.per_model).where(Batch.id == batch_id))
+        estimates = {} if not per_model else {"per_model": set_estimates(per_model, result.estimates())}
         moved = states.transition(
             session, batch_id, BatchStatus.IN_PROGRESS, sources={BatchStatus.VALIDATING},
             model=result.model, request_total=result.request_count, validation_lease_expires_at=None,
             estimated_input_tokens=result.prompt_tokens, estimated_output_tokens=result.max_output_tokens,
-            request_errors=result.request_report,
+            request_errors=result.request_report, **estimates,
         )
         if moved:
             session.execute(delete(Shard).where(Shard.batch_id == batch_id))
@@ -121,6 +128,7 @@ def _start(ctx: Context, batch_id: str, result: ScanResult) -> str:
                     last_line=plan.last_line, start_byte=plan.start_byte, end_byte=plan.end_byte,
                     request_count=plan.request_count, prompt_tokens=plan.prompt_tokens,
                     estimated_output_tokens=plan.estimated_output_tokens, status=ShardStatus.QUEUED, created_at=t,
+                    model=plan.model, lines=plan.lines,
                 )
                 for sid, plan in zip(shard_ids, result.shards, strict=True)
             )
@@ -128,7 +136,11 @@ def _start(ctx: Context, batch_id: str, result: ScanResult) -> str:
         return leases.settle_cancelled_validation(ctx, batch_id)
     log.info("batch %s valid: %d requests (%d refused for their body) in %d shards", batch_id, result.request_count,
              result.request_error_total, len(shard_ids))
-    ctx.dispatcher.batch_ready(batch_id, shard_ids, model=result.model)
+    by_model: dict[str, list[str]] = {}
+    for sid, plan in zip(shard_ids, result.shards, strict=True):
+        by_model.setdefault(plan.model, []).append(sid)
+    for model, ids in by_model.items():  # each model's shards to its workers
+        ctx.dispatcher.batch_ready(batch_id, ids, model=model)
     return BatchStatus.IN_PROGRESS
 
 

@@ -12,11 +12,16 @@ inside one request's body (``RequestError.in_body``: an unknown parameter, a bad
 and the worker writes it to the error file as a 400. Anthropic validates each request of a
 Message Batch on its own, so there the model and the context are the request's concern too
 (``Limits.each_request``): one request too long for the model errors alone, as the worker's
-``Codec`` refuses it again when its shard runs.
+``Codec`` refuses it again when its shard runs. There each request also runs on the served model
+it names (``Limits.more_models``): its prompt is counted with that model's tokenizer, and the
+shards are cut per model (``ShardPlan.lines`` names a shard's lines where its model's requests
+are not the only ones in its byte range). A request refused before its model is known runs in a
+shard of the batch's first model, whose worker refuses it again.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -26,6 +31,7 @@ from batchapi.openai.body import MESSAGES, SCHEMA_PARAM, ParsedBody
 from batchapi.openai.embeddings import EMBEDDINGS
 from batchapi.openai.errors import ErrorCode, RequestError
 from batchapi.openai.lines import LongLine, is_blank, iter_lines, parse_line
+from batchapi.openai.reasoning import reasoning_error
 from batchapi.openai.tools import grammar_spec
 from batchapi.validation.token_counts import (
     PromptCounter,
@@ -73,6 +79,8 @@ class ShardPlan:
     request_count: int = 0
     prompt_tokens: int = 0  # an upper bound (see ``Scanner.count_tokens``)
     estimated_output_tokens: int = 0
+    model: str | None = None  # the served model that runs it
+    lines: list[int] | None = None  # its requests' lines, when not every request of the range is its own
 
 
 @dataclass
@@ -87,6 +95,14 @@ class ScanResult:
     prompt_tokens: int = 0  # upper bound
     max_output_tokens: int = 0
     shards: list[ShardPlan] = field(default_factory=list)
+
+    def estimates(self) -> dict[str, tuple[int, int]]:
+        """Per model, the prompt tokens and the max_tokens bound of its shards."""
+        out: dict[str, tuple[int, int]] = {}
+        for shard in self.shards:
+            prompt, output = out.get(shard.model, (0, 0))
+            out[shard.model] = (prompt + shard.prompt_tokens, output + shard.estimated_output_tokens)
+        return out
 
     @property
     def request_report(self) -> dict | None:
@@ -106,11 +122,23 @@ class Limits:
     shard_size: int
     max_line_bytes: int | None = None  # None: no limit (``Settings.max_line_bytes`` in the service)
     max_inputs: int | None = None  # embedding inputs across the file (``Settings.max_embedding_inputs``)
+    thinking_key: bytes = b""  # verifies thinking blocks sent back (``Settings.thinking_key``)
+    # ``each_request``: the other served models its requests may name (id -> every name of it)
+    more_models: dict[str, frozenset[str]] = field(default_factory=dict)
 
     @property
     def each_request(self) -> bool:
         """The model and the context are each request's concern, not the file's (Anthropic's rule)."""
         return self.endpoint == MESSAGES
+
+    def served_for(self, named: str) -> str | None:
+        """The served model (of the batch's) that ``named`` means, or None."""
+        if named in self.model_aliases or named == self.served_model:
+            return self.served_model
+        return next((model for model, names in self.more_models.items() if named in names), None)
+
+    def every_name(self) -> frozenset[str]:
+        return frozenset({self.served_model, *self.model_aliases}.union(*self.more_models.values()))
 
 
 @dataclass
@@ -122,6 +150,7 @@ class _Request:
     prompt_tokens: int = 0  # exact when it was counted, else an upper bound (a lower one if ``floor``)
     exact: bool = False
     floor: bool = False
+    model: str | None = None  # the served model that runs it; None: the batch's first
 
 
 class _Valid(NamedTuple):
@@ -130,12 +159,16 @@ class _Valid(NamedTuple):
     end: int
     prompt_tokens: int  # exact, or an upper bound
     output_tokens: int  # upper bound
+    model: str
 
 
 class Scanner:
-    def __init__(self, limits: Limits, counter: PromptCounter):
+    def __init__(self, limits: Limits, counter: PromptCounter, more_counters: dict[str, PromptCounter] | None = None):
+        """``more_counters``: the counters of ``limits.more_models``, by model id."""
         self.limits = limits
         self.counter = counter
+        self.counters = {limits.served_model: counter, **(more_counters or {})}
+        assert set(limits.more_models) <= set(self.counters), "a counter for each model its requests may name"
         self.errors: list[LineError] = []
         self.request_errors: list[LineError] = []
         self.request_error_total = 0
@@ -196,21 +229,26 @@ class Scanner:
                            line, "custom_id")
                 return None
             self.seen_ids.add(parsed.custom_id)
-        error = parsed.error or _grammar_problem(parsed.body)
+        error = parsed.error or _grammar_problem(parsed.body, self) or _reasoning_problem(parsed.body, self)
         if error is not None and not error.in_body:
             self.error(error.code, error.message, line, error.line_param)
             return None
         each = self.limits.each_request
+        served = None
         if error is None or not each:  # OpenAI's: the model is the file's concern even in a refused body
             model = parsed.body.model if parsed.body is not None else parsed.model
-            if model is not None and not self.check_model(line, model):
-                return _Request(line, 0, 0, None) if each else None
+            if model is not None and each:
+                served = self.request_model(line, model)
+                if served is None:
+                    return _Request(line, 0, 0, None)
+            elif model is not None and not self.check_model(line, model):
+                return None
         if error is not None:
             self.request_error(line, error)
             return _Request(line, 0, 0, None)
         if parsed.body.inputs is not None and not self.check_inputs(line, len(parsed.body.inputs)):
             return None
-        return _Request(line, 0, 0, parsed.body)
+        return _Request(line, 0, 0, parsed.body, model=served)
 
     def check_inputs(self, line: int, count: int) -> bool:
         """The batch's embedding inputs stay within ``max_inputs`` (OpenAI's 50,000)."""
@@ -222,13 +260,17 @@ class Scanner:
                    f"this line brings them to {self.inputs}", line, "body.input")
         return False
 
+    def request_model(self, line: int, named: str) -> str | None:
+        """The served model a Message Batch request runs on; None (and that request's error) when
+        the batch runs no model of that name."""
+        served = self.limits.served_for(named)
+        if served is None:
+            self.request_error(line, model_error(named, self.limits.every_name(),
+                                                 [self.limits.served_model, *self.limits.more_models]))
+        return served
+
     def check_model(self, line: int, named: str) -> bool:
         model = self.limits.served_model if named in self.limits.model_aliases else named
-        if self.limits.each_request:  # the batch runs the served model its first such request named
-            error = model_error(named, self.limits.model_aliases | {self.limits.served_model}, self.limits.served_model)
-            if error is not None:
-                self.request_error(line, error)
-            return error is None
         if self.first_model is None:
             self.first_model = (model, line)
         elif model != self.first_model[0]:
@@ -261,35 +303,45 @@ class Scanner:
         if self.limits.endpoint == EMBEDDINGS:
             self.count_embeddings()
             return
-        context = self.counter.context_length
-        bodies = [r for r in self.pending if r.parsed is not None]
+        by_model: dict[str, list[_Request]] = defaultdict(list)
+        for request in self.pending:
+            request.model = request.model or self.limits.served_model
+            by_model[request.model].append(request)
+        for model, pending in by_model.items():
+            self.count_model(pending, self.counters[model])
+        self.pending, self.pending_bytes = [], 0
+
+    def count_model(self, pending: list[_Request], counter: PromptCounter) -> None:
+        """``count_tokens`` for the pending requests of one model, with its tokenizer and context."""
+        context = counter.context_length
+        bodies = [r for r in pending if r.parsed is not None]
         for request in bodies:
-            request.prompt_tokens, request.exact = prompt_bound(self.counter, request.parsed)
+            request.prompt_tokens, request.exact = prompt_bound(counter, request.parsed)
         unsure = [r for r in bodies if not r.exact and not _fits(r, context)]
         for request in unsure:  # a prompt that surely cannot fit is refused untokenized
-            floor = prompt_floor(self.counter, request.parsed)
+            floor = prompt_floor(counter, request.parsed)
             if floor >= context:
                 request.prompt_tokens, request.floor = floor, True
         unsure = [r for r in unsure if not r.floor]
-        for request, count in zip(unsure, exact_counts(self.counter, [r.parsed for r in unsure]), strict=True):
+        for request, count in zip(unsure, exact_counts(counter, [r.parsed for r in unsure]), strict=True):
             request.prompt_tokens, request.exact = count, True
-        for request in self.pending:
+        for request in pending:
             if request.parsed is None:  # refused when its shard runs: no prompt, no output
-                self.done.append(_Valid(request.line, request.start, request.end, 0, 0))
+                self.done.append(_Valid(request.line, request.start, request.end, 0, 0, request.model))
                 continue
             if _fits(request, context):
                 output = output_bound(request.parsed, request.prompt_tokens if request.exact else 1, context)
-                self.done.append(_Valid(request.line, request.start, request.end, request.prompt_tokens, output))
+                self.done.append(_Valid(request.line, request.start, request.end, request.prompt_tokens, output,
+                                         request.model))
                 self.prompt_tokens += request.prompt_tokens
                 self.output_tokens += output
                 continue
             error = context_error(request.parsed, request.prompt_tokens, context, at_least=request.floor)
             if self.limits.each_request:  # that request's 400, in its shard, no tokens counted
                 self.request_error(request.line, error)
-                self.done.append(_Valid(request.line, request.start, request.end, 0, 0))
+                self.done.append(_Valid(request.line, request.start, request.end, 0, 0, request.model))
                 continue
             self.error(error.code, error.message, request.line, error.line_param)
-        self.pending, self.pending_bytes = [], 0
 
     def count_embeddings(self) -> None:
         """Embedding inputs never exceed the context: the worker cuts them to the model's window.
@@ -298,7 +350,8 @@ class Scanner:
         for request, count in zip(bodies, embedding_counts(self.counter, [r.parsed for r in bodies]), strict=True):
             request.prompt_tokens, request.exact = count, True
         for request in self.pending:
-            self.done.append(_Valid(request.line, request.start, request.end, request.prompt_tokens, 0))
+            self.done.append(_Valid(request.line, request.start, request.end, request.prompt_tokens, 0,
+                                    self.limits.served_model))
             self.prompt_tokens += request.prompt_tokens
         self.pending, self.pending_bytes = [], 0
 
@@ -310,9 +363,15 @@ class Scanner:
             return ScanResult(errors=self.errors, **requests)
         result = ScanResult(errors=[], model=self.limits.served_model, request_count=len(self.done), **requests)
         size = self.limits.shard_size
-        for index, begin in enumerate(range(0, len(self.done), size)):
-            chunk = self.done[begin : begin + size]
-            shard = ShardPlan(index, chunk[0].line, chunk[-1].line, chunk[0].start, chunk[-1].end, len(chunk))
+        by_model: dict[str, list[_Valid]] = defaultdict(list)
+        for request in sorted(self.done, key=lambda r: r.line):  # counted a model at a time
+            by_model[request.model].append(request)
+        several = len(by_model) > 1
+        chunks = [(model, requests[begin : begin + size]) for model, requests in by_model.items()
+                  for begin in range(0, len(requests), size)]
+        for index, (model, chunk) in enumerate(chunks):
+            shard = ShardPlan(index, chunk[0].line, chunk[-1].line, chunk[0].start, chunk[-1].end, len(chunk),
+                              model=model, lines=[r.line for r in chunk] if several else None)
             for request in chunk:
                 shard.prompt_tokens += request.prompt_tokens
                 shard.estimated_output_tokens += request.output_tokens
@@ -322,14 +381,19 @@ class Scanner:
         return result
 
 
-def _grammar_problem(body: ParsedBody | None) -> RequestError | None:
+def _grammar_problem(body: ParsedBody | None, scanner: Scanner) -> RequestError | None:
     """The grammar engine's refusal of the schema a request's output must follow: the worker's
-    compile would refuse it too, so it is reported now (each distinct schema is checked once)."""
+    compile would refuse it too, so it is reported now (each distinct schema is checked once);
+    and a schema whose shortest document is longer than the model's context can hold (its tokens
+    times the most bytes one token stands for, where the tokenizer bounds that)."""
     spec = grammar_spec(body) if body is not None else None
     if spec is None:
         return None
+    served = scanner.limits.served_for(body.model) if scanner.limits.each_request else None
+    counter = scanner.counters.get(served, scanner.counter)  # the model the request runs on
+    context_bytes = None if counter.max_token_bytes is None else counter.context_length * counter.max_token_bytes
     try:
-        check_grammar(spec)
+        check_grammar(spec, context_bytes)
     except GrammarError as exc:
         param = "tools" if body.tool_choice == "required" else SCHEMA_PARAM[body.endpoint]
         return RequestError(str(exc), param, ErrorCode.INVALID_JSON_SCHEMA)
@@ -338,3 +402,13 @@ def _grammar_problem(body: ParsedBody | None) -> RequestError | None:
 
 def _fits(request: _Request, context: int) -> bool:
     return context_error(request.parsed, request.prompt_tokens, context) is None
+
+
+def _reasoning_problem(parsed: ParsedBody | None, scanner: Scanner) -> RequestError | None:
+    """Thinking asked of a model whose template cannot think, or a thinking block sent back
+    whose signature does not verify: that request's 400 (``openai.reasoning``)."""
+    if parsed is None or parsed.messages is None:
+        return None
+    served = scanner.limits.served_for(parsed.model) if scanner.limits.each_request else None
+    counter = scanner.counters.get(served, scanner.counter)  # the template of the model the request runs on
+    return reasoning_error(parsed, counter.thinking, scanner.limits.thinking_key)

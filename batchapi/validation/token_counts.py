@@ -30,6 +30,7 @@ from tokenizers import Tokenizer
 from batchapi.models.registry import context_length, embedding_window
 from batchapi.openai.body import MAX_TOKENS_PARAM, PROMPT_PARAM, ParsedBody
 from batchapi.openai.errors import ErrorCode, RequestError
+from batchapi.openai.reasoning import PROBE, ThinkingTemplate, probe_template, thinking_switch
 from batchapi.openai.tools import template_input
 
 log = logging.getLogger(__name__)
@@ -56,23 +57,28 @@ class PromptCounter:
         source = _chat_template(model_dir, tok_config)
         self.chat_template = source or None
         self._template = _environment().from_string(source) if source else None
-        self._shapes: dict[tuple[str, ...], list[str] | None] = {}
+        self._shapes: dict[tuple, list[str] | None] = {}
+        self.thinking: ThinkingTemplate | None = probe_template(
+            lambda **switch: self._render(PROBE, **switch)) if self._template is not None else None
 
-    def render_chat(self, messages: Messages, tools: list[dict] | None = None, continue_final: bool = False) -> str:
+    def render_chat(self, messages: Messages, tools: list[dict] | None = None, continue_final: bool = False,
+                    switch: dict | None = None) -> str:
         """The prompt text ``apply_chat_template(messages, tools=tools, add_generation_prompt=True)``
         gives; with ``continue_final``, what ``continue_final_message=True`` (and no generation
-        prompt) gives: the text up to the end of the last message's content, left open."""
+        prompt) gives: the text up to the end of the last message's content, left open. ``switch``:
+        the template's own keyword arguments (``enable_thinking``)."""
         assert self._template is not None, "the model has no chat template"
+        switch = switch or {}
         if continue_final:
-            return self._render_open(messages, tools)
+            return self._render_open(messages, tools, **switch)
         if tools is not None or any(set(m) - {"role", "content"} for m in messages):
-            return self._render(messages, tools)  # tool calls and names: the template reads more than content
-        shape = tuple(m["role"] for m in messages)
+            return self._render(messages, tools, **switch)  # tool calls and names: the template reads more than content
+        shape = (tuple(m["role"] for m in messages), *sorted(switch.items()))
         if shape not in self._shapes:
-            self._shapes[shape] = self._pieces(shape)
+            self._shapes[shape] = self._pieces(shape[0], switch)
         pieces = self._shapes[shape]
         if pieces is None:
-            return self._render(messages)
+            return self._render(messages, **switch)
         parts = [pieces[0]]
         for message, piece in zip(messages, pieces[1:], strict=True):
             parts.append(message["content"])
@@ -106,26 +112,27 @@ class PromptCounter:
     def _added_tokens(self) -> int:
         return self.tokenizer.num_special_tokens_to_add(False)
 
-    def _render(self, messages: Messages, tools: list[dict] | None = None) -> str:
+    def _render(self, messages: Messages, tools: list[dict] | None = None, **switch) -> str:
         return self._template.render(
-            messages=list(messages), add_generation_prompt=True, tools=tools, documents=None, **self._specials
+            messages=list(messages), add_generation_prompt=True, tools=tools, documents=None, **self._specials,
+            **switch,
         )
 
-    def _render_open(self, messages: Messages, tools: list[dict] | None) -> str:
+    def _render_open(self, messages: Messages, tools: list[dict] | None, **switch) -> str:
         """As transformers continues a final message: the content tagged, rendered with no
         generation prompt, and cut at the tag (where the template trimmed the content, trimmed too)."""
         last = {**messages[-1], "content": messages[-1]["content"] + CONTINUE_TAG}
         text = self._template.render(messages=[*messages[:-1], last], add_generation_prompt=False, tools=tools,
-                                     documents=None, **self._specials)
+                                     documents=None, **self._specials, **switch)
         at = text.rindex(CONTINUE_TAG.strip())
         return text[:at] if text[at : at + len(CONTINUE_TAG)] == CONTINUE_TAG else text[:at].rstrip()
 
-    def _pieces(self, shape: tuple[str, ...]) -> list[str] | None:
+    def _pieces(self, shape: tuple[str, ...], switch: dict) -> list[str] | None:
         """The fixed text around each message's content, or None when the template reads the
         content (trims it, tests it), so only a full render is right."""
         marks = [f"\n \ue000{i}\ue001 \n" for i in range(len(shape))]
         try:
-            text = self._render([{"role": r, "content": m} for r, m in zip(shape, marks, strict=True)])
+            text = self._render([{"role": r, "content": m} for r, m in zip(shape, marks, strict=True)], **switch)
         except jinja2.TemplateError:
             return None
         pieces = []
@@ -155,15 +162,17 @@ def output_bound(parsed: ParsedBody, prompt_tokens: int, context: int) -> int:
     """The most tokens a request may generate: max_tokens, or the rest of the context (an embedding: none)."""
     if parsed.inputs is not None:
         return 0
-    return (parsed.max_tokens or max(context - prompt_tokens, 0)) * parsed.n
+    wanted = parsed.max_tokens if parsed.max_tokens is not None else max(context - prompt_tokens, 0)
+    return wanted * parsed.n * (1 + len(parsed.more_prompts))
 
 
-def model_error(named: str | None, names: frozenset[str], served: str) -> RequestError | None:
-    """The refusal of a Message Batch request naming another model than the one its batch runs
-    (``served``, whose every name is in ``names``); None when it names that one."""
+def model_error(named: str | None, names: frozenset[str], served: str | list[str]) -> RequestError | None:
+    """The refusal of a Message Batch request naming another model than those its batch runs
+    (``served``, whose every name is in ``names``); None when it names one of them."""
     if named in names:
         return None
-    return RequestError(f"the model {named!r} is not served for this batch; its requests run on {served!r}",
+    run_on = " or ".join(repr(m) for m in ([served] if isinstance(served, str) else served))
+    return RequestError(f"the model {named!r} is not served for this batch; its requests run on {run_on}",
                         "model", ErrorCode.MODEL_NOT_FOUND)
 
 
@@ -186,7 +195,8 @@ def prompt_text(counter: PromptCounter, parsed: ParsedBody) -> tuple[str, bool] 
     """The text a request's prompt is tokenized from and whether special tokens are added;
     None for a prompt given as token ids."""
     if parsed.messages is not None:
-        return counter.render_chat(*template_input(parsed, counter.chat_template), parsed.continues_final_message), False
+        return counter.render_chat(*template_input(parsed, counter.chat_template), parsed.continues_final_message,
+                                   thinking_switch(parsed, counter.thinking)), False
     if isinstance(parsed.prompt, list):
         return None
     return parsed.prompt, True

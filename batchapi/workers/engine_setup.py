@@ -103,7 +103,8 @@ def start_runner(ctx: Context) -> ShardRunner:
     if chat:
         front = start_engine(engine_config_from(settings, str(chat[0].path)), turn, settings.engine_process)
         codec = Codec(front.tokenizer, chat[0].id, front.system_fingerprint, chat[0].aliases,
-                      context_length(chat[0].path))  # validation's: the worker refuses what it refused
+                      context_length(chat[0].path),  # validation's: the worker refuses what it refused
+                      thinking_key=settings.thinking_key())
     encoders = {m.id: start_encoder(settings, m.path, m.id, turn) for m in served if m.kind != CHAT}
     return ShardRunner(ctx, front, codec, worker_owner(), on_engine_death=stop_this_process,
                        encoders=encoders).start()
@@ -116,7 +117,7 @@ def start_encoder(settings: Settings, path, model_id: str, turn: TakeTurns | Non
     from batchapi.workers.embedding_codec import EmbeddingCodec
 
     front = EncoderFront(EncoderConfig(path, device=resolve_device(settings.device)), compute_turn=turn).start()
-    return front, EmbeddingCodec(front.tokenizer, model_id, front.max_seq_length, front.dimensions)
+    return front, EmbeddingCodec(front.tokenizer, model_id, front.max_seq_length, front.dimensions, front.pipeline)
 
 
 def stop_this_process() -> None:

@@ -82,7 +82,8 @@ class ResultWriter:
             if not taken:
                 return 0
             groups = [
-                request_results.Group(w.shard.id, w.shard.batch_id, w.shard.attempts, w.finish(self.codec_of(w), seqs))
+                request_results.Group(w.shard.id, w.shard.batch_id, w.shard.attempts, w.finish(self.codec_of(w), seqs),
+                                      w.shard.model)
                 for w, seqs in taken
             ]
             started = time.perf_counter()

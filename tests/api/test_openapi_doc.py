@@ -21,6 +21,7 @@ EXPECTED = {
     ("post", "/v1/batches/{batch_id}/cancel"): AUTHED | {"404", "409"},
     ("post", "/v1/batches/{batch_id}/retry"): AUTHED | {"404", "409", "503"},
     ("get", "/v1/batches/{batch_id}/partial_results"): AUTHED | {"404", "503"},
+    ("get", "/v1/batches/{batch_id}/diff"): AUTHED | {"404", "409", "503"},
     ("get", "/v1/models"): AUTHED,
     ("get", "/v1/models/{model}"): AUTHED | {"404"},
     ("get", "/health"): COMMON | {"503"},

@@ -60,7 +60,7 @@ def test_a_named_tool_is_a_forced_call():
 @pytest.mark.parametrize(("extra", "param", "code"), [
     ({"max_tokens": None}, "max_tokens", ErrorCode.MISSING_REQUIRED_PARAMETER),
     ({"temperature": 1.5}, "temperature", ErrorCode.INVALID_VALUE),
-    ({"thinking": {"type": "enabled"}}, "thinking", ErrorCode.UNKNOWN_PARAMETER),
+    ({"thinking": {"type": "enabled"}}, "thinking.budget_tokens", ErrorCode.MISSING_REQUIRED_PARAMETER),
     ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role", ErrorCode.INVALID_VALUE),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages[0].content[0]",
      ErrorCode.INVALID_VALUE),
@@ -80,7 +80,8 @@ def test_bad_params_name_their_field(extra, param, code):
 def test_a_tool_result_must_answer_the_turn_before():
     error = refusal(body(messages=[{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t9",
                                                                   "content": "x"}]}]))
-    assert error.param == "messages[0].tool_call_id"
+    assert error.param == "messages[0].content[0]"
+    assert error.message.startswith("unexpected `tool_use_id` found in `tool_result` blocks: t9.")
 
 
 class Tokenizer:
@@ -124,7 +125,7 @@ def test_stored_lines_become_anthropic_results():
         "custom_id": "a", "result": {"type": "succeeded", "message": {"type": "message"}}}
     refused = translated(render.rejected("b", RequestError("bad temperature", "temperature")))
     assert refused == {"custom_id": "b", "result": {"type": "errored", "error": {
-        "type": "error", "error": {"type": "invalid_request_error", "message": "bad temperature"}}}}
+        "type": "error", "error": {"type": "invalid_request_error", "message": "temperature: bad temperature"}}}}
     server = translated(render.rejected("c", RequestError("boom", None, ErrorCode.SERVER_ERROR)))
     assert server["result"]["error"]["error"]["type"] == "api_error"
     assert translated(render.never_ran("d", ErrorCode.BATCH_CANCELLED))["result"] == {"type": "canceled"}

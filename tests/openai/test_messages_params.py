@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from batchapi.openai.body import MESSAGES, parse_body
-from batchapi.openai.errors import ErrorCode
+from batchapi.openai.errors import ErrorCode, RequestError
 from tests.openai.test_messages import body, refusal
 
 TOOL = {"name": "lookup", "description": "Look it up.",
@@ -72,6 +72,9 @@ def test_max_tokens_zero_is_refused_the_engine_runs_every_request():
     assert (error.param, error.code) == ("max_tokens", ErrorCode.INVALID_VALUE)
 
 
-def test_a_user_turn_of_no_blocks_is_still_read_as_before():
-    parsed = parse_body(MESSAGES, body(messages=[{"role": "user", "content": []}]))
-    assert parsed.messages == []
+def test_a_user_turn_of_no_blocks_is_refused_as_anthropic_refuses_it():
+    with pytest.raises(RequestError) as refused:
+        parse_body(MESSAGES, body(messages=[{"role": "user", "content": []}]))
+    assert refused.value.param == "messages[0]"
+    assert refused.value.message == ("all messages must have non-empty content except for the optional final "
+                                     "assistant message")

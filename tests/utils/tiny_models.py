@@ -105,3 +105,38 @@ def build_tiny_model(out_dir: Path, tokenizer_dir: Path, arch: str = "llama", se
     model.to(torch.float32).save_pretrained(out_dir, safe_serialization=True)
     copy_tokenizer(tokenizer_dir, out_dir)
     return out_dir
+
+
+# A template that thinks as Qwen3's does: `enable_thinking` false closes an empty block after the
+# generation prompt; an assistant turn's `reasoning_content` is shown again only in the last turn.
+THINKING_TEMPLATE = """{%- for message in messages %}<|im_start|>{{ message.role }}
+{% if message.role == 'assistant' and message.reasoning_content is defined and message.reasoning_content \
+and loop.last %}<think>
+{{ message.reasoning_content }}
+</think>
+
+{% endif %}{{ message.content }}<|im_end|>
+{% endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% if enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>
+
+{% endif %}{%- endif %}"""
+
+
+def build_thinking_model(out_dir: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """A tiny random Qwen3 model that can think: SmolLM2's tokenizer with ``<think>`` and ``</think>``
+    added (as Qwen3 has them: added, not special) and ``THINKING_TEMPLATE``."""
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.add_tokens([AddedToken("<think>", special=False, normalized=False),
+                          AddedToken("</think>", special=False, normalized=False)])
+    tokenizer.chat_template = THINKING_TEMPLATE
+    source = out_dir.parent / (out_dir.name + "-tokenizer")
+    source.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(source)
+    # a context long enough for Anthropic's least thinking budget (1,024) and an answer after it
+    return build_tiny_model(out_dir, source, "qwen3", seed, max_position_embeddings=2048)

@@ -12,7 +12,7 @@ from sqlalchemy import update
 
 from batchapi.batches import leases
 from batchapi.config import load_settings
-from batchapi.db.models import Batch
+from batchapi.db.models import Batch, Shard
 from batchapi.db.session import session_scope
 from batchapi.workers.celery_app import RUN_SHARD, CeleryDispatcher, make_celery, shard_queue, worker_queues
 from tests.utils.job_rows import make_batch
@@ -51,8 +51,10 @@ def test_each_models_shards_go_to_its_own_queue(tmp_path, redis_url):
 
 
 def set_model(ctx, batch_id: str, model: str) -> None:
+    """The batch's model and its shards', as validation fills them."""
     with session_scope(ctx.sessions) as session:
         session.execute(update(Batch).where(Batch.id == batch_id).values(model=model))
+        session.execute(update(Shard).where(Shard.batch_id == batch_id).values(model=model))
 
 
 def test_a_worker_claims_only_the_shards_of_its_models(pg_jobs):

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import Decimal
 
-from batchapi.api.schemas import BatchObject
+from batchapi.api.schemas import BatchDiffObject, BatchObject
 from batchapi.batches.billing import cost, format_amount
+from batchapi.batches.diff.compare import BatchDiff
 from batchapi.batches.states import TERMINAL
 from batchapi.db.models import Batch
 
@@ -59,6 +60,20 @@ def _ended(b: Batch) -> int | None:
 def batch_view(b: Batch, t: int) -> dict:
     return {"batch": BatchObject.of(b).model_dump(), "progress": progress(b, t),
             "unrun": b.request_unrun, "problems": problems(b)}
+
+
+def comparable(b: Batch, others: list[Batch]) -> list[dict] | None:
+    """The ended batches of ``b``'s endpoint it can be compared with (``/dashboard/batches/{id}/diff``);
+    None while ``b`` itself runs."""
+    if b.status not in TERMINAL:
+        return None
+    return [{"id": o.id, "status": o.status, "created_at": o.created_at} for o in others
+            if o.id != b.id and o.status in TERMINAL and o.endpoint == b.endpoint]
+
+
+def diff_view(found: BatchDiff) -> dict:
+    """The diff as the API gives it (``GET /v1/batches/{id}/diff``)."""
+    return BatchDiffObject.of(found).model_dump()
 
 
 def problems(b: Batch) -> list[dict]:

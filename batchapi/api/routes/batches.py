@@ -7,9 +7,10 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response, StreamingResponse
 
 from batchapi.api.deps import ContextDep, IdempotencyKey, ProjectDep
-from batchapi.api.schemas import BatchList, BatchObject, CreateBatchRequest, error_responses
+from batchapi.api.schemas import BatchDiffObject, BatchList, BatchObject, CreateBatchRequest, error_responses
 from batchapi.batches import retry
 from batchapi.batches import service as batches
+from batchapi.batches.diff.compare import diff_batches
 from batchapi.db.reads import AsyncReads
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"], responses=error_responses(400, 401, 404, 431))
@@ -74,3 +75,16 @@ def partial_results(
     """Extension (docs/API_EXTENSIONS.md): result lines of the shards finished so far."""
     chunks = batches.iter_partial_results(ctx, project_id, batch_id, kind)
     return StreamingResponse(chunks, media_type="application/jsonl")
+
+
+@router.get("/{batch_id}/diff", responses=error_responses(409, 503))
+def diff_batch(
+    ctx: ContextDep,
+    project_id: ProjectDep,
+    batch_id: str,
+    against: Annotated[str, Query(min_length=1, max_length=64)],
+    limit: Annotated[int, Query(ge=1, le=10000)] = 100,
+) -> BatchDiffObject:
+    """Extension (docs/API_EXTENSIONS.md): the requests whose results differ between two ended
+    batches, by custom_id, and whether an output changed under the same system_fingerprint."""
+    return BatchDiffObject.of(diff_batches(ctx, project_id, batch_id, against, limit))

@@ -1,4 +1,5 @@
-"""``/dashboard``: a project's batches with live progress, one batch's page, and daily usage charts.
+"""``/dashboard``: a project's batches with live progress, one batch's page, two runs compared, and
+daily usage charts.
 
 Sign-in takes an API key (form field ``api_key``) and answers with a random session token in an
 HttpOnly, SameSite=Strict cookie (the key itself never reaches the browser's storage or a URL);
@@ -22,6 +23,7 @@ from batchapi import reports
 from batchapi.api.dashboard import charts, views
 from batchapi.api.deps import ContextDep
 from batchapi.batches import files, service
+from batchapi.batches.diff.compare import diff_batches
 from batchapi.context import Context
 from batchapi.db.clock import now
 from batchapi.db.projects import (
@@ -32,12 +34,13 @@ from batchapi.db.projects import (
     project_names,
 )
 from batchapi.db.session import session_scope
-from batchapi.errors import NotFound, Unauthenticated
+from batchapi.errors import Conflict, InvalidRequest, NotFound, Unauthenticated
 
 HERE = Path(__file__).resolve().parents[1] / "dashboard"
 COOKIE = "batchapi_session"
 PREFIX = "/dashboard"
 PAGE_SIZE = 50
+DIFF_ROWS = 200  # changed requests listed on the diff page
 
 router = APIRouter(prefix=PREFIX, include_in_schema=False)
 templates = Jinja2Templates(directory=HERE / "templates")
@@ -153,8 +156,29 @@ async def batch_page(request: Request, ctx: ContextDep, batch_id: str):
     except NotFound:
         return _page(request, "missing.html", 404, what=f"No batch {batch_id} in this project.", project=project,
                      auth=ctx.settings.auth_required)
+    others, _ = await run_in_threadpool(service.list_batches, ctx, identity.project_id, PAGE_SIZE, None,
+                                        endpoint=b.endpoint)
     return _page(request, "batch.html", **views.batch_view(b, now()), project=project,
-                 auth=ctx.settings.auth_required, section="batches")
+                 auth=ctx.settings.auth_required, section="batches", comparable=views.comparable(b, others))
+
+
+@router.get("/batches/{batch_id}/diff")
+async def diff_page(request: Request, ctx: ContextDep, batch_id: str,
+                    against: Annotated[str, Query(max_length=64)] = ""):
+    """Two runs compared: the summary and the requests that changed (``batches.diff``)."""
+    identity, project = await _signed_in(request, ctx)
+    if identity is None:
+        return _sign_in_page(request, ctx)
+    try:
+        if not against:
+            raise InvalidRequest("Pick a batch to compare with on the batch's page.", "against")
+        found = await run_in_threadpool(diff_batches, ctx, identity.project_id, batch_id, against, DIFF_ROWS)
+    except (NotFound, Conflict, InvalidRequest) as exc:
+        status = 404 if isinstance(exc, NotFound) else 409 if isinstance(exc, Conflict) else 400
+        return _page(request, "missing.html", status, what=exc.message, project=project,
+                     auth=ctx.settings.auth_required, title="Cannot compare")
+    return _page(request, "diff.html", d=views.diff_view(found), project=project, auth=ctx.settings.auth_required,
+                 section="batches")
 
 
 @router.get("/usage")

@@ -59,19 +59,28 @@ class CausalLM(nn.Module):
         self.final_softcap = cfg.gemma.final_softcap if cfg.gemma else 0.0
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                logit_rows: torch.Tensor) -> torch.Tensor:
+                logit_rows: torch.Tensor, hidden_rows: torch.Tensor | None = None):
         """input_ids, positions [T]; logit_rows [S] token indices to score -> logits [S, V] in the
-        model's dtype (the sampler works in fp32 where it needs to; greedy needs no copy)."""
+        model's dtype (the sampler works in fp32 where it needs to; greedy needs no copy). With
+        ``hidden_rows`` [R] (prompt logprobs): (logits, their final normed hidden states [R, H]),
+        which ``logits`` turns into logits a few rows at a time."""
         x, residual = self.embed_tokens(input_ids), None  # [T, H]
         if self.embed_scale is not None:
             x = x * self.embed_scale
         ropes = (self.cos_sin, self.cos_sin_local)  # [max_pos, D] each: global, local layers
         for layer in self.layers:  # each module's forward called straight: a step makes ~400 such calls
             x, residual = layer.forward(x, residual, positions, ropes, meta)
-        x = x.index_select(0, logit_rows)  # [S, H]: only the tokens that get sampled
-        residual = residual.index_select(0, logit_rows)
+        rows = logit_rows if hidden_rows is None else torch.cat([logit_rows, hidden_rows])
+        x = x.index_select(0, rows)  # [S, H]: only the tokens that get sampled (and scored)
+        residual = residual.index_select(0, rows)
         x, _ = self.ops.fused_add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
-        logits = self.lm_head.forward(x)  # [S, V]
+        if hidden_rows is None:
+            return self.logits(x)  # [S, V]
+        return self.logits(x[: len(logit_rows)]), x[len(logit_rows):]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final normed hidden states [S, H] -> logits [S, V]."""
+        logits = self.lm_head.forward(hidden)
         return soft_cap(logits, self.final_softcap) if self.final_softcap else logits
 
     def load(self, tensors: dict[str, torch.Tensor]) -> None:

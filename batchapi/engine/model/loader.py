@@ -21,6 +21,9 @@ SUPPORTED = {
     "Gemma2ForCausalLM": "gemma2",  # engine.model.gemma: sandwich norms, soft-capping, local/global layers
     "Gemma3ForCausalLM": "gemma3",  # Gemma 2's layers with q/k norm and a rope base of its own for local layers
 }
+# the same families' base models, as decoder embedding models are saved (batchapi.encoder runs them)
+BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",
+               "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM"}
 QK_NORM = {"qwen3", "qwen3_moe", "gemma3"}
 GEMMA = {"gemma2", "gemma3"}
 
@@ -191,7 +194,7 @@ def load_config(model_dir: Path) -> ModelConfig:
     if not path.exists():
         raise UnsupportedModelError(f"{model_dir} has no config.json; expected a Hugging Face model directory")
     raw = json.loads(path.read_text())
-    archs = raw.get("architectures") or []
+    archs = [BASE_MODELS.get(a, a) for a in raw.get("architectures") or []]
     arch = next((a for a in archs if a in SUPPORTED), None)
     if not archs:  # some converters write only model_type (Gemma 3's text model: gemma3_text)
         kind = {"gemma3_text": "gemma3"}.get(raw.get("model_type"), raw.get("model_type"))
