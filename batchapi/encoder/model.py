@@ -17,13 +17,12 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModel, AutoTokenizer
 
-from batchapi.encoder.decoder import DECODER_TYPES, DecoderBackbone
+from batchapi.encoder.decoder import DECODER_TYPES, PACK_BATCH_HINT, DecoderBackbone
 from batchapi.encoder.pipeline import read_pipeline
 from batchapi.encoder.pooling import pool
 from batchapi.engine.model.linears import pack_linears
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-PACK_BATCH_HINT = 4096
 
 
 def max_seq_length(model_dir: Path, window: int) -> int:

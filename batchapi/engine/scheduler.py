@@ -145,7 +145,8 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         if seq.num_tokens == 0:
             seq.fail(ErrorCode.PROMPT_EMPTY, "the prompt is empty")
-        elif seq.num_tokens >= self.max_model_len:
+        elif seq.num_tokens > self.max_model_len or (seq.num_tokens == self.max_model_len
+                                                     and getattr(seq.params, "max_tokens", 1) != 0):  # 0: scored only
             seq.fail(ErrorCode.PROMPT_TOO_LONG, f"the prompt has {seq.num_tokens} tokens; this engine holds at most "
                                                 f"{self.max_model_len} tokens per sequence, output included")
         if seq.is_finished:
@@ -207,7 +208,7 @@ class Scheduler:
                     full = True
                     break
                 cached, hashes = self.bm.match_prefix(seq)
-                if seq.params.prompt_logprobs is not None and self.scores is not None:  # hits need their scores
+                if _scored(seq) and self.scores is not None:  # its hits need their prompt scores
                     known = self.scores.known(hashes)
                     known = known if known == len(hashes) or self.bm.window is None else 0
                     cached, hashes = cached[:known], hashes[:known]
@@ -215,7 +216,7 @@ class Scheduler:
                     break  # its next blocks are being computed now: next step they are cache hits
                 num_cached = len(cached) * self.bm.block_size
                 donor = (self._find_donor(seq, num_cached, scheduled, waves)
-                         if self.bm.enable_prefix_caching and seq.params.prompt_logprobs is None else None)
+                         if self.bm.enable_prefix_caching and not _scored(seq) else None)
                 copied = donor[1] if donor else 0
                 n = min(seq.num_tokens - num_cached - copied, budget)
                 if not self.bm.can_admit(cached, num_cached + copied + n):
@@ -317,3 +318,8 @@ class Scheduler:
             self.running = [s for s in self.running if not s.is_finished]
             for seq in done:
                 self.bm.free_blocks(seq)
+
+
+def _scored(seq: Sequence) -> bool:
+    """Whether ``seq`` wants its prompt's logprobs (``engine.prompt_scores``)."""
+    return getattr(seq.params, "prompt_logprobs", None) is not None

@@ -30,6 +30,7 @@ from batchapi.validation.token_counts import (
     context_error,
     counter_for,
     exact_counts,
+    more_prompt_counts,
     output_bound,
 )
 
@@ -104,7 +105,7 @@ def _count_shard(ctx: Context, counter: PromptCounter, names: frozenset[str], en
     counts = [0] * len(lines)
     good = [i for i, line in enumerate(lines) if line.error is None]
     for i, count in zip(good, exact_counts(counter, [lines[i].body for i in good]), strict=True):
-        counts[i] = count
+        counts[i] = count + (sum(more_prompt_counts(counter, lines[i].body)) if lines[i].body.more_prompts else 0)
     context = counter.context_length
     if endpoint == MESSAGES:  # each request its own concern: one refused for its model or length runs as a 400
         refused = {i for i in good if lines[i].body.model not in names

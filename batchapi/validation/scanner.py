@@ -39,6 +39,7 @@ from batchapi.validation.token_counts import (
     embedding_counts,
     exact_counts,
     model_error,
+    more_prompt_counts,
     output_bound,
     prompt_bound,
     prompt_floor,
@@ -329,14 +330,15 @@ class Scanner:
             if request.parsed is None:  # refused when its shard runs: no prompt, no output
                 self.done.append(_Valid(request.line, request.start, request.end, 0, 0, request.model))
                 continue
-            if _fits(request, context):
+            error = _more_prompts_error(counter, request, context) if request.parsed.more_prompts else None
+            if error is None and _fits(request, context):
                 output = output_bound(request.parsed, request.prompt_tokens if request.exact else 1, context)
                 self.done.append(_Valid(request.line, request.start, request.end, request.prompt_tokens, output,
                                          request.model))
                 self.prompt_tokens += request.prompt_tokens
                 self.output_tokens += output
                 continue
-            error = context_error(request.parsed, request.prompt_tokens, context, at_least=request.floor)
+            error = error or context_error(request.parsed, request.prompt_tokens, context, at_least=request.floor)
             if self.limits.each_request:  # that request's 400, in its shard, no tokens counted
                 self.request_error(request.line, error)
                 self.done.append(_Valid(request.line, request.start, request.end, 0, 0, request.model))
@@ -397,6 +399,17 @@ def _grammar_problem(body: ParsedBody | None, scanner: Scanner) -> RequestError 
     except GrammarError as exc:
         param = "tools" if body.tool_choice == "required" else SCHEMA_PARAM[body.endpoint]
         return RequestError(str(exc), param, ErrorCode.INVALID_JSON_SCHEMA)
+    return None
+
+
+def _more_prompts_error(counter: PromptCounter, request: _Request, context: int) -> RequestError | None:
+    """A completions body of several prompts: each must fit the context as the first does, and all
+    count. Adds their tokens to the request's; the refusal of the first that cannot fit."""
+    counts = more_prompt_counts(counter, request.parsed)
+    for count in counts:
+        if (error := context_error(request.parsed, count, context)) is not None:
+            return error
+    request.prompt_tokens += sum(counts)
     return None
 
 

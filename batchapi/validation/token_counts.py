@@ -182,6 +182,8 @@ def context_error(parsed: ParsedBody, prompt_tokens: int, context: int, at_least
     wanted = parsed.max_tokens or 0
     if prompt_tokens < context and prompt_tokens + wanted <= context:
         return None
+    if parsed.max_tokens == 0 and prompt_tokens == context:  # echo scoring a whole context: nothing generated
+        return None
     if prompt_tokens >= context:
         bound = "at least " if at_least else ""
         return RequestError(f"the prompt is {bound}{prompt_tokens} tokens; the model's context is {context} tokens",
@@ -214,6 +216,12 @@ def prompt_floor(counter: PromptCounter, parsed: ParsedBody) -> int:
     """At most the prompt's token count (``PromptCounter.lower_bound``), without tokenizing."""
     text = prompt_text(counter, parsed)
     return len(parsed.prompt) if text is None else counter.lower_bound(text[0])
+
+
+def more_prompt_counts(counter: PromptCounter, parsed: ParsedBody) -> list[int]:
+    """The exact token counts of a completions body's prompts after the first."""
+    texts = iter(counter.count_texts([p for p in parsed.more_prompts if isinstance(p, str)], add_special_tokens=True))
+    return [next(texts) if isinstance(p, str) else len(p) for p in parsed.more_prompts]
 
 
 def embedding_counts(counter: PromptCounter, requests: list[ParsedBody]) -> list[int]:

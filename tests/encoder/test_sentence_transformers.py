@@ -6,12 +6,13 @@ dimensions and the per-line 400s of options a model does not have."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
 from sentence_transformers import SentenceTransformer
 
-from batchapi.encoder import EncoderConfig, EncoderFront
+from batchapi.encoder import Encoder, EncoderConfig, EncoderFront
 from batchapi.models.registry import model_info, require_supported
 from batchapi.models.store import EMBEDDING
 from batchapi.openai.embeddings import EMBEDDINGS
@@ -188,6 +189,19 @@ def test_the_registry_serves_a_decoder_embedder_as_an_embedding_model(models):
     info = require_supported(models["qwen3-last"])
     # sentence-transformers 6 keeps max_seq_length as the tokenizer's model_max_length
     assert (info.kind, info.context_length, info.architecture) == (EMBEDDING, 256, "Qwen3Model")
+
+
+def test_a_decoder_embedder_saved_as_a_causal_lm_is_served_alike(models, workers, tmp_path):
+    """Qwen3-Embedding's own config.json names Qwen3ForCausalLM over a base model's weights."""
+    copy = tmp_path / "as-causal-lm"
+    shutil.copytree(models["qwen3-last"], copy)
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3ForCausalLM"]}))
+    assert require_supported(copy).kind == EMBEDDING
+    front, codec = workers("qwen3-last")
+    ids = codec.token_ids(TEXTS, QUERY)
+    ours = Encoder(copy).encode(ids).numpy()
+    assert float((ours * front.encoder.encode(ids).numpy()).sum(1).min()) >= 0.99999
 
 
 def test_an_encoder_front_cuts_inputs_at_the_directorys_max_seq_length(workers, models):

@@ -90,3 +90,12 @@ def test_scores_do_not_depend_on_the_batch_in_bfloat16(tiny_llama_dir):
              for i, ids in enumerate(prompts)]
     mixed = run(engine(), [*crowd[:2], GenerationRequest("x", prompts[3], scored(k=4)), *crowd[2:]])["x"]
     assert mixed.prompt_logprobs == alone.prompt_logprobs
+
+
+def test_a_prompt_of_the_whole_context_is_scored(tiny_llama_dir):
+    engine = engine_for(tiny_llama_dir, max_model_len=64)
+    ids = (tokenize(tiny_llama_dir, [PROMPTS[3]])[0] * 8)[:64]
+    results = run(engine, [GenerationRequest("full", ids, scored()),
+                           GenerationRequest("more", ids, scored(max_tokens=1))])
+    assert results["full"].error is None and len(results["full"].prompt_logprobs) == 64
+    assert results["more"].error is not None  # a token more would not fit
