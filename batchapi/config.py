@@ -104,6 +104,8 @@ class Settings(BaseSettings):
     # or after this many seconds, whichever comes first (issue 17)
     result_flush_rows: int = Field(default=64, ge=1)
     result_flush_seconds: float = Field(default=1.0, gt=0, le=60)
+    # greedy and seeded requests answered from an earlier batch's identical request (batches.result_cache)
+    result_cache: bool = True
     worker_poll_seconds: float = Field(default=2.0, gt=0)  # how often an idle worker looks for shards
     celery_queue: str = "gpu"
     # longer than any shard: Redis redelivers an unacked task only after this

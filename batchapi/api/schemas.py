@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from batchapi.batches.billing import cost, estimated_cost, usage
+from batchapi.batches.billing import cache_savings, cost, estimated_cost, usage
 from batchapi.db.models import Batch, File
 from batchapi.openai.body import ENDPOINTS
 
@@ -68,6 +68,8 @@ class CreateBatchRequest(BaseModel):
     completion_window: str
     metadata: dict[str, str] | None = None
     output_expires_after: ExpiresAfter | None = None  # of the output and error files
+    # beyond OpenAI: false to run every request, none answered from the result cache
+    result_cache: bool = True
 
 
 class RequestCounts(BaseModel):
@@ -77,7 +79,11 @@ class RequestCounts(BaseModel):
 
 
 class Cost(BaseModel):
-    """Beyond OpenAI: decimal strings, ``amount`` at the batch price, ``list_amount`` at list price."""
+    """Beyond OpenAI: decimal strings, ``amount`` at the batch price, ``list_amount`` at list price;
+    a batch some of whose requests the result cache answered also has ``cached_requests`` and
+    ``cached_amount`` (what they would have cost, not charged: ``billing.cache_savings``)."""
+
+    model_config = ConfigDict(extra="allow")
 
     currency: str
     amount: str
@@ -123,7 +129,7 @@ class BatchObject(BaseModel):
             failed_at=b.failed_at, expired_at=b.expired_at, cancelling_at=b.cancelling_at,
             cancelled_at=b.cancelled_at,
             request_counts=RequestCounts(total=b.request_total, completed=b.request_completed, failed=b.request_failed),
-            usage=usage(b), metadata=b.metadata_, cost=Cost(**cost(b).as_dict()),
+            usage=usage(b), metadata=b.metadata_, cost=Cost(**cost(b).as_dict(), **cache_savings(b)),
             estimated_cost=Cost(**estimate.as_dict()) if estimate else None, request_errors=b.request_errors,
             retry_of=b.retry_of,
         )

@@ -205,6 +205,17 @@ def set_estimates(per_model: dict, estimates: dict[str, tuple[int, int]]) -> dic
     return out
 
 
+def cache_savings(batch: Batch) -> dict:
+    """The requests the result cache answered and what they would have cost at the batch price
+    (charged nothing); empty when there were none."""
+    if not batch.cached_requests:
+        return {}
+    full = list_amount(batch_price(batch), batch.cache_saved_input_tokens, batch.cache_saved_cached_tokens,
+                       batch.cache_saved_output_tokens)
+    return {"cached_requests": batch.cached_requests,
+            "cached_amount": format_amount(discounted(full, batch.discount_percent))}
+
+
 def usage(batch: Batch) -> dict:
     return {
         "input_tokens": batch.input_tokens,

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 from sqlalchemy import or_, select, update
 
-from batchapi.batches import request_results, states
+from batchapi.batches import request_results, result_cache, states
 from batchapi.batches.states import BatchStatus, ShardStatus
 from batchapi.context import Context
 from batchapi.db.clock import now
@@ -201,11 +201,13 @@ def release(ctx: Context, shard_ids: list[str], owner: str) -> int:
         return result.rowcount
 
 
-def complete(ctx: Context, claimed: Claimed, owner: str, outcome: Outcome, output_key: str, error_key: str) -> bool:
+def complete(ctx: Context, claimed: Claimed, owner: str, outcome: Outcome, output_key: str, error_key: str,
+             cache_entries: dict[str, result_cache.Entry] | None = None) -> bool:
     """Record a finished shard and add to the batch what its stored request results have not
     added yet, in one transaction, once: only the lease owner's UPDATE matches, so a shard is
     never counted twice. The worker's complete moves the stored results into the shard's objects
-    (they are deleted); the sweeper's keeps them, merged into its lines by ``request_results``."""
+    (they are deleted); the sweeper's keeps them, merged into its lines by ``request_results``.
+    ``cache_entries``: the shard's results for the result cache (``result_cache.store``)."""
     with session_scope(ctx.sessions) as session:
         held = session.scalar(
             select(Shard.id)
@@ -237,6 +239,8 @@ def complete(ctx: Context, claimed: Claimed, owner: str, outcome: Outcome, outpu
             total.output_tokens - stored.output_tokens,
         )
         request_results.add_counts(session, claimed.batch_id, rest, unrun=total.unrun, model=claimed.model)
+        if cache_entries:
+            result_cache.store(session, ctx.settings, claimed.batch_id, cache_entries)
         if not claimed.closing:
             request_results.forget(session, claimed.id)
         return True

@@ -44,6 +44,9 @@ class Finished:
     input_tokens: int = 0
     cached_tokens: int = 0
     output_tokens: int = 0
+    # answered from the result cache (``result_cache``): charged nothing, so its usage above is 0;
+    # the usage it had (input, cached, output tokens), which the batch shows as saved
+    saved: tuple[int, int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -114,7 +117,22 @@ def record(ctx: Context, groups: list[Group], owner: str) -> set[str]:
             per_batch.setdefault((group.batch_id, group.model), []).extend(r for r in group.rows if r.seq in inserted)
         for batch_id, model in sorted(per_batch, key=lambda key: (key[0], key[1] or "")):
             add_counts(session, batch_id, _counted(per_batch[batch_id, model]), model=model)
+            _add_saved(session, batch_id, [r.saved for r in per_batch[batch_id, model] if r.saved is not None])
     return written
+
+
+def _add_saved(session: Session, batch_id: str, saved: list[tuple[int, int, int]]) -> None:
+    """Count requests answered from the result cache, and the usage they would have cost."""
+    if not saved:
+        return
+    session.execute(
+        update(Batch).where(Batch.id == batch_id).values(
+            cached_requests=Batch.cached_requests + len(saved),
+            cache_saved_input_tokens=Batch.cache_saved_input_tokens + sum(s[0] for s in saved),
+            cache_saved_cached_tokens=Batch.cache_saved_cached_tokens + sum(s[1] for s in saved),
+            cache_saved_output_tokens=Batch.cache_saved_output_tokens + sum(s[2] for s in saved),
+        ).execution_options(synchronize_session=False)
+    )
 
 
 def _insert_new(session: Session):

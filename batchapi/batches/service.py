@@ -80,6 +80,7 @@ def create_batch(
     retry_of: str | None = None,
     output_expires_after: dict | None = None,
     request_models: list[str | None] | None = None,
+    result_cache: bool = True,
 ) -> Batch:
     """A new ``validating`` batch (validation starts after the commit), or, for a repeated
     ``idempotency_key`` with the same parameters, the batch the first request created.
@@ -87,7 +88,8 @@ def create_batch(
     validation confirms. ``retry_of``: the batch whose unfinished requests the file holds
     (``retry.retry_batch``); a retry's key stands for that batch, whatever the new file.
     ``request_models``: the model each request names, where the caller has them (a Message Batch's
-    create body), so that the file is not read again to find them."""
+    create body), so that the file is not read again to find them. ``result_cache``: False to
+    run every request of the batch, none answered from the result cache (``result_cache``)."""
     for value, param in ((input_file_id, "input_file_id"), (idempotency_key, "Idempotency-Key")):
         check_text(value, param)
     if endpoint not in ENDPOINTS:
@@ -115,7 +117,7 @@ def create_batch(
                 currency=price.currency, price_input=price.input, price_cached_input=price.cached_input,
                 price_output=price.output, discount_percent=ctx.settings.batch_discount_percent,
                 request_total=request_total, model=model, retry_of=retry_of, output_expires_after=output_expiry,
-                per_model=new_per_model(ctx.settings, models),
+                per_model=new_per_model(ctx.settings, models), result_cache=result_cache,
             )
             session.add(batch)
             session.flush()

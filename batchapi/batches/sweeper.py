@@ -11,7 +11,8 @@
 - batches left with nothing open (a worker died between its last shard and the finalize),
   or stuck in ``finalizing``, are finalized;
 - files past ``expires_at`` lose their object and row (``files.remove_expired``), Uploads past
-  their hour expire (``uploads.service.expire_uploads``), and due webhook deliveries are sent
+  their hour expire (``uploads.service.expire_uploads``), result cache entries whose output file
+  is gone are deleted (``result_cache.remove_stale``), and due webhook deliveries are sent
   (``webhooks.delivery``), each POST bounded by ``webhook_timeout_seconds``.
 Every step is a conditional UPDATE, so two sweepers (or a sweeper and a worker) never both act,
 and every row is handled alone: one that raises is logged and skipped, never blocking the rest
@@ -32,7 +33,7 @@ from typing import Protocol, TypeVar
 from sqlalchemy import exists, select
 
 from batchapi.background import Background
-from batchapi.batches import files, leases
+from batchapi.batches import files, leases, result_cache
 from batchapi.batches.finalize import finalize_batch
 from batchapi.batches.leases import CUT_OFF, Outcome
 from batchapi.batches.shard_input import read_custom_ids
@@ -208,6 +209,7 @@ def _finalize_leftovers(ctx: Context, report: SweepReport, validator: Validator 
 def _expire_files(ctx: Context, report: SweepReport, validator: Validator | None) -> None:
     report.removed_files.extend(files.remove_expired(ctx, _each))
     report.expired_uploads.extend(expire_uploads(ctx, _each))
+    result_cache.remove_stale_when_due(ctx)  # entries whose output file (or batch) is gone
 
 
 def _deliver_webhooks(ctx: Context, report: SweepReport, validator: Validator | None) -> None:

@@ -147,6 +147,14 @@ class Batch(Base):
     price_output: Mapped[Decimal] = mapped_column(PRICE)
     discount_percent: Mapped[Decimal] = mapped_column(Numeric(6, 3))
 
+    # the result cache (``batches.result_cache``): False when the batch asked for it off; of the
+    # completed requests, those answered from the cache, and the usage they would have cost
+    result_cache: Mapped[bool] = mapped_column(default=True, server_default="1")
+    cached_requests: Mapped[int] = mapped_column(default=0, server_default="0")
+    cache_saved_input_tokens: Mapped[int] = mapped_column(default=0, server_default="0")
+    cache_saved_cached_tokens: Mapped[int] = mapped_column(default=0, server_default="0")
+    cache_saved_output_tokens: Mapped[int] = mapped_column(default=0, server_default="0")
+
 
 class Shard(Base):
     """A run of input lines of one model, the unit a worker claims.
@@ -218,6 +226,24 @@ class RequestResult(Base):
     cached_tokens: Mapped[int] = mapped_column(default=0)
     output_tokens: Mapped[int] = mapped_column(default=0)
     attempt: Mapped[int] = mapped_column(Integer)  # the shard attempt that ran it
+
+
+class ResultCacheEntry(Base):
+    """One succeeded, deterministic request's response body, served again to a later batch of the
+    same project whose request has the same ``key`` (``batches.result_cache``). It lives while
+    its batch's output file does: the lookup checks that file, the sweeper deletes the rest."""
+
+    __tablename__ = "result_cache"
+    __table_args__ = (Index("ix_result_cache_project_key", "project_id", "key"),)
+
+    batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"), primary_key=True)
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)  # sha256 hex of model, fingerprint, body
+    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"))
+    body: Mapped[bytes] = mapped_column(LargeBinary)  # the response body, JSON
+    input_tokens: Mapped[int]  # the usage it had
+    cached_tokens: Mapped[int]
+    output_tokens: Mapped[int]
+    created_at: Mapped[int]
 
 
 class WebhookEndpoint(Base):

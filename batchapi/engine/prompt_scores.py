@@ -19,7 +19,7 @@ scores (``ScoreCache.known``), and copies no partial block into it.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -37,6 +37,8 @@ class BlockScores:
     top_ids: np.ndarray  # [bs - 1, TOP] int64
     top_logprobs: np.ndarray  # [bs - 1, TOP] float32
     hidden: torch.Tensor  # [H]: the block's last position, final norm applied
+    # the scores of tokens that followed the block, by token: (logprob, top ids, top logprobs)
+    after: dict[int, tuple] = field(default_factory=dict)
 
 
 class ScoreCache:
@@ -162,11 +164,19 @@ class PromptScorer:
                                                block.top_logprobs[j - 1], k)
                 seq.prompt_top[t] = (block.top_ids[j - 1], block.top_logprobs[j - 1])
             if (b + 1) * bs < seq.num_prompt_tokens:  # the next block's first token, scored from this block's end
-                boundary.append(block.hidden)
-                targets.append(seq.token_ids[(b + 1) * bs])
+                target = seq.token_ids[(b + 1) * bs]
+                if target in block.after:  # scored for an earlier request
+                    self._put(seq, (b + 1) * bs, target, *block.after[target])
+                else:
+                    boundary.append((b, block))
         if boundary:
-            lps, ids, tops = score(self.model, torch.stack(boundary), torch.tensor(targets, device=self.device),
-                                   self.rows)
-            for r, target in enumerate(targets):
-                seq.prompt_logprobs[(r + 1) * bs] = entry(target, lps[r], ids[r], tops[r], k)
-                seq.prompt_top[(r + 1) * bs] = (ids[r], tops[r])
+            targets = [seq.token_ids[(b + 1) * bs] for b, _ in boundary]
+            lps, ids, tops = score(self.model, torch.stack([block.hidden for _, block in boundary]),
+                                   torch.tensor(targets, device=self.device), self.rows)
+            for r, ((b, block), target) in enumerate(zip(boundary, targets, strict=True)):
+                block.after[target] = (lps[r], ids[r], tops[r])
+                self._put(seq, (b + 1) * bs, target, lps[r], ids[r], tops[r])
+
+    def _put(self, seq: Sequence, t: int, token: int, logprob, ids, tops) -> None:
+        seq.prompt_logprobs[t] = entry(token, logprob, ids, tops, seq.params.prompt_logprobs)
+        seq.prompt_top[t] = (ids, tops)

@@ -103,6 +103,31 @@ class WaitingQueue:
             if key is not None:
                 del self.groups[key]
 
+    def take(self, group: deque[Sequence], taken: list[Sequence]) -> None:
+        """Drop ``taken`` (admitted, in group order) from ``group``: its first sequences, or some of
+        them where others were left to wait a step. O(the part of the group they span)."""
+        span = 0
+        while span < len(taken) and group[span] is taken[span]:
+            span += 1
+        if span == len(taken):
+            self.take_front(group, span)
+            return
+        ids = {id(seq) for seq in taken}
+        kept = []
+        seen = 0
+        while seen < len(taken):
+            seq = group.popleft()
+            if id(seq) in ids:
+                seen += 1
+            else:
+                kept.append(seq)
+        group.extendleft(reversed(kept))
+        self.size -= len(taken)
+        if not group and group is not self.front:
+            key = next((k for k, g in self.groups.items() if g is group), None)
+            if key is not None:
+                del self.groups[key]
+
     def remove(self, seq: Sequence) -> None:
         if seq in self.front:
             self.front.remove(seq)
@@ -195,14 +220,15 @@ class Scheduler:
         return preempted
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
-        admitted: list[tuple[deque[Sequence], int]] = []  # (group, how many of its first sequences)
+        admitted: list[tuple[deque[Sequence], list[Sequence]]] = []  # (group, the sequences admitted from it)
         pending: set[int] = set()  # hashes of the prompt blocks that this step's admissions compute
         full = False  # out of budget, seq slots or blocks: admit nothing more this step
         scheduled = dict(zip(batch.seqs, batch.num_new_tokens, strict=True))  # seq -> tokens it computes now
         waves: dict[int, int] = {}  # block filled by a copy this step -> the copy's wave
         forks = sum(s.num_forks for s in self.running)  # children that running parents (n > 1) fork yet
         for group in self.waiting.runs():
-            count = 0
+            taken: list[Sequence] = []
+            deferred = 0
             for seq in group:
                 if budget <= 0 or not self._has_seq_slot(seq, forks):
                     full = True
@@ -213,7 +239,13 @@ class Scheduler:
                     known = known if known == len(hashes) or self.bm.window is None else 0
                     cached, hashes = cached[:known], hashes[:known]
                 if pending and group is not self.waiting.front and self._computed_now(seq, hashes, pending):
-                    break  # its next blocks are being computed now: next step they are cache hits
+                    # its next blocks are being computed now: next step they are cache hits. Later
+                    # sequences of the group may differ sooner (the next question after a shared
+                    # few-shot prefix): look a little further for them
+                    deferred += 1
+                    if deferred > self.max_num_seqs:
+                        break
+                    continue
                 num_cached = len(cached) * self.bm.block_size
                 donor = (self._find_donor(seq, num_cached, scheduled, waves)
                          if self.bm.enable_prefix_caching and not _scored(seq) else None)
@@ -229,16 +261,16 @@ class Scheduler:
                     src, _, wave = donor
                     batch.kv_copies.append(KVCopy(src, seq.block_table[len(cached)], copied, wave))
                     waves[seq.block_table[len(cached)]] = wave
-                count += 1
+                taken.append(seq)
                 budget -= n
                 if self.bm.enable_prefix_caching:
                     pending.update(self.bm.prompt_hashes(seq, len(hashes), hashes[-1] if hashes else None))
-            if count:
-                admitted.append((group, count))
+            if taken:
+                admitted.append((group, taken))
             if full:
                 break
-        for group, count in admitted:
-            self.waiting.take_front(group, count)
+        for group, taken in admitted:
+            self.waiting.take(group, taken)
 
     def _find_donor(self, seq: Sequence, num_cached: int, scheduled: dict[Sequence, int],
                     waves: dict[int, int]) -> tuple[int, int, int] | None:

@@ -77,7 +77,7 @@ def completion_body(parsed: ParsedBody, result, model: str, tokenizer, system_fi
     assert result.error is None, f"request {result.request_id} failed ({result.error}); render it rejected"
     chat = parsed.messages is not None
     choices = []
-    parts = result.parts or [result]  # a completions body of several prompts: a part each, in order
+    parts = getattr(result, "parts", None) or [result]  # a completions body of several prompts: a part each, in order
     for i, part in enumerate(parts):
         for out in part.outputs:
             # prompt i's sample j is choice i * n + j, as OpenAI numbers them

@@ -96,7 +96,8 @@ class ShardFinisher:
         self.ctx.storage.put_chunks(out_key, [rendered.output])
         self.ctx.storage.put_chunks(err_key, [rendered.errors])
         with self._writer.lock:  # no rows of this shard are being written meanwhile
-            completed = leases.complete(self.ctx, shard, self.owner, rendered.outcome, out_key, err_key)
+            completed = leases.complete(self.ctx, shard, self.owner, rendered.outcome, out_key, err_key,
+                                        cache_entries=work.entries)
             if completed:
                 work.take_unsaved()  # in the objects now: nothing left for the writer
         if not completed:

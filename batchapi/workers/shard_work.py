@@ -4,19 +4,23 @@ Results arrive on the engine thread; ``close`` may come from the monitor (cancel
 lost lease) at any moment. A lock orders the two, so a request either finished before the
 close (its result is kept) or is reported with the close's reason, never both. Each kept
 result waits in ``unsaved`` until the result writer makes it durable (``take_unsaved``); the
-requests an earlier attempt already made durable (``earlier``) are not run again.
+requests an earlier attempt already made durable (``earlier``) are not run again, nor are those
+answered from the result cache (``cached``: they are made durable before the rest runs).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from dataclasses import dataclass, field
 
+from batchapi.batches import result_cache
 from batchapi.batches.leases import CUT_OFF, Claimed, Outcome
 from batchapi.batches.request_results import Finished
 from batchapi.engine import ErrorCode as EngineError
 from batchapi.engine import GenerationResult
+from batchapi.openai import render as wire
 from batchapi.openai.errors import ErrorCode, RequestError
 from batchapi.openai.lines import InputLine
 from batchapi.workers.codec import LineCodec
@@ -52,6 +56,8 @@ class ShardWork:
     done: threading.Event = field(default_factory=threading.Event)  # no result awaited any more
     stored: threading.Event = field(default_factory=threading.Event)  # written and completed (or dropped)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    keys: dict[int, str] = field(default_factory=dict)  # seq -> result cache key, of deterministic requests
+    entries: dict[str, result_cache.Entry] = field(default_factory=dict)  # by ``render``: for the result cache
 
     def request_id(self, seq: int) -> str:
         # the attempt keeps ids unique when this worker runs the shard again before old aborts land
@@ -65,13 +71,16 @@ class ShardWork:
         cannot run (refused by validation or by ``refuse``) are finished without the engine."""
         return [(seq, line) for seq, line in enumerate(self.lines) if seq not in self.earlier and line.body is not None]
 
-    def requests(self, codec: LineCodec) -> list:
+    def requests(self, codec: LineCodec, fingerprint: str | None = None) -> list:
         """The engine requests of the lines ``to_run``; a line the codec cannot turn into one is
-        refused instead, with that request's error."""
+        refused instead, with that request's error. ``fingerprint``: the engine's
+        ``system_fingerprint``, which keys the result cache (None: no cache)."""
         requests = []
         for seq, line in self.to_run():
             try:
                 requests.append(codec.request(line, self.request_id(seq)))
+                if (cache_key := result_cache.key(self.shard.model or "", fingerprint, line.body)) is not None:
+                    self.keys[seq] = cache_key
             except RequestError as exc:  # options the model does not have: that request's error
                 exc.custom_id = line.custom_id
                 line.body, line.error = None, exc
@@ -84,6 +93,18 @@ class ShardWork:
                     f"the request could not be prepared for the model: {exc}", None, ErrorCode.SERVER_ERROR,
                     custom_id=line.custom_id)
         return requests
+
+    def cached(self, hits: dict[str, result_cache.Entry]) -> dict[int, Finished]:
+        """The rows of the requests ``hits`` answers: its response body under the line's
+        custom_id (fresh line ids), no usage charged, the usage it had as ``saved``."""
+        rows = {}
+        for seq, cache_key in self.keys.items():
+            entry = hits.get(cache_key)
+            if entry is not None:
+                line = wire.succeeded(self.lines[seq].custom_id, json.loads(entry.body))
+                rows[seq] = Finished(seq, True, line,
+                                     saved=(entry.input_tokens, entry.cached_tokens, entry.output_tokens))
+        return rows
 
     def expect(self, request_ids: list[str]) -> None:
         """Await ``request_ids``; every other line not finished earlier is finished now (refused)."""
@@ -166,6 +187,11 @@ class ShardWork:
                 failed += 1
                 continue
             output.append(row.line)
+            if seq in self.results and seq in self.keys:  # run by this attempt: an entry for the cache
+                body = json.loads(row.line)["response"]["body"]
+                self.entries[self.keys[seq]] = result_cache.Entry(
+                    json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode(), row.input_tokens,
+                    row.cached_tokens, row.output_tokens)
             completed += 1
             input_tokens += row.input_tokens
             cached += row.cached_tokens

@@ -34,7 +34,7 @@ def shard_models_filled(settings) -> None:
         with engine.begin() as conn:
             for statement in ROWS:
                 conn.execute(text(statement.replace(" index,", ' "index",')))
-        upgrade(settings)
+        upgrade(settings, "0008")
         assert current(settings) == "0008"
         with engine.connect() as conn:
             rows = conn.execute(text("SELECT id, model, lines FROM shards ORDER BY id")).all()

@@ -191,6 +191,22 @@ def test_admission_from_one_large_group_takes_its_head_in_order():
     assert len(sched.waiting) == 1984 and len(sched.waiting.groups) == 1
 
 
+def test_after_a_shared_prefix_one_sequence_of_each_next_block_is_admitted_at_once():
+    # few-shot evals: one group (the shared prefix), four choices per question after it. Once the
+    # prefix is cached, the first choice of every question runs in one step; the others of a
+    # question wait a step for its stem block, and keep their order
+    sched = make(num_blocks=512, block_size=4, max_num_seqs=16, budget=512, max_model_len=64)
+    prefix = list(range(8))
+    choices = {q: [add(sched, f"q{q}c{c}", prefix + [100 + q] * 4 + [200 + c]) for c in range(4)] for q in range(3)}
+    assert [r for r, _ in step(sched)] == ["q0c0"]  # the prefix is computed once
+    assert [r for r, _ in step(sched)] == ["q0c0", "q0c1", "q0c2", "q0c3", "q1c0", "q2c0"]  # q0c0 decodes
+    assert [s.request_id for s in sched.waiting] == ["q1c1", "q1c2", "q1c3", "q2c1", "q2c2", "q2c3"]
+    assert len(sched.waiting) == 6
+    assert [r for r, _ in step(sched)][-6:] == ["q1c1", "q1c2", "q1c3", "q2c1", "q2c2", "q2c3"]
+    assert all(s.num_cached_tokens == 12 for s in choices[1][1:] + choices[2][1:])  # prefix and stem: hits
+    assert len(sched.waiting) == 0 and not sched.waiting.groups
+
+
 # ---- sliding window ----
 
 

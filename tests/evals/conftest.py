@@ -9,7 +9,9 @@ from tests.evals.tasks import write_tasks
 from tests.utils.batch_service import embedded_stack
 
 # float32 as the hf backend runs the tiny model ("auto" is bfloat16 on a CPU with native bf16)
-SETTINGS = dict(shard_size=8, max_num_seqs=16, kv_cache_gb=0.05, auth_required=False, dtype="float32")
+# with the result cache on, as a deployment runs: a repeated run is answered from it
+SETTINGS = dict(shard_size=8, max_num_seqs=16, kv_cache_gb=0.05, auth_required=False, dtype="float32",
+                result_cache=True)
 
 
 @pytest.fixture(autouse=True)

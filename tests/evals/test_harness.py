@@ -4,6 +4,7 @@ generations, the same rolling loglikelihoods."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
 import batchapi.evals.lm  # noqa: F401  (registers the "batchapi" model)
@@ -137,3 +138,23 @@ def test_a_context_past_the_model_is_cut_as_hf_cuts_it(server, served_model, tin
     [(logprob, greedy)] = ours.loglikelihood(requests)
     [(hf_logprob, hf_greedy)] = hf.loglikelihood(requests)
     assert logprob == pytest.approx(hf_logprob, abs=1e-4) and greedy == hf_greedy
+
+
+def test_a_repeated_run_is_served_from_the_result_cache(server, served_model, tiny_llama_dir, task_dir):
+    """The eval suite's nightly rerun: the same samples, no engine work, nothing charged."""
+
+    def batches() -> dict[str, dict]:
+        listed = httpx.get(f"{server.base_url}/v1/batches", params={"limit": 100}).json()["data"]
+        return {b["id"]: b for b in listed}
+
+    args = batchapi_args(server, served_model, tiny_llama_dir)
+    first = evaluate("batchapi", args, ["batchapi_mc"], task_dir)["batchapi_mc"]
+    before = set(batches())
+    again = evaluate("batchapi", args, ["batchapi_mc"], task_dir)["batchapi_mc"]
+    assert [s["resps"] for s in again] == [s["resps"] for s in first]
+    rerun = [b for batch_id, b in batches().items() if batch_id not in before]
+    assert rerun, "the rerun made no batch"
+    for batch in rerun:
+        total = batch["request_counts"]["total"]
+        assert batch["cost"]["cached_requests"] == total and float(batch["cost"]["amount"]) == 0
+        assert batch["usage"]["input_tokens"] == 0 and batch["usage"]["output_tokens"] == 0  # no engine work

@@ -25,8 +25,10 @@ def service_settings(
 ) -> Settings:
     """PostgreSQL and S3 when given, else SQLite and a local directory, with the tiny model."""
     # webhook tests post to receivers on 127.0.0.1; tests/webhooks/test_addresses.py turns it off
+    # the result cache off: tests that run a file twice (invariance, metrics, usage) mean to run it;
+    # tests/e2e/test_result_cache.py turns it on
     values = dict(data_dir=tmp_path, model=str(model_dir), shard_size=4, sweep_seconds=0.5,
-                  webhook_allow_private=True)
+                  webhook_allow_private=True, result_cache=False)
     if pg_url:
         values["database_url"] = pg_url
     if s3 is not None:
