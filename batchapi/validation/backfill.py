@@ -66,12 +66,20 @@ def count_batch(
         if stop() or not _still_wanted(ctx, batch_id):
             break
         model = shard.model or batch.model
-        if model not in models:
-            served = served_model(ctx.settings, model)
-            given = counter if counter is not None and model == batch.model else None
-            models[model] = (given or counter_for(served.path), served.aliases)
         try:
-            counts, outputs = _count_shard(ctx, *models[model], batch.endpoint, file.storage_key, shard)
+            if model not in models:
+                served = served_model(ctx.settings, model)
+                given = counter if counter is not None and model == batch.model else None
+                models[model] = (given or counter_for(served.path), served.aliases)
+        except LookupError:  # not served here (any more): its requests fail as they run; nothing to count
+            log.warning("shard %s runs on %r, which is not served here; its estimate stays an upper bound",
+                        shard.id, model)
+            models[model] = None
+        try:
+            if models[model] is None:
+                counts, outputs = None, shard.estimated_output_tokens
+            else:
+                counts, outputs = _count_shard(ctx, *models[model], batch.endpoint, file.storage_key, shard)
         except TRANSIENT:
             raise
         except Exception:  # it would fail on every sweep: keep validation's bounds, count the other shards
