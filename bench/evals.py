@@ -33,15 +33,18 @@ from __future__ import annotations
 
 import argparse
 import random
-import time
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from batchapi.engine import EngineConfig, GenerationRequest, LLMEngine, SamplingParams
-from batchapi.models.store import resolve_model
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_throughput import Clock  # noqa: E402
+
+from batchapi.engine import EngineConfig, GenerationRequest, LLMEngine, SamplingParams  # noqa: E402
+from batchapi.models.store import resolve_model  # noqa: E402
 
 CHOICES = 4
 SHOTS = 5
@@ -73,16 +76,6 @@ def build_items(vocab: int, questions: int, prefix_tokens: int, stem_tokens: int
         context = prefix + tokens(rng.randint(stem_tokens // 2, stem_tokens * 3 // 2))
         items.extend(Item(context, tokens(rng.randint(1, 8))) for _ in range(CHOICES))
     return items
-
-
-class Clock:
-    def __enter__(self):
-        self.wall, self.cpu = time.perf_counter(), time.process_time()
-        return self
-
-    def __exit__(self, *exc):
-        self.wall = time.perf_counter() - self.wall
-        self.cpu = (time.process_time() - self.cpu) / torch.get_num_threads()
 
 
 @dataclass
