@@ -181,7 +181,7 @@ def main() -> None:
           f"({first.cached_tokens} of {first.prompt_tokens} prompt tokens)")
     if "second" not in skip:
         second = run_engine(engine, items, reset=False)
-        print(f"engine, second run (prefix cache warm; no result cache in the tree)  {second}  prefix-cache hits "
+        print(f"engine, second run (prefix cache warm; the engine alone, no result cache)  {second}  prefix-cache hits "
               f"{second.cached_tokens / second.prompt_tokens:.1%}")
     if "hf" in skip:
         return
