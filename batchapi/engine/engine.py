@@ -363,7 +363,7 @@ class LLMEngine:
         matcher = seq.active_matcher  # none while a thinking block is open: the grammar follows it
         in_block = seq.thinking is not None and not seq.thinking.ended
         if in_block:
-            seq.thinking.accept(token, seq.output_token_ids)
+            seq.thinking.accept(token, seq.token_ids)
         if matcher is not None and not matcher.accept(token):
             seq.fail(ErrorCode.ENGINE_FAILURE, f"the grammar refused token {token}, which its mask allowed")
             return

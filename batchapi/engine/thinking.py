@@ -57,8 +57,9 @@ class ThinkingState:
     def _over_budget(self) -> bool:
         return self.spec.budget is not None and self.inner >= self.spec.budget
 
-    def accept(self, token: int, output: list[int]) -> None:
-        """Take the sequence's new output token (already appended to ``output``)."""
+    def accept(self, token: int, tokens: list[int]) -> None:
+        """Take the sequence's new output token (already appended to ``tokens``, its whole token
+        list: only the block's own tail is read, so nothing is copied per token)."""
         if self.ended:
             return
         self.tokens += 1
@@ -77,7 +78,7 @@ class ThinkingState:
         if not self.inside:  # not reached: the block opens by force or by the prompt
             return
         end = self.spec.end
-        if len(output) >= len(end) and tuple(output[-len(end):]) == end:
+        if self.tokens >= len(end) and tuple(tokens[-len(end):]) == end:  # the tail lies inside the block
             self.ended = True
             self.inner -= len(end) - 1  # the marker's first tokens were counted as inside
             return
