@@ -106,6 +106,12 @@ class Settings(BaseSettings):
     result_flush_seconds: float = Field(default=1.0, gt=0, le=60)
     # greedy and seeded requests answered from an earlier batch's identical request (batches.result_cache)
     result_cache: bool = True
+    # sharing one deployment (batchapi/batches/fair_share.py, quotas.py): each project's share of
+    # the fleet is its weight (`batchapi projects set`) over the work it was given in this window
+    fair_share_window_seconds: int = Field(default=600, ge=10)
+    # per project and model, unless `batchapi projects set` says otherwise; 0: no limit
+    quota_enqueued_tokens: int = Field(default=0, ge=0)  # estimated tokens of its unfinished batches
+    quota_unfinished_batches: int = Field(default=0, ge=0)
     worker_poll_seconds: float = Field(default=2.0, gt=0)  # how often an idle worker looks for shards
     celery_queue: str = "gpu"
     # longer than any shard: Redis redelivers an unacked task only after this
@@ -133,6 +139,9 @@ class Settings(BaseSettings):
     # the URL clients reach the API at (https://batch.example.com), for the links the API hands out
     # (a Message Batch's results_url); empty: the request's own scheme, host and port
     public_url: str = ""
+    # without public_url, the hosts (host or host:port, comma-separated) whose Host header may name
+    # the links the API hands out; a request from any other Host gets links to host:port above
+    trusted_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list)
     # prometheus_client's own variable (it reads it too): a directory where API processes share their
     # HTTP metrics; `batchapi serve --workers N` makes a fresh one when it is unset
     prometheus_multiproc_dir: str = Field(default="", validation_alias="PROMETHEUS_MULTIPROC_DIR")
@@ -156,6 +165,13 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             value = value.split(",")
         return [name.strip() for name in value if name.strip()]
+
+    @field_validator("trusted_hosts", mode="before")
+    @classmethod
+    def _split_trusted(cls, value):
+        if isinstance(value, str):
+            value = value.split(",")
+        return [host.strip().lower() for host in value if host.strip()]
 
     @field_validator("webhook_allowed_hosts", mode="before")
     @classmethod

@@ -40,6 +40,12 @@ class Unauthenticated(ServiceError):
     code = "invalid_api_key"
 
 
+class RateLimited(ServiceError):
+    """Over a limit that passes with time (a quota of unfinished work, concurrent requests): 429."""
+
+    code = "rate_limit_exceeded"
+
+
 class StorageError(ServiceError):
     code = "storage_error"
 

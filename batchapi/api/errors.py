@@ -20,14 +20,23 @@ from sqlalchemy.exc import DataError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from batchapi.errors import Conflict, InvalidRequest, NotFound, ServiceError, StorageError, Unauthenticated
+from batchapi.errors import (
+    Conflict,
+    InvalidRequest,
+    NotFound,
+    RateLimited,
+    ServiceError,
+    StorageError,
+    Unauthenticated,
+)
 from batchapi.logs import request_id_var
 from batchapi.storage.streams import TooLarge
 
 log = logging.getLogger(__name__)
 
 # the first class that matches wins: TooLarge is an InvalidRequest
-STATUS = {NotFound: 404, TooLarge: 413, InvalidRequest: 400, Conflict: 409, Unauthenticated: 401, StorageError: 503}
+STATUS = {NotFound: 404, TooLarge: 413, InvalidRequest: 400, Conflict: 409, Unauthenticated: 401, RateLimited: 429,
+          StorageError: 503}
 ANTHROPIC_PATHS = "/v1/messages/"
 # Anthropic's error type for each status (any other 4xx is invalid_request_error, 5xx api_error)
 ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",

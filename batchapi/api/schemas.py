@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import asdict
+from decimal import Decimal
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from batchapi.batches.billing import cache_savings, cost, estimated_cost, usage
+from batchapi.batches.billing import cache_savings, cost, estimated_cost, format_amount, usage
+from batchapi.batches.states import BatchStatus
 from batchapi.db.models import Batch, File
 from batchapi.openai.body import ENDPOINTS
 
@@ -70,6 +72,10 @@ class CreateBatchRequest(BaseModel):
     output_expires_after: ExpiresAfter | None = None  # of the output and error files
     # beyond OpenAI: false to run every request, none answered from the result cache
     result_cache: bool = True
+    # beyond OpenAI: the batch's order among its project's batches (higher first), and a spend cap
+    # in the batch's currency (a decimal string or a number) that stops it as a cancel does
+    priority: int = 0
+    max_cost: Decimal | None = None
 
 
 class RequestCounts(BaseModel):
@@ -117,6 +123,13 @@ class BatchObject(BaseModel):
     estimated_cost: Cost | None
     request_errors: dict | None = None  # beyond OpenAI: body problems of single requests (their 400s)
     retry_of: str | None = None  # beyond OpenAI: the batch this one retries (POST /v1/batches/{id}/retry)
+    # beyond OpenAI (docs/API_EXTENSIONS.md, "Sharing a deployment"): the batch's priority within its
+    # project; its spend cap; while it runs, when the fleet's measured rate has it finish under the
+    # fair share; since when it is served first because it could not otherwise meet its window
+    priority: int = 0
+    max_cost: str | None = None
+    estimated_completion_at: int | None = None
+    deadline_risk_at: int | None = None
 
     @classmethod
     def of(cls, b: Batch) -> BatchObject:
@@ -131,7 +144,10 @@ class BatchObject(BaseModel):
             request_counts=RequestCounts(total=b.request_total, completed=b.request_completed, failed=b.request_failed),
             usage=usage(b), metadata=b.metadata_, cost=Cost(**cost(b).as_dict(), **cache_savings(b)),
             estimated_cost=Cost(**estimate.as_dict()) if estimate else None, request_errors=b.request_errors,
-            retry_of=b.retry_of,
+            retry_of=b.retry_of, priority=b.priority or 0,
+            max_cost=format_amount(b.max_cost) if b.max_cost is not None else None,
+            estimated_completion_at=b.estimated_completion_at if b.status == BatchStatus.IN_PROGRESS else None,
+            deadline_risk_at=b.deadline_risk_at,
         )
 
 
@@ -252,6 +268,7 @@ ERRORS = {
     409: "The object's state does not allow this (a finished batch cancelled, an idempotency key reused).",
     413: "The request body is larger than the limit.",
     431: "The request line and headers are larger than the limit.",
+    429: "Over a limit that passes with time: the project's quota of unfinished work, or too many at once.",
     503: "The database or the storage cannot be reached.",
 }
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 from sqlalchemy import or_, select, update
 
-from batchapi.batches import request_results, result_cache, states
+from batchapi.batches import fair_share, request_results, result_cache, states
 from batchapi.batches.states import BatchStatus, ShardStatus
 from batchapi.context import Context
 from batchapi.db.clock import now
@@ -91,15 +91,19 @@ def claim(ctx: Context, shard_id: str, owner: str, models: list[str] | None = No
 
 
 def claim_next(ctx: Context, owner: str, models: list[str] | None = None) -> Claimed | None:
-    """Claim the oldest queued shard of any running batch (of one of ``models``; None: any)
-    (``FOR UPDATE SKIP LOCKED`` on PostgreSQL, so workers polling together never wait on each other)."""
+    """Claim the next queued shard of any running batch (of one of ``models``; None: any) by the
+    fair-share rule between projects (``fair_share.claim_order``), with ``FOR UPDATE SKIP
+    LOCKED`` on PostgreSQL, so workers polling together never wait on each other."""
     t = now()
     for _ in range(3):  # on SQLite a concurrent claimer may win the row between select and update
         with session_scope(ctx.sessions) as session:
             candidate = session.scalar(
-                _of_models(select(Shard.id).join(Batch, Batch.id == Shard.batch_id), models)
-                .where(Shard.status == ShardStatus.QUEUED, Batch.status == BatchStatus.IN_PROGRESS, Batch.expires_at > t)
-                .order_by(Batch.created_at, Shard.batch_id, Shard.index)
+                fair_share.claim_order(
+                    _of_models(select(Shard.id).join(Batch, Batch.id == Shard.batch_id), models)
+                    .where(Shard.status == ShardStatus.QUEUED, Batch.status == BatchStatus.IN_PROGRESS,
+                           Batch.expires_at > t),
+                    t, ctx.settings.fair_share_window_seconds,
+                )
                 .limit(1)
                 .with_for_update(of=Shard, skip_locked=True)
             )

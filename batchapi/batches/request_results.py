@@ -25,6 +25,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from batchapi.batches.billing import add_usage
+from batchapi.batches.spend_cap import stop_at_cap
 from batchapi.batches.states import ShardStatus
 from batchapi.context import Context
 from batchapi.db.clock import now
@@ -144,8 +145,9 @@ def _insert_new(session: Session):
 
 def add_counts(session: Session, batch_id: str, c: Counted, unrun: int = 0, model: str | None = None) -> None:
     """Add to the batch's counts and usage, and to ``model``'s share of a batch of several models
-    (read back under the row lock this UPDATE took, so two writers never lose each other's)."""
-    per_model = session.execute(
+    (read back under the row lock this UPDATE took, so two writers never lose each other's).
+    A batch with a ``max_cost`` that this reaches is stopped (``spend_cap``)."""
+    row = session.execute(
         update(Batch)
         .where(Batch.id == batch_id)
         .values(
@@ -156,15 +158,19 @@ def add_counts(session: Session, batch_id: str, c: Counted, unrun: int = 0, mode
             cached_tokens=Batch.cached_tokens + c.cached_tokens,
             output_tokens=Batch.output_tokens + c.output_tokens,
         )
-        .returning(Batch.per_model)
+        .returning(Batch.per_model, Batch.max_cost)
         .execution_options(synchronize_session=False)
-    ).scalar_one_or_none()
-    if not per_model or model not in per_model:
+    ).one_or_none()
+    if row is None:
         return
-    share = dict(request_completed=c.completed, request_failed=c.failed, input_tokens=c.input_tokens,
-                 cached_tokens=c.cached_tokens, output_tokens=c.output_tokens)
-    session.execute(update(Batch).where(Batch.id == batch_id).values(per_model=add_usage(per_model, model, share))
-                    .execution_options(synchronize_session=False))
+    per_model, max_cost = row
+    if per_model and model in per_model:
+        share = dict(request_completed=c.completed, request_failed=c.failed, input_tokens=c.input_tokens,
+                     cached_tokens=c.cached_tokens, output_tokens=c.output_tokens)
+        session.execute(update(Batch).where(Batch.id == batch_id).values(per_model=add_usage(per_model, model, share))
+                        .execution_options(synchronize_session=False))
+    if max_cost is not None and (c.input_tokens or c.output_tokens):
+        stop_at_cap(session, batch_id)
 
 
 def counted(session: Session, shard_id: str) -> Counted:

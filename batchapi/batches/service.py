@@ -7,12 +7,13 @@ import json
 import logging
 import re
 from collections.abc import Iterator
+from decimal import Decimal
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from batchapi.batches import request_results, states
+from batchapi.batches import quotas, request_results, states
 from batchapi.batches.billing import new_per_model, price_for
 from batchapi.batches.files import expiry_seconds, get_file_row
 from batchapi.batches.states import DONE_SHARDS, BatchStatus
@@ -35,6 +36,8 @@ WINDOW = re.compile(r"^([1-9][0-9]*)(h|d)$")
 MIN_WINDOW = 3600
 MAX_WINDOW = 7 * 86400
 MAX_METADATA_PAIRS = 16
+MIN_PRIORITY, MAX_PRIORITY = -1000, 1000  # a batch's order within its project (higher first)
+MAX_COST = Decimal(10) ** 9
 PARTIAL_KINDS = ("output", "error")
 
 
@@ -63,8 +66,20 @@ def check_metadata(metadata: dict | None) -> None:
         check_text(value, "metadata")
 
 
-def _fingerprint(input_file_id: str, endpoint: str, window: str, metadata: dict | None) -> str:
-    canonical = json.dumps([input_file_id, endpoint, window, metadata], sort_keys=True)
+def check_scheduling(priority: int, max_cost: Decimal | None) -> None:
+    if not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+        raise InvalidRequest(f"priority must be an integer from {MIN_PRIORITY} to {MAX_PRIORITY}", "priority")
+    if max_cost is not None and not (max_cost.is_finite() and 0 < max_cost < MAX_COST):
+        raise InvalidRequest(f"max_cost must be a positive amount below {MAX_COST} in the batch's currency",
+                             "max_cost")
+
+
+def _fingerprint(input_file_id: str, endpoint: str, window: str, metadata: dict | None, priority: int = 0,
+                 max_cost: Decimal | None = None) -> str:
+    fields = [input_file_id, endpoint, window, metadata]
+    if priority or max_cost is not None:  # keys made before these fields keep their fingerprints
+        fields += [priority, None if max_cost is None else str(max_cost.normalize())]
+    canonical = json.dumps(fields, sort_keys=True)
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
@@ -81,6 +96,8 @@ def create_batch(
     output_expires_after: dict | None = None,
     request_models: list[str | None] | None = None,
     result_cache: bool = True,
+    priority: int = 0,
+    max_cost: Decimal | None = None,
 ) -> Batch:
     """A new ``validating`` batch (validation starts after the commit), or, for a repeated
     ``idempotency_key`` with the same parameters, the batch the first request created.
@@ -89,22 +106,28 @@ def create_batch(
     (``retry.retry_batch``); a retry's key stands for that batch, whatever the new file.
     ``request_models``: the model each request names, where the caller has them (a Message Batch's
     create body), so that the file is not read again to find them. ``result_cache``: False to
-    run every request of the batch, none answered from the result cache (``result_cache``)."""
+    run every request of the batch, none answered from the result cache (``result_cache``).
+    ``priority``: its order among its project's batches (``fair_share``). ``max_cost``: a spend cap
+    in the batch's currency; reaching it stops the batch as a cancel does (``spend_cap``)."""
     for value, param in ((input_file_id, "input_file_id"), (idempotency_key, "Idempotency-Key")):
         check_text(value, param)
     if endpoint not in ENDPOINTS:
         raise InvalidRequest(f"endpoint {endpoint!r} is not supported; expected one of {list(ENDPOINTS)}", "endpoint")
     seconds = window_seconds(completion_window)
     check_metadata(metadata)
+    check_scheduling(priority, max_cost)
     output_expiry = expiry_seconds(output_expires_after, "output_expires_after")  # of the output and error files
-    fingerprint = retry_fingerprint(retry_of) if retry_of else _fingerprint(input_file_id, endpoint, completion_window,
-                                                                            metadata)
+    fingerprint = retry_fingerprint(retry_of) if retry_of else _fingerprint(
+        input_file_id, endpoint, completion_window, metadata, priority, max_cost)
     if idempotency_key is not None:
         existing = by_idempotency_key(ctx, project_id, idempotency_key, fingerprint)
         if existing is not None:
             return _same_expiry(existing, output_expiry, retry_of)
     models = batch_models(ctx, project_id, input_file_id, each_request=endpoint == MESSAGES, named=request_models)
     model = models[0] if models else None
+    if endpoint == MESSAGES:  # Anthropic refuses at create while the project's queue is full
+        with ctx.sessions() as session:
+            quotas.check_create(session, ctx.settings, project_id, [m for m in models if m] or [served_model_id(ctx.settings)])
     price = price_for(ctx.settings, model or served_model_id(ctx.settings))
     t = now()
     try:
@@ -118,6 +141,7 @@ def create_batch(
                 price_output=price.output, discount_percent=ctx.settings.batch_discount_percent,
                 request_total=request_total, model=model, retry_of=retry_of, output_expires_after=output_expiry,
                 per_model=new_per_model(ctx.settings, models), result_cache=result_cache,
+                priority=priority, max_cost=max_cost,
             )
             session.add(batch)
             session.flush()

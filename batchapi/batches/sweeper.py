@@ -10,6 +10,8 @@
   worker within seconds; once nothing is open the batch is finalized, finished results kept;
 - batches left with nothing open (a worker died between its last shard and the finalize),
   or stuck in ``finalizing``, are finalized;
+- the plan (``fair_share.plan``) sets each running batch's estimated completion and marks those
+  that cannot meet their window, which the claim order then serves first;
 - files past ``expires_at`` lose their object and row (``files.remove_expired``), Uploads past
   their hour expire (``uploads.service.expire_uploads``), result cache entries whose output file
   is gone are deleted (``result_cache.remove_stale``), and due webhook deliveries are sent
@@ -33,7 +35,7 @@ from typing import Protocol, TypeVar
 from sqlalchemy import exists, select
 
 from batchapi.background import Background
-from batchapi.batches import files, leases, result_cache
+from batchapi.batches import fair_share, files, leases, result_cache
 from batchapi.batches.finalize import finalize_batch
 from batchapi.batches.leases import CUT_OFF, Outcome
 from batchapi.batches.shard_input import read_custom_ids
@@ -75,6 +77,7 @@ class SweepReport:
     removed_files: list[str] = field(default_factory=list)  # expired (or deleted) files gone from storage
     expired_uploads: list[str] = field(default_factory=list)
     webhooks_delivered: int = 0
+    at_risk: list[str] = field(default_factory=list)  # batches the plan found unable to meet their window
 
 
 def sweep(ctx: Context, validator: Validator | None = None, *, shards: bool = True) -> SweepReport:
@@ -82,7 +85,7 @@ def sweep(ctx: Context, validator: Validator | None = None, *, shards: bool = Tr
     process (``batchapi beat`` in production). Each row is acted on alone (``_each``): one that
     raises is logged and skipped, and the rest of the sweep goes on."""
     report = SweepReport()
-    steps = [_validations, _backfill] + ([_end_batches, _expired_leases, _finalize_leftovers, _expire_files,
+    steps = [_validations, _backfill] + ([_end_batches, _expired_leases, _finalize_leftovers, _plan, _expire_files,
                                           _deliver_webhooks] if shards else [])
     _each(steps, "the sweep step", lambda step: _timed(step, ctx, report, validator))
     if report.resumed or report.requeued or report.closed or report.finalized:
@@ -164,6 +167,10 @@ def _end_batches(ctx: Context, report: SweepReport, validator: Validator | None)
             report.finalized.append(batch_id)
 
     _each(ending, "ending batch", end)
+
+
+def _plan(ctx: Context, report: SweepReport, validator: Validator | None) -> None:
+    report.at_risk.extend(fair_share.plan(ctx).at_risk)
 
 
 def _expired_leases(ctx: Context, report: SweepReport, validator: Validator | None) -> None:

@@ -229,7 +229,14 @@ def cmd_webhooks(args: argparse.Namespace) -> int:
     return run(args, load_settings(), console)
 
 
+def cmd_projects(args: argparse.Namespace) -> int:
+    from batchapi.cli.projects import run
+
+    return run(args, load_settings(), console)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from batchapi.cli.projects import add_parser as add_projects_parser
     from batchapi.cli.webhooks import add_parser as add_webhooks_parser
 
     parser = argparse.ArgumentParser(prog="batchapi", description=__doc__)
@@ -292,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     submit.set_defaults(func=cmd_submit)
     _add_batches_parser(sub)
     add_webhooks_parser(sub, cmd_webhooks)
+    add_projects_parser(sub, cmd_projects)
     return parser
 
 

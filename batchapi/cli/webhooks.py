@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 
 from batchapi.config import Settings
 from batchapi.db.models import WebhookDelivery, WebhookEndpoint
-from batchapi.db.projects import cli_session
+from batchapi.db.projects import cli_session, project_by_name
 from batchapi.webhooks import endpoints, outbox
 from batchapi.webhooks.events import EVENT_TYPES
 from batchapi.webhooks.signing import hint
@@ -45,7 +45,7 @@ def run(args: argparse.Namespace, settings: Settings, console: Console) -> int:
 
 
 def _create(args, settings: Settings, session: Session, console: Console) -> int:
-    project = endpoints.project_by_name(session, args.project)
+    project = project_by_name(session, args.project)
     endpoint = endpoints.create_endpoint(session, settings, project.id, args.url, args.events, args.name)
     session.flush()
     console.print(f"webhook endpoint {endpoint.id} of project {args.project!r}: {endpoint.url}")
@@ -55,7 +55,7 @@ def _create(args, settings: Settings, session: Session, console: Console) -> int
 
 
 def _list(args, session: Session, console: Console) -> int:
-    project_id = endpoints.project_by_name(session, args.project).id if args.project else None
+    project_id = project_by_name(session, args.project).id if args.project else None
     rows = endpoints.list_endpoints(session, project_id)
     if args.json:
         print(json.dumps([_endpoint_dict(e) for e in rows], indent=2))
@@ -82,7 +82,7 @@ def _rotate(args, session: Session, console: Console) -> int:
 
 
 def _deliveries(args, session: Session, console: Console) -> int:
-    project_id = endpoints.project_by_name(session, args.project).id if args.project else None
+    project_id = project_by_name(session, args.project).id if args.project else None
     rows = outbox.list_deliveries(session, project_id, args.batch, args.limit)
     if args.json:
         print(json.dumps([_delivery_dict(d) for d in rows], indent=2))

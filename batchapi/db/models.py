@@ -37,6 +37,21 @@ class Project(Base):
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     name: Mapped[str] = mapped_column(String(200), unique=True)
     created_at: Mapped[int]
+    # its share of the fleet against other projects' (``batches.fair_share``); `batchapi projects set`
+    weight: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+
+
+class Quota(Base):
+    """A project's limits for one model (``model`` empty: every model it has no row of its own
+    for), checked when a batch starts (``batches.quotas``); a None limit falls back to the
+    deployment's (``BATCHAPI_QUOTA_*``), 0 is no limit."""
+
+    __tablename__ = "quotas"
+
+    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"), primary_key=True)
+    model: Mapped[str] = mapped_column(String(256), primary_key=True)
+    enqueued_tokens: Mapped[int | None]  # estimated tokens of its unfinished batches
+    unfinished_batches: Mapped[int | None]
 
 
 class ApiKey(Base):
@@ -150,6 +165,15 @@ class Batch(Base):
     # the result cache (``batches.result_cache``): False when the batch asked for it off; of the
     # completed requests, those answered from the cache, and the usage they would have cost
     result_cache: Mapped[bool] = mapped_column(default=True, server_default="1")
+
+    # sharing the fleet (``batches.fair_share``): the order of the project's batches (higher
+    # first); when the planner expects it to finish; when it found the batch unable to meet its
+    # window under the fair share (from then on it is served before other projects' batches)
+    priority: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    estimated_completion_at: Mapped[int | None]
+    deadline_risk_at: Mapped[int | None]
+    # a spend cap in ``currency`` at the batch price: reaching it stops the batch as a cancel does
+    max_cost: Mapped[Decimal | None] = mapped_column(PRICE)
     cached_requests: Mapped[int] = mapped_column(default=0, server_default="0")
     cache_saved_input_tokens: Mapped[int] = mapped_column(default=0, server_default="0")
     cache_saved_cached_tokens: Mapped[int] = mapped_column(default=0, server_default="0")
@@ -170,6 +194,7 @@ class Shard(Base):
     __table_args__ = (
         UniqueConstraint("batch_id", "index", name="uq_shards_batch_index"),
         Index("ix_shards_status_lease", "status", "lease_expires_at"),
+        Index("ix_shards_started", "started_at"),  # the fair share's window of given work
     )
 
     id: Mapped[str] = mapped_column(String(80), primary_key=True)  # f"{batch_id}_{index:05d}"

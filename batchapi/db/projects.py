@@ -62,6 +62,13 @@ def get_or_create_project(session: Session, name: str) -> Project:
     return project
 
 
+def project_by_name(session: Session, name: str) -> Project:
+    project = session.scalar(select(Project).where(Project.name == name))
+    if project is None:
+        raise NotFound(f"no project named {name!r} (`batchapi keys create --project {name}` makes one)", "project")
+    return project
+
+
 def create_api_key(session: Session, project_name: str, admin: bool = False) -> str:
     """Add a key to ``project_name`` (created if new) and return the key itself; an ``admin`` key
     also reads every project's usage and costs."""

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from sqlalchemy import delete, select
 from sqlalchemy.exc import OperationalError
 
-from batchapi.batches import leases, messages, states
+from batchapi.batches import leases, messages, quotas, states
 from batchapi.batches.billing import set_estimates
 from batchapi.batches.states import BatchStatus, ShardStatus
 from batchapi.context import Context
@@ -109,18 +109,28 @@ def _fail(ctx: Context, batch_id: str, errors: list[LineError], request_errors: 
 
 
 def _start(ctx: Context, batch_id: str, result: ScanResult) -> str:
+    """The batch to ``in_progress`` with its shards, or to ``failed`` when it is over its
+    project's quota (checked in the same transaction, under the project's row lock)."""
     t = now()
     shard_ids = [shard_id(batch_id, plan.index) for plan in result.shards]
     with session_scope(ctx.sessions) as session:
-        per_model = session.scalar(select(Batch.per_model).where(Batch.id == batch_id))
-        estimates = {} if not per_model else {"per_model": set_estimates(per_model, result.estimates())}
-        moved = states.transition(
-            session, batch_id, BatchStatus.IN_PROGRESS, sources={BatchStatus.VALIDATING},
-            model=result.model, request_total=result.request_count, validation_lease_expires_at=None,
-            estimated_input_tokens=result.prompt_tokens, estimated_output_tokens=result.max_output_tokens,
-            request_errors=result.request_report, **estimates,
-        )
-        if moved:
+        project_id, per_model = session.execute(
+            select(Batch.project_id, Batch.per_model).where(Batch.id == batch_id)).one()
+        over = quotas.refusal(session, ctx.settings, project_id, batch_id,
+                              {model or result.model or "": sum(pair) for model, pair in result.estimates().items()})
+        if over is not None:
+            moved = states.transition(session, batch_id, BatchStatus.FAILED, sources={BatchStatus.VALIDATING},
+                                      errors={"object": "list", "data": [LineError(*over).as_dict()]},
+                                      request_errors=result.request_report, validation_lease_expires_at=None)
+        else:
+            estimates = {} if not per_model else {"per_model": set_estimates(per_model, result.estimates())}
+            moved = states.transition(
+                session, batch_id, BatchStatus.IN_PROGRESS, sources={BatchStatus.VALIDATING},
+                model=result.model, request_total=result.request_count, validation_lease_expires_at=None,
+                estimated_input_tokens=result.prompt_tokens, estimated_output_tokens=result.max_output_tokens,
+                request_errors=result.request_report, **estimates,
+            )
+        if moved and over is None:
             session.execute(delete(Shard).where(Shard.batch_id == batch_id))
             session.add_all(
                 Shard(
@@ -132,6 +142,9 @@ def _start(ctx: Context, batch_id: str, result: ScanResult) -> str:
                 )
                 for sid, plan in zip(shard_ids, result.shards, strict=True)
             )
+    if moved and over is not None:
+        log.info("batch %s refused: %s", batch_id, over[1])
+        return BatchStatus.FAILED
     if not moved:
         return leases.settle_cancelled_validation(ctx, batch_id)
     log.info("batch %s valid: %d requests (%d refused for their body) in %d shards", batch_id, result.request_count,

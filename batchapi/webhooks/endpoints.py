@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 from batchapi.config import Settings
 from batchapi.db.clock import now
 from batchapi.db.ids import new_id
-from batchapi.db.models import Project, WebhookEndpoint
+from batchapi.db.models import WebhookEndpoint
 from batchapi.db.paging import page
 from batchapi.errors import InvalidRequest, NotFound
 from batchapi.webhooks.addresses import check_host, default_port
@@ -20,13 +20,6 @@ from batchapi.webhooks.signing import new_secret
 
 MAX_URL = 2048
 ROTATION_GRACE_SECONDS = 24 * 3600  # a rotated-out secret still signs this long when asked to
-
-
-def project_by_name(session: Session, name: str) -> Project:
-    project = session.scalar(select(Project).where(Project.name == name))
-    if project is None:
-        raise NotFound(f"no project named {name!r} (`batchapi keys create --project {name}` makes one)", "project")
-    return project
 
 
 def check_url(settings: Settings, url: str) -> str:

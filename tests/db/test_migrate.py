@@ -11,12 +11,13 @@ from batchapi.db.migrate import current, downgrade, upgrade
 from batchapi.db.models import Base
 from tests.utils import services
 
-HEAD = "0009"
+HEAD = "0010"
 TABLES = {"projects", "api_keys", "files", "batches", "shards", "alembic_version"}
 TABLES |= {"request_results"}  # 0004
 TABLES |= {"webhook_endpoints", "webhook_deliveries", "uploads", "upload_parts"}  # 0005
 TABLES |= {"dashboard_sessions"}  # 0006
 TABLES |= {"result_cache"}  # 0009
+TABLES |= {"quotas"}  # 0010
 
 
 def round_trip(settings) -> None:

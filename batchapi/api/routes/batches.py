@@ -23,7 +23,7 @@ def create_batch(
     batch = batches.create_batch(
         ctx, project_id, body.input_file_id, body.endpoint, body.completion_window, body.metadata, idempotency_key,
         output_expires_after=body.output_expires_after.model_dump() if body.output_expires_after else None,
-        result_cache=body.result_cache,
+        result_cache=body.result_cache, priority=body.priority, max_cost=body.max_cost,
     )
     return BatchObject.of(batch)
 
