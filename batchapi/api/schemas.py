@@ -151,6 +151,60 @@ class BatchObject(BaseModel):
         )
 
 
+class DryRunRequest(BaseModel):
+    """Beyond OpenAI: a batch's create body, to see what a batch of the file would meet."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    input_file_id: str = Field(min_length=1, max_length=64)
+    endpoint: str
+    completion_window: str = "24h"
+    priority: int = 0
+
+
+class DryRunErrors(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[dict]
+
+
+class DryRunObject(BaseModel):
+    """Beyond OpenAI (docs/API_EXTENSIONS.md, "Dry runs"): what a batch of the file would meet.
+    ``valid`` false: ``errors`` would fail it. ``prompt_tokens`` are exact; ``max_output_tokens``
+    the max_tokens bound; ``estimated_completion_at`` null until the fleet has a measured rate;
+    ``quota`` the error that would fail it as it starts (``token_limit_exceeded``, ...), or null."""
+
+    object: Literal["batch.dry_run"] = "batch.dry_run"
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    model: str | None
+    valid: bool
+    errors: DryRunErrors | None
+    request_errors: dict | None
+    request_counts: RequestCounts
+    prompt_tokens: int
+    max_output_tokens: int
+    estimated_cost: Cost | None
+    estimated_completion_at: int | None
+    fleet_tokens_per_second: float | None
+    quota: dict | None
+
+    @classmethod
+    def of(cls, run) -> DryRunObject:
+        return cls(
+            input_file_id=run.input_file_id, endpoint=run.endpoint, completion_window=run.completion_window,
+            model=run.model, valid=not run.errors,
+            errors=DryRunErrors(data=[e.as_dict() for e in run.errors]) if run.errors else None,
+            request_errors=run.request_errors,
+            request_counts=RequestCounts(total=run.request_total, completed=0, failed=0),
+            prompt_tokens=run.prompt_tokens, max_output_tokens=run.max_output_tokens,
+            estimated_cost=Cost(**run.estimated_cost.as_dict()) if run.estimated_cost else None,
+            estimated_completion_at=run.estimated_completion_at,
+            fleet_tokens_per_second=round(run.fleet_rate, 1) if run.fleet_rate is not None else None,
+            quota={"code": run.quota[0], "message": run.quota[1]} if run.quota else None,
+        )
+
+
 class BatchList(_Page, BaseModel):
     object: Literal["list"] = "list"
     data: list[BatchObject]

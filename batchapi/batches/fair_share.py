@@ -1,8 +1,9 @@
 """Sharing the fleet between projects: the claim order, the fleet's rate, when each batch will finish.
 
-**The claim order** (``claim_order``, used by ``leases.claim_next``): a batch at risk of missing
-its window first (earliest expiry first); then the project that was given the least work for its
-weight; within a project, higher ``priority`` first, then the oldest batch. The work a project
+**The claim order** (``claim_order``, of the batches ``leases.claim_next`` takes a shard from): a
+batch at risk of missing its window first (earliest expiry first); then the project that was
+given the least work for its weight; within a project, higher ``priority`` first, then the oldest
+batch; within a batch, its first queued shard. The work a project
 was given is the estimated tokens (prompt tokens and the max_tokens bound) of its shards claimed
 in the last ``fair_share_window_seconds``, plus those still running: a virtual-time rule like
 stride scheduling, computed from the shard rows themselves, so a claim writes only its own shard
@@ -57,15 +58,21 @@ def _given(t: int, window: int):
 
 
 def claim_order(query, t: int, window: int):
-    """``query`` (over shards joined with their batch) ordered by the fair-share rule."""
+    """``query`` (over batches) ordered by the fair-share rule."""
     given = _given(t, window)
     used = cast(func.coalesce(given.c.given, 0), Float) / Project.weight
     at_risk = case((Batch.deadline_risk_at.is_not(None), Batch.expires_at), else_=NO_RISK)
     return (
         query.join(Project, Project.id == Batch.project_id)
         .outerjoin(given, given.c.project_id == Batch.project_id)
-        .order_by(at_risk, used, Batch.priority.desc(), Batch.created_at, Shard.batch_id, Shard.index)
+        .order_by(at_risk, used, Batch.priority.desc(), Batch.created_at, Batch.id)
     )
+
+
+def fifo_order(query, t: int, window: int):
+    """The order before fair share, first come first served across projects: kept to measure the
+    fair share against (bench/fairness.py)."""
+    return query.order_by(Batch.created_at, Batch.id)
 
 
 def fleet_rate(session, t: float, window: int) -> float | None:
@@ -151,12 +158,18 @@ class Plan:
 
 def plan(ctx: Context) -> Plan:
     """Find the batches that cannot meet their window, and set every running batch's estimated
-    completion. Without a measured rate (nothing finished in the window) nothing is changed."""
+    completion. Without a measured rate (nothing finished in the window) no batch has one."""
     t = time.time()
     window = ctx.settings.fair_share_window_seconds
     with session_scope(ctx.sessions) as session:
         rate = fleet_rate(session, t, window)
         if rate is None:
+            session.execute(
+                update(Batch)
+                .where(Batch.status == BatchStatus.IN_PROGRESS, Batch.estimated_completion_at.is_not(None))
+                .values(estimated_completion_at=None)
+                .execution_options(synchronize_session=False)
+            )
             return Plan(None, {}, [])
         batches, weights = queued(session)
         finish = finish_times(batches, weights, rate, t)

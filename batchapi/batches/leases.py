@@ -90,33 +90,48 @@ def claim(ctx: Context, shard_id: str, owner: str, models: list[str] | None = No
         return _load(session, shard_id)
 
 
-def claim_next(ctx: Context, owner: str, models: list[str] | None = None) -> Claimed | None:
+CANDIDATES = 16  # batches a claim looks at, in the fair-share order, for a shard nobody has locked
+
+
+def claim_next(ctx: Context, owner: str, models: list[str] | None = None,
+               order=fair_share.claim_order) -> Claimed | None:
     """Claim the next queued shard of any running batch (of one of ``models``; None: any) by the
-    fair-share rule between projects (``fair_share.claim_order``), with ``FOR UPDATE SKIP
-    LOCKED`` on PostgreSQL, so workers polling together never wait on each other."""
+    fair-share rule between projects (``order``: ``fair_share.claim_order``): the first of the
+    first batches in that order that has a queued shard no other claimer holds (``FOR UPDATE SKIP
+    LOCKED`` on PostgreSQL, so workers polling together never wait on each other). The order is
+    taken over batches, not shards: a queue of thousands of shards sorts only its batches."""
     t = now()
-    for _ in range(3):  # on SQLite a concurrent claimer may win the row between select and update
+    for _ in range(3):  # a concurrent claimer may win every candidate between select and update
         with session_scope(ctx.sessions) as session:
-            candidate = session.scalar(
-                fair_share.claim_order(
-                    _of_models(select(Shard.id).join(Batch, Batch.id == Shard.batch_id), models)
-                    .where(Shard.status == ShardStatus.QUEUED, Batch.status == BatchStatus.IN_PROGRESS,
-                           Batch.expires_at > t),
-                    t, ctx.settings.fair_share_window_seconds,
-                )
-                .limit(1)
-                .with_for_update(of=Shard, skip_locked=True)
-            )
-            if candidate is None:
+            queued = _of_models(select(Shard.id), models).where(
+                Shard.batch_id == Batch.id, Shard.status == ShardStatus.QUEUED)
+            batches = session.scalars(
+                order(select(Batch.id).where(Batch.status == BatchStatus.IN_PROGRESS, Batch.expires_at > t,
+                                             queued.exists()),
+                      t, ctx.settings.fair_share_window_seconds)
+                .limit(CANDIDATES)
+            ).all()
+            if not batches:
                 return None
-            result = session.execute(
-                update(Shard)
-                .where(Shard.id == candidate, Shard.status == ShardStatus.QUEUED)
-                .values(_lease_values(ctx, owner, t))
-                .execution_options(synchronize_session=False)
-            )
-            if result.rowcount == 1:
-                return _load(session, candidate)
+            for batch_id in batches:
+                candidate = session.scalar(
+                    _of_models(select(Shard.id), models)
+                    .where(Shard.batch_id == batch_id, Shard.status == ShardStatus.QUEUED)
+                    .order_by(Shard.index)
+                    .limit(1)
+                    .with_for_update(skip_locked=True)
+                )
+                if candidate is None:
+                    continue
+                result = session.execute(
+                    update(Shard)
+                    .where(Shard.id == candidate, Shard.status == ShardStatus.QUEUED)
+                    .values(_lease_values(ctx, owner, t))
+                    .execution_options(synchronize_session=False)
+                )
+                if result.rowcount == 1:
+                    return _load(session, candidate)
+                break  # SQLite: taken between the select and the update; look again
     return None
 
 

@@ -75,10 +75,11 @@ def usage(session: Session, project_id: str, exclude: str | None = None) -> dict
 
 
 def refusal(session: Session, settings: Settings, project_id: str, batch_id: str,
-            estimates: dict[str, int]) -> tuple[ErrorCode, str] | None:
-    """Why a batch of ``estimates`` (model -> estimated tokens) may not start now, or None. Takes
-    the project's row lock until the caller's transaction ends."""
-    session.execute(select(Project.id).where(Project.id == project_id).with_for_update())
+            estimates: dict[str, int], lock: bool = True) -> tuple[ErrorCode, str] | None:
+    """Why a batch of ``estimates`` (model -> estimated tokens) may not start now, or None. With
+    ``lock``, takes the project's row lock until the caller's transaction ends."""
+    if lock:
+        session.execute(select(Project.id).where(Project.id == project_id).with_for_update())
     now_used = usage(session, project_id, exclude=batch_id)
     for model, tokens in sorted(estimates.items()):
         limit, used = limits(session, settings, project_id, model), now_used.get(model, Usage())

@@ -81,6 +81,14 @@ def details(batch) -> Table:
              if getattr(batch, name, None) is not None]
     if extra.get("retry_of"):
         rows.append(("retry of", extra["retry_of"]))
+    if extra.get("priority"):
+        rows.append(("priority", extra["priority"]))
+    if extra.get("max_cost"):
+        rows.append(("max cost", f"{extra['max_cost']} {(extra.get('cost') or {}).get('currency', '')}"))
+    if extra.get("estimated_completion_at"):
+        rows.append(("estimated completion", _when(extra["estimated_completion_at"])))
+    if extra.get("deadline_risk_at"):
+        rows.append(("deadline risk", f"since {_when(extra['deadline_risk_at'])}: served before other batches"))
     if batch.metadata:
         rows.append(("metadata", ", ".join(f"{k}={v}" for k, v in batch.metadata.items())))
     if batch.errors and batch.errors.data:

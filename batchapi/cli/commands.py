@@ -181,7 +181,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from batchapi.cli.submit import submit
 
     return submit(Path(args.file), base_url=args.base_url, api_key=args.api_key, endpoint=args.endpoint,
-                  wait=args.wait, show=args.show, console=console)
+                  wait=args.wait, show=args.show, console=console, priority=args.priority, max_cost=args.max_cost,
+                  dry_run=args.dry_run)
 
 
 def cmd_batches(args: argparse.Namespace) -> int:
@@ -296,6 +297,10 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--api-key", default=None, help="default: OPENAI_API_KEY")
     submit.add_argument("--endpoint", default=None, help="default: the url of the file's first line")
     submit.add_argument("--show", type=int, default=3, help="results to print at the end")
+    submit.add_argument("--priority", type=int, default=0, help="its order among the project's batches, higher first")
+    submit.add_argument("--max-cost", default=None, help="a spend cap: reaching it stops the batch as a cancel does")
+    submit.add_argument("--dry-run", action="store_true", help="upload it and show its line errors, exact prompt "
+                        "tokens, estimated cost and completion, and the quota check; run nothing")
     submit.set_defaults(func=cmd_submit)
     _add_batches_parser(sub)
     add_webhooks_parser(sub, cmd_webhooks)

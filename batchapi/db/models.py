@@ -195,6 +195,7 @@ class Shard(Base):
         UniqueConstraint("batch_id", "index", name="uq_shards_batch_index"),
         Index("ix_shards_status_lease", "status", "lease_expires_at"),
         Index("ix_shards_started", "started_at"),  # the fair share's window of given work
+        Index("ix_shards_batch_status", "batch_id", "status", "index"),  # a batch's first queued shard
     )
 
     id: Mapped[str] = mapped_column(String(80), primary_key=True)  # f"{batch_id}_{index:05d}"

@@ -79,7 +79,7 @@ def count_batch(
             if models[model] is None:
                 counts, outputs = None, shard.estimated_output_tokens
             else:
-                counts, outputs = _count_shard(ctx, *models[model], batch.endpoint, file.storage_key, shard)
+                counts, outputs = count_shard(ctx, *models[model], batch.endpoint, file.storage_key, shard)
         except TRANSIENT:
             raise
         except Exception:  # it would fail on every sweep: keep validation's bounds, count the other shards
@@ -102,12 +102,15 @@ def _still_wanted(ctx: Context, batch_id: str) -> bool:
     return status in (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS)
 
 
-def _count_shard(ctx: Context, counter: PromptCounter, names: frozenset[str], endpoint: str, key: str,
-                 shard: Shard) -> tuple[list[int], int]:
+def count_shard(ctx: Context, counter: PromptCounter, names: frozenset[str], endpoint: str, key: str,
+                shard) -> tuple[list[int], int]:
+    """The exact prompt counts of a shard (a ``Shard`` row, or validation's plan of one) and its
+    max_tokens bound; a refused request counts 0 and generates nothing."""
     contents = shard_contents(ctx.storage, key, shard.start_byte, shard.end_byte, shard.first_line, shard.lines,
                               ctx.settings.max_line_bytes)
     lines = [parse_line(content, line, endpoint) for line, content in contents]
-    assert len(lines) == shard.request_count, f"shard {shard.id}: {len(lines)} lines, {shard.request_count} expected"
+    assert len(lines) == shard.request_count, (
+        f"the shard from line {shard.first_line}: {len(lines)} lines, {shard.request_count} expected")
     # a line whose body is refused (found by validation, or a rule or limit changed since) is a 400
     # when its shard runs: it keeps its place in the counts with 0 tokens and generates nothing
     counts = [0] * len(lines)

@@ -46,34 +46,46 @@ def validate_batch(ctx: Context, batch_id: str) -> str:
         if batch is None or batch.status != BatchStatus.VALIDATING:
             return batch.status if batch else "missing"
         file = session.get(File, batch.input_file_id)
-        endpoint = batch.endpoint
+        endpoint, input_file_id = batch.endpoint, batch.input_file_id
         model = batch.model  # the first request's, found at create (None: it names none)
         more = [m for m in batch.per_model or () if m != model]  # a Message Batch's other models
+    result = scan_file(ctx, file, input_file_id, endpoint, model, more, lambda scan: _renew(ctx, batch_id, scan))
+    if isinstance(result, list):
+        return _fail(ctx, batch_id, result)
+    if result.errors:
+        return _fail(ctx, batch_id, result.errors, result.request_report)
+    return _start(ctx, batch_id, result)
+
+
+def scan_file(ctx: Context, file: File | None, input_file_id: str, endpoint: str, model: str | None,
+              more: list[str], renew=lambda scan: True) -> ScanResult | list[LineError]:
+    """Scan ``file`` as a batch of ``endpoint`` on ``model`` (and ``more`` models) would run it:
+    its result, or the one error that stops the scan before it starts (the file gone, too
+    large or empty; the model not served). ``renew`` is called as the scan goes on; False stops it."""
     if file is None or file.deleted_at is not None:
-        return _fail(ctx, batch_id, [LineError(ErrorCode.FILE_NOT_FOUND, f"the input file {batch.input_file_id} is gone")])
+        return [LineError(ErrorCode.FILE_NOT_FOUND, f"the input file {input_file_id} is gone")]
     try:
         size = ctx.storage.size(file.storage_key)
     except NotFound:
-        return _fail(ctx, batch_id, [LineError(ErrorCode.FILE_NOT_FOUND, "the input file's content is missing")])
+        return [LineError(ErrorCode.FILE_NOT_FOUND, "the input file's content is missing")]
     if endpoint == MESSAGES:  # written from a create body, within Anthropic's limits, not the upload's
         limit, max_lines = messages.max_file_bytes(), messages.MAX_REQUESTS
     else:
         limit, max_lines = ctx.settings.max_file_bytes, ctx.settings.max_file_lines
     if size > limit:
-        return _fail(ctx, batch_id, [LineError(ErrorCode.FILE_TOO_LARGE, f"the file is {size} bytes; the limit is {limit}")])
+        return [LineError(ErrorCode.FILE_TOO_LARGE, f"the file is {size} bytes; the limit is {limit}")]
     if size == 0:
-        return _fail(ctx, batch_id, [LineError(ErrorCode.EMPTY_FILE, "the file is empty")])
+        return [LineError(ErrorCode.EMPTY_FILE, "the file is empty")]
 
     kind = EMBEDDING if endpoint == EMBEDDINGS else CHAT
     try:
         served = served_model(ctx.settings, model or default_model_for(ctx.settings, kind))
         others = [served_model(ctx.settings, m) for m in more]
     except LookupError as exc:  # the operator has not pulled the model: say so on the batch
-        return _fail(ctx, batch_id, [LineError(ErrorCode.MODEL_NOT_AVAILABLE, f"the served model is not available: {exc}")])
+        return [LineError(ErrorCode.MODEL_NOT_AVAILABLE, f"the served model is not available: {exc}")]
     if served.kind != kind:
-        return _fail(ctx, batch_id, [LineError(
-            ErrorCode.MODEL_NOT_FOUND, f"the model {served.id!r} is {_a(served.kind)} model; {endpoint} needs "
-            f"{_a(kind)} model", None, "body.model")])
+        return [LineError(ErrorCode.MODEL_NOT_FOUND, f"the model {served.id!r} is {_a(served.kind)} model; {endpoint} "
+                          f"needs {_a(kind)} model", None, "body.model")]
     limits = Limits(
         endpoint=endpoint, served_model=served.id, model_aliases=served.aliases,
         max_lines=max_lines, shard_size=ctx.settings.shard_size,
@@ -82,10 +94,7 @@ def validate_batch(ctx: Context, batch_id: str) -> str:
         more_models={m.id: m.aliases for m in others},
     )
     scanner = Scanner(limits, counter_for(served.path), {m.id: counter_for(m.path) for m in others})
-    result = scanner.scan(ctx.storage.iter_chunks(file.storage_key), lambda scan: _renew(ctx, batch_id, scan))
-    if result.errors:
-        return _fail(ctx, batch_id, result.errors, result.request_report)
-    return _start(ctx, batch_id, result)
+    return scanner.scan(ctx.storage.iter_chunks(file.storage_key), renew)
 
 
 def _a(kind: str) -> str:

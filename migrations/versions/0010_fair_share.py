@@ -3,7 +3,8 @@
 Projects get a ``weight`` (their share of the fleet), ``quotas`` holds per project and model
 limits on enqueued tokens and unfinished batches, and a batch gets its ``priority`` within its
 project, the planner's ``estimated_completion_at`` and ``deadline_risk_at``, and ``max_cost``.
-``ix_shards_started`` serves the fair share's window of work given to each project.
+``ix_shards_started`` serves the fair share's window of work given to each project, and
+``ix_shards_batch_status`` a claim's look for a batch's first queued shard.
 
 Revision ID: 0010
 Revises: 0009
@@ -39,9 +40,11 @@ def upgrade() -> None:
         batch_op.add_column(sa.Column('deadline_risk_at', sa.BigInteger(), nullable=True))
         batch_op.add_column(sa.Column('max_cost', sa.Numeric(20, 10), nullable=True))
     op.create_index('ix_shards_started', 'shards', ['started_at'])
+    op.create_index('ix_shards_batch_status', 'shards', ['batch_id', 'status', 'index'])
 
 
 def downgrade() -> None:
+    op.drop_index('ix_shards_batch_status', table_name='shards')
     op.drop_index('ix_shards_started', table_name='shards')
     with op.batch_alter_table('batches', schema=None) as batch_op:
         for name in ('max_cost', 'deadline_risk_at', 'estimated_completion_at', 'priority'):

@@ -65,7 +65,8 @@ def hold_running_batch(stack, key: str, file_id: str, model: str) -> str:
                       request_errors={"object": "list", "data": [{
                           "code": "invalid_json_schema", "line": 3, "param": "body.response_format",
                           "message": "unsupported keyword <oneOf> at $.properties.x"}]},
-                      price_output=Decimal(1), discount_percent=Decimal(50))
+                      price_output=Decimal(1), discount_percent=Decimal(50), priority=3, deadline_risk_at=t - 5,
+                      max_cost=Decimal("12.5"))
         session.add(batch)
         session.flush()
         session.add(Shard(id=f"{batch.id}_00000", batch_id=batch.id, index=0, first_line=1, last_line=10,
@@ -140,6 +141,11 @@ def test_signed_in_the_batches_their_progress_and_sign_out(page, stack, project)
     expect(error_row).to_contain_text("unsupported keyword <oneOf>")  # escaped, shown as text
     set_completed(stack, held_id, 7)
     expect(page.locator('#counts [data-field="completed"]')).to_have_text("7", timeout=10_000)
+    scheduling = page.locator("#scheduling")
+    expect(scheduling).to_contain_text("priority in its project")
+    expect(scheduling.locator("dd").first).to_have_text("3")
+    expect(page.locator("#deadline-risk")).to_contain_text("served before other batches")
+    expect(page.locator("#max-cost")).to_have_text("12.50 usd")
 
     page.goto(f"/dashboard/batches/{done_id}")
     expect(page.locator("#batch-status")).to_have_text("completed")
@@ -151,6 +157,10 @@ def test_signed_in_the_batches_their_progress_and_sign_out(page, stack, project)
 
     page.goto("/dashboard/usage")
     expect(page.locator("#usage-table tbody tr")).to_have_count(1)
+    limits = page.locator("#limits-table tbody tr").first  # the project's default: no limits here
+    expect(limits).to_contain_text("every model")
+    expect(limits.locator("td").nth(2)).to_have_text("none")
+    expect(limits.locator("td").nth(3)).to_have_text("1")  # the held batch is unfinished
     assert page.locator("#tokens-chart svg rect").count() >= 1
     assert page.locator("#spend-chart svg rect").count() >= 1
 

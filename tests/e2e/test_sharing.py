@@ -6,12 +6,14 @@ spend cap that stops a batch with its finished work kept, and `batchapi projects
 from __future__ import annotations
 
 import json
+import logging
 
 import anthropic
 import httpx
 import pytest
 from openai import OpenAI
 
+from batchapi import cli
 from batchapi.batches import quotas
 from batchapi.db.models import ApiKey, Batch
 from batchapi.db.projects import hash_key
@@ -136,3 +138,76 @@ def test_bad_scheduling_fields_are_refused_with_their_param(server, client, mode
                                   "completion_window": "24h", **extra})
         assert answer.status_code == 400, (extra, answer.text)
         assert answer.json()["error"]["param"] == param
+
+
+def dry_run(server, key: str, file_id: str, **extra) -> httpx.Response:
+    return httpx.post(f"{server.base_url}/v1/batches/dry_run", headers={"Authorization": f"Bearer {key}"},
+                      json={"input_file_id": file_id, "endpoint": "/v1/chat/completions", **extra}, timeout=60)
+
+
+def test_a_dry_run_tells_exact_prompt_tokens_cost_completion_and_quota_and_runs_nothing(server, client, key, model):
+    lines = [request_line(f"r{i}", model, f"Count to {i}, slowly.", max_tokens=8) for i in range(6)]
+    file = client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+    ran = wait_for_batch(client, client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
+                                                       completion_window="24h").id)
+    assert ran.status == "completed"  # and the fleet has a measured rate now
+    before = len(client.batches.list().data)
+    answer = dry_run(server, key, file.id)
+    assert answer.status_code == 200, answer.text
+    run = answer.json()
+    assert run["object"] == "batch.dry_run" and run["valid"] and run["errors"] is None
+    assert run["request_counts"]["total"] == 6 and run["model"] == model
+    assert run["prompt_tokens"] == ran.usage.input_tokens  # exact: what the engine was fed
+    assert run["max_output_tokens"] == 6 * 8
+    assert run["estimated_cost"]["amount"] == f"{(run['prompt_tokens'] + 48) / 2:.2f}"  # 1 a token, halved
+    assert run["estimated_completion_at"] is not None and run["fleet_tokens_per_second"] > 0
+    assert run["quota"] is None
+    assert len(client.batches.list().data) == before  # nothing created
+    limit(server, key, enqueued_tokens=10)
+    assert dry_run(server, key, file.id).json()["quota"]["code"] == "token_limit_exceeded"
+
+
+def test_a_dry_run_of_a_bad_file_names_its_lines(server, client, key, model):
+    good = json.dumps(request_line("a", model)).encode()
+    file = client.files.create(file=("bad.jsonl", good + b"\n{not json\n"), purpose="batch")
+    run = dry_run(server, key, file.id).json()
+    assert run["valid"] is False
+    assert run["errors"]["data"][0]["line"] == 2 and run["errors"]["data"][0]["code"] == "invalid_json_line"
+    other = new_key(server, "someone-else")
+    assert dry_run(server, other, file.id).status_code == 404  # another project's file
+
+
+@pytest.fixture
+def root_logger():
+    """The CLI gives the root logger a handler on the test's captured stderr: put back what was."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    for handler in handlers:
+        root.addHandler(handler)
+    root.setLevel(level)
+
+
+def test_submit_dry_run_and_projects_from_the_command_line(server, client, key, model, tmp_path, monkeypatch,
+                                                            capsys, root_logger):
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(jsonl([request_line(f"r{i}", model, max_tokens=8) for i in range(3)]))
+    monkeypatch.setenv("OPENAI_API_KEY", key)
+    monkeypatch.setenv("BATCHAPI_DATABASE_URL", server.ctx.settings.database_url)
+    assert cli.main(["submit", str(path), "--dry-run", "--base-url", server.base_url]) == 0
+    out = capsys.readouterr().out
+    assert "3 requests on" in out and "prompt tokens (exact)" in out and "estimated cost" in out
+    project = f"project-{test_submit_dry_run_and_projects_from_the_command_line.__name__}"
+    assert cli.main(["projects", "set", project, "--weight", "3"]) == 0
+    assert cli.main(["projects", "quota", project, "--enqueued-tokens", "5"]) == 0
+    capsys.readouterr()
+    assert cli.main(["projects", "list", "--project", project, "--json"]) == 0
+    [row] = json.loads(capsys.readouterr().out)
+    assert row["weight"] == 3 and row["quotas"][0]["model"] == "*"
+    assert row["quotas"][0]["enqueued_tokens_limit"] == 5
+    assert cli.main(["submit", str(path), "--dry-run", "--base-url", server.base_url]) == 1  # over its quota now
+    assert "token_limit_exceeded" in capsys.readouterr().out
+    assert cli.main(["projects", "quota", project, "--clear"]) == 0
+    assert cli.main(["projects", "set", "nobody-here", "--weight", "2"]) == 1

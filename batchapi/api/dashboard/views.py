@@ -10,7 +10,8 @@ from decimal import Decimal
 from batchapi.api.schemas import BatchDiffObject, BatchObject
 from batchapi.batches.billing import cost, format_amount
 from batchapi.batches.diff.compare import BatchDiff
-from batchapi.batches.states import TERMINAL
+from batchapi.batches.quotas import ModelQuota
+from batchapi.batches.states import TERMINAL, BatchStatus
 from batchapi.db.models import Batch
 
 DAY = 86400
@@ -25,7 +26,9 @@ class Progress:
     failed: int
     percent: float
     tokens_per_second: float | None  # generated tokens per second since the batch started
-    eta_seconds: int | None  # at the rate so far; None when unknown or ended
+    # the plan's (``fair_share``: the queue ahead at the fleet's rate), else at the batch's rate so
+    # far; None when unknown or ended
+    eta_seconds: int | None
     output_tokens: int
     cost: str
     currency: str
@@ -44,7 +47,9 @@ def progress(b: Batch, t: int) -> Progress:
     elapsed = max(end - b.in_progress_at, 1) if b.in_progress_at else 0
     rate = b.output_tokens / elapsed if elapsed else None
     eta = None
-    if active and elapsed > 0 and 0 < done < total:
+    if b.status == BatchStatus.IN_PROGRESS and b.estimated_completion_at is not None:  # the fair share's plan
+        eta = max(b.estimated_completion_at - t, 0)
+    elif active and elapsed > 0 and 0 < done < total:
         eta = round((total - done) * elapsed / done)
     percent = 100.0 * done / total if total else (100.0 if not active else 0.0)
     bill = cost(b)
@@ -84,6 +89,13 @@ def problems(b: Batch) -> list[dict]:
             rows.append({"source": source, "code": item.get("code"), "message": item.get("message"),
                          "line": item.get("line"), "param": item.get("param")})
     return rows
+
+
+def limits_view(rows: list[ModelQuota]) -> list[dict]:
+    """The project's quotas as the usage page lists them (0: no limit)."""
+    return [{"model": q.model or "every model", "enqueued": q.usage.enqueued_tokens,
+             "enqueued_limit": q.limits.enqueued_tokens, "batches": q.usage.unfinished_batches,
+             "batches_limit": q.limits.unfinished_batches} for q in rows]
 
 
 def day_label(start: int) -> str:

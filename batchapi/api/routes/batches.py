@@ -7,11 +7,20 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response, StreamingResponse
 
 from batchapi.api.deps import ContextDep, IdempotencyKey, ProjectDep
-from batchapi.api.schemas import BatchDiffObject, BatchList, BatchObject, CreateBatchRequest, error_responses
+from batchapi.api.schemas import (
+    BatchDiffObject,
+    BatchList,
+    BatchObject,
+    CreateBatchRequest,
+    DryRunObject,
+    DryRunRequest,
+    error_responses,
+)
 from batchapi.batches import retry
 from batchapi.batches import service as batches
 from batchapi.batches.diff.compare import diff_batches
 from batchapi.db.reads import AsyncReads
+from batchapi.validation.dry_run import dry_run
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"], responses=error_responses(400, 401, 404, 431))
 
@@ -26,6 +35,14 @@ def create_batch(
         result_cache=body.result_cache, priority=body.priority, max_cost=body.max_cost,
     )
     return BatchObject.of(batch)
+
+
+@router.post("/dry_run", responses=error_responses(429))
+def dry_run_batch(ctx: ContextDep, project_id: ProjectDep, body: DryRunRequest) -> DryRunObject:
+    """Extension (docs/API_EXTENSIONS.md): the file's line errors, exact prompt tokens, estimated
+    cost and estimated completion, and whether the project's quota lets it start; runs nothing."""
+    return DryRunObject.of(dry_run(ctx, project_id, body.input_file_id, body.endpoint, body.completion_window,
+                                   body.priority))
 
 
 @router.get("")

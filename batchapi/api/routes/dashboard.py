@@ -22,7 +22,7 @@ from fastapi.templating import Jinja2Templates
 from batchapi import reports
 from batchapi.api.dashboard import charts, views
 from batchapi.api.deps import ContextDep
-from batchapi.batches import files, service
+from batchapi.batches import files, quotas, service
 from batchapi.batches.diff.compare import diff_batches
 from batchapi.context import Context
 from batchapi.db.clock import now
@@ -187,8 +187,9 @@ async def usage_page(request: Request, ctx: ContextDep, days: Annotated[int, Que
     if identity is None:
         return _sign_in_page(request, ctx)
     daily = await run_in_threadpool(_daily, ctx, identity.project_id, days)
+    limits = await run_in_threadpool(_limits, ctx, identity.project_id)
     return _page(request, "usage.html", daily=daily, days=days, project=project, auth=ctx.settings.auth_required,
-                 section="usage",
+                 section="usage", limits=limits,
                  tokens_chart=charts.stacked_bars(daily.labels, daily.tokens, "Tokens per day by model", " tokens"),
                  spend_chart=charts.stacked_bars(daily.labels, daily.spend, "Spend per day by model",
                                                  f" {daily.currency}", fmt=charts.money))
@@ -202,6 +203,11 @@ def _daily(ctx: Context, project_id: str, days: int) -> views.DailyUsage:
         pages = [reports.usage_page(session, query, kind, [project_id]) for kind in ("completions", "embeddings")]
         spend = reports.spend_by_model(session, query, [project_id])
     return views.daily_usage(pages, spend, "usd")
+
+
+def _limits(ctx: Context, project_id: str) -> list[dict]:
+    with ctx.sessions() as session:
+        return views.limits_view(quotas.overview(session, ctx.settings, project_id))
 
 
 # the live parts and the files
