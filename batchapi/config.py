@@ -106,7 +106,7 @@ class Settings(BaseSettings):
     result_flush_seconds: float = Field(default=1.0, gt=0, le=60)
     # greedy and seeded requests answered from an earlier batch's identical request (batches.result_cache)
     result_cache: bool = True
-    # sharing one deployment (batchapi/batches/fair_share.py, quotas.py): each project's share of
+    # sharing one deployment (batchapi/batches/sharing/fair_share.py, quotas.py): each project's share of
     # the fleet is its weight (`batchapi projects set`) over the work it was given in this window
     fair_share_window_seconds: int = Field(default=600, ge=10)
     # per project and model, unless `batchapi projects set` says otherwise; 0: no limit
@@ -131,6 +131,9 @@ class Settings(BaseSettings):
     # operations (batchapi/logs.py, batchapi/metrics.py, the dashboard)
     log_format: Literal["text", "json"] = "text"  # one JSON object per line with "json"
     metrics_port: int = Field(default=0, ge=0, le=65535)  # `batchapi worker`'s /metrics port; 0: none
+    # set by `batchapi serve` for its worker child: the loopback port of the child's engine
+    # metrics, which serve's own /metrics adds (batchapi/workers/embedded.py); not for people to set
+    embedded_metrics_port: int = Field(default=0, ge=0, le=65535)
     dashboard_session_hours: float = Field(default=12.0, gt=0)  # a dashboard sign-in lasts this long
     # the dashboard cookie's Secure flag. auto: on https requests as uvicorn sees them (it takes
     # X-Forwarded-Proto from the proxies in its FORWARDED_ALLOW_IPS, loopback by default); true behind

@@ -12,9 +12,9 @@ was (the shards it waited behind), under the
 old order (``fair_share.fifo_order``) and under the fair share (``fair_share.claim_order``).
 
 Part 2, the claim rate: 10 projects with 20 batches of 50 shards each queued (10,000 shards,
-analyzed as autovacuum would have), and the workers claiming as fast as they can (no work between
-claims) for ``--claim-seconds``: the claims per second each order sustains against PostgreSQL,
-and a claim's mean time.
+analyzed as autovacuum would have), and one claimer, then ``--workers`` claimers (threads of this
+one Python process, so they share its GIL), claiming as fast as they can (no work between claims)
+for ``--claim-seconds``: the claims per second each order sustains, and a claim's mean time.
 
 Printed, never asserted: timings are noisy on a shared CPU.
 """
@@ -34,8 +34,9 @@ import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from batchapi.batches import fair_share, leases  # noqa: E402
+from batchapi.batches import leases  # noqa: E402
 from batchapi.batches.leases import Outcome  # noqa: E402
+from batchapi.batches.sharing import fair_share  # noqa: E402
 from batchapi.batches.states import ShardStatus  # noqa: E402
 from batchapi.config import load_settings  # noqa: E402
 from batchapi.context import open_context  # noqa: E402
@@ -153,18 +154,18 @@ def analyze(ctx) -> None:
         conn.commit()
 
 
-def claim_rate(ctx, args, order) -> tuple[float, float]:
+def claim_rate(ctx, claimers: int, seconds: float, order) -> tuple[float, float]:
     clear(ctx)
     for _ in range(10):
         pid = project(ctx)
         for _ in range(20):
             batch(ctx, pid, 50, 1000)
     analyze(ctx)
-    with Workers(ctx, args.workers, 0.0, order, complete=False) as workers:
-        time.sleep(args.claim_seconds)
+    with Workers(ctx, claimers, 0.0, order, complete=False) as workers:
+        time.sleep(seconds)
     claims = sum(1 for _, kind, _ in workers.log if kind == "claim")
     mean_ms = 1000 * sum(workers.claim_times) / max(len(workers.claim_times), 1)
-    return claims / args.claim_seconds, mean_ms
+    return claims / seconds, mean_ms
 
 
 def main() -> int:
@@ -191,11 +192,12 @@ def main() -> int:
             for label, order in ORDERS.items():
                 took, others = waiting(ctx, projects, args, order)
                 print(f"| {projects} | {label} | {took:.2f} | {others} |", flush=True)
-        print("\n| order | claims/s (10,000 queued shards, 10 projects) | mean claim (ms) |")
-        print("|---|---|---|")
+        print("\n| order | claimers | claims/s (10,000 queued shards, 10 projects) | mean claim (ms) |")
+        print("|---|---|---|---|")
         for label, order in ORDERS.items():
-            rate, mean_ms = claim_rate(ctx, args, order)
-            print(f"| {label} | {rate:,.0f} | {mean_ms:.1f} |", flush=True)
+            for claimers in (1, args.workers):
+                rate, mean_ms = claim_rate(ctx, claimers, args.claim_seconds, order)
+                print(f"| {label} | {claimers} | {rate:,.0f} | {mean_ms:.1f} |", flush=True)
         ctx.close()
     finally:
         with psycopg.connect(ADMIN, autocommit=True) as conn:

@@ -1,34 +1,36 @@
-"""Polling load: many keep-alive clients polling `GET /v1/batches/{id}` while a batch runs.
+"""Polling load on both deployments, and what polling does to the embedded default's engine.
 
-The production shape on this machine: a fresh PostgreSQL database, a private redis-server as the
-broker (so `batchapi serve` runs the API alone), an API key, and one batch uploaded, validated and
-`in_progress` through the API. No GPU worker runs; a writer thread stands in for one, committing
-progress to the batch row 10 times a second, so polls read a row that is being written.
+Polls: `wrk` (Debian's C load generator, installed with apt-get when missing, so that the client's
+own CPU does not decide the figure) with C keep-alive connections on `GET /v1/batches/{id}`, as fast
+as they go (a closed loop) and paced to a target rate (each connection waits C/rate s between
+its polls), printing polls/s, p50/p99/max latency, non-200 answers and the API's CPU per poll:
 
-Each measurement is a closed loop of C connections (a small asyncio HTTP/1.1 client in its own
-process, uvloop when installed): each sends a request, waits for the whole response, and sends the
-next. It prints polls/s, p50/p99 latency, non-200 answers and CPU seconds of the API processes, the
-load generator (it shares the cores) and the machine, for three targets measured in the same run:
+1. the embedded default: `batchapi serve` with no configuration (SQLite, the worker in a child
+   process, the access log on), polled on a finished batch (the engine idle);
+2. the production API: `batchapi serve` on a fresh PostgreSQL database (made and dropped at
+   `--pg-admin-url`) with a private redis-server as the broker (so it runs the API alone), polled
+   on a batch `in_progress` while a writer thread stands in for a worker, committing progress to its
+   row 10 times a second.
 
-1. the poll, `GET /v1/batches/{id}` with `Authorization: Bearer KEY`;
-2. `GET /v1/models` on the same server with the same key: the app and its authentication, no
-   batch query (what the poll costs beyond it is its own query and serialization);
-3. the peer: a trivial FastAPI app under the same uvicorn (same processes, no access log)
-   returning the poll's own JSON bytes as a constant. poll/peer is what the route costs over the
-   framework floor.
+The engine under polling (embedded default only): the wall time of one batch (`--lines` requests
+of `--max-tokens` tokens, prompts new to the result cache) unloaded, while C connections poll it
+at `--slow-rate` polls/s in total, and while they poll as fast as they can; each loaded time over
+the unloaded one of the same round is the ratio printed; `--peer` measures the same with the worker
+on threads of the API process (as it ran before it had a process of its own). `--repeat` runs more
+rounds, since the cores are shared.
 
-    .venv/bin/python bench/poll_load.py                                 # 64 connections, 10 s each
-    .venv/bin/python bench/poll_load.py --connections 64,200 --repeat 3 --serve-args "--workers 2"
+    .venv/bin/python bench/poll_load.py                              # both deployments, 1 round
+    .venv/bin/python bench/poll_load.py --repeat 2 --only embedded --peer
+    .venv/bin/python bench/poll_load.py --profile poll.txt           # py-spy stacks of the embedded API
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
-import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -41,8 +43,20 @@ import httpx
 from procs import answers, free_port, stat_fields, stop_group, wait_until
 
 BIN = Path(sys.executable).parent / "batchapi"
-HERE = Path(__file__).resolve().parent
 PG_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
+TERMINAL = {"completed", "failed", "expired", "cancelled"}
+# wrk's summary as one JSON line; a paced run waits ``pause`` ms between a connection's polls
+WRK_SCRIPT = """
+local pause = tonumber(os.getenv("POLL_PAUSE_MS") or "0")
+if pause > 0 then delay = function() return pause end end
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format('{"count": %d, "seconds": %.3f, "non_2xx": %d, "socket_errors": %d, '
+    .. '"p50_ms": %.2f, "p99_ms": %.2f, "max_ms": %.2f}\\n', summary.requests, summary.duration / 1e6,
+    e.status, e.connect + e.read + e.write + e.timeout, latency:percentile(50) / 1000,
+    latency:percentile(99) / 1000, latency.max / 1000))
+end
+"""
 
 
 
@@ -64,135 +78,10 @@ def group_cpu_seconds(pgid: int) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
-def backend_cpu_seconds(database: str) -> float:
-    """CPU seconds of the PostgreSQL backends connected to ``database`` (their titles name it)."""
-    total = 0.0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            title = Path(f"/proc/{entry}/cmdline").read_bytes()
-            if not title.startswith(b"postgres: ") or f" {database} ".encode() not in title:
-                continue
-            fields = stat_fields(entry)
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
-
-
 def machine_busy_seconds() -> float:
     """CPU seconds all cores spent busy (not idle or iowait) since boot."""
     values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     return (sum(values) - values[3] - values[4]) / os.sysconf("SC_CLK_TCK")
-
-
-# the load generator: `poll_load.py drive URL PATH CONNECTIONS SECONDS WARMUP [HEADER...]`
-
-
-class _Connection(asyncio.Protocol):
-    """One keep-alive HTTP/1.1 connection; ``request`` sends and resolves with the status."""
-
-    def __init__(self) -> None:
-        self.buffer = bytearray()
-        self.waiter: asyncio.Future | None = None
-        self.transport: asyncio.Transport | None = None
-
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-
-    def data_received(self, data: bytes) -> None:
-        self.buffer += data
-        end = self.buffer.find(b"\r\n\r\n")
-        if end < 0 or self.waiter is None:
-            return
-        head = bytes(self.buffer[:end]).lower()
-        start = head.find(b"content-length:")
-        assert start >= 0, "the bench reads only responses with a Content-Length"
-        line_end = head.find(b"\r\n", start)
-        length = int(head[start + 15 : line_end if line_end >= 0 else len(head)])
-        if len(self.buffer) < end + 4 + length:
-            return
-        del self.buffer[: end + 4 + length]
-        waiter, self.waiter = self.waiter, None
-        waiter.set_result(int(head[9:12]))
-
-    def connection_lost(self, exc) -> None:
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_exception(ConnectionError(f"connection lost: {exc}"))
-
-    def request(self, data: bytes) -> asyncio.Future:
-        self.waiter = asyncio.get_running_loop().create_future()
-        self.transport.write(data)
-        return self.waiter
-
-
-async def _drive(host: str, port: int, request: bytes, connections: int, seconds: float, warmup: float) -> dict:
-    loop = asyncio.get_running_loop()
-    conns = [(await loop.create_connection(_Connection, host, port))[1] for _ in range(connections)]
-    latencies: list[float] = []
-    statuses: dict[int, int] = {}
-    begin = time.perf_counter()
-    record_from, stop_at = begin + warmup, begin + warmup + seconds
-    cpu = {}
-
-    async def one(conn: _Connection) -> None:
-        clock = time.perf_counter
-        while (sent := clock()) < stop_at:
-            status = await conn.request(request)
-            if sent >= record_from:
-                latencies.append(clock() - sent)
-                statuses[status] = statuses.get(status, 0) + 1
-
-    def mark(name: str) -> None:
-        cpu[name] = time.process_time()
-
-    loop.call_at(loop.time() + warmup, mark, "start")
-    loop.call_at(loop.time() + warmup + seconds, mark, "stop")
-    await asyncio.gather(*(one(c) for c in conns))
-    for conn in conns:
-        conn.transport.close()
-    latencies.sort()
-    n = len(latencies)
-    return {
-        "count": n, "rate": n / seconds, "statuses": statuses,
-        "p50_ms": 1000 * latencies[n // 2] if n else None,
-        "p99_ms": 1000 * latencies[min(n - 1, int(n * 0.99))] if n else None,
-        "max_ms": 1000 * latencies[-1] if n else None,
-        "driver_cpu_s": cpu.get("stop", time.process_time()) - cpu["start"],
-    }
-
-
-def drive_main(argv: list[str]) -> int:
-    url, path, connections, seconds, warmup, *headers = argv
-    host, port = url.removeprefix("http://").split(":")
-    lines = [f"GET {path} HTTP/1.1", f"Host: {host}:{port}", *headers, "", ""]
-    request = "\r\n".join(lines).encode()
-    try:
-        import uvloop
-
-        run = uvloop.run
-    except ImportError:
-        run = asyncio.run
-    result = run(_drive(host, int(port), request, int(connections), float(seconds), float(warmup)))
-    print(json.dumps(result))
-    return 0
-
-
-# the peer: `uvicorn --app-dir bench --factory poll_load:peer_app`
-
-
-def peer_app():
-    from fastapi import FastAPI, Response
-
-    body = Path(os.environ["POLL_LOAD_PEER_BODY"]).read_bytes()
-    app = FastAPI()
-
-    @app.get("/v1/batches/{batch_id}")
-    async def poll(batch_id: str) -> Response:
-        return Response(body, media_type="application/json")
-
-    return app
 
 
 # the service under test
@@ -219,24 +108,29 @@ class Processes:
 
 
 
-def start_batch(base: str, key: str, lines: int) -> dict:
-    """Upload a small file and create a batch through the API; wait for it to be in_progress."""
+def upload_batch(http: httpx.Client, lines: int, max_tokens: int, tag: str) -> str:
+    """Upload a file of ``lines`` chat requests (prompts tagged, so that no earlier run's results
+    answer them) and create a batch of it; returns its id."""
     data = "".join(
         json.dumps({"custom_id": f"poll-{i}", "method": "POST", "url": "/v1/chat/completions",
-                    "body": {"model": "smollm2-135m-instruct", "max_tokens": 16,
-                             "messages": [{"role": "user", "content": f"Say {i}."}]}}) + "\n"
+                    "body": {"model": "smollm2-135m-instruct", "max_tokens": max_tokens,
+                             "messages": [{"role": "user", "content": f"Run {tag}: say {i} in words."}]}}) + "\n"
         for i in range(lines)
     ).encode()
-    with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=60) as http:
-        upload = http.post("/v1/files", files={"file": ("poll.jsonl", data)}, data={"purpose": "batch"})
-        upload.raise_for_status()
-        batch = http.post("/v1/batches", json={"input_file_id": upload.json()["id"],
-                                               "endpoint": "/v1/chat/completions", "completion_window": "24h"})
-        batch.raise_for_status()
-        bid = batch.json()["id"]
-        wait_until(lambda: http.get(f"/v1/batches/{bid}").json()["status"] != "validating", 120, "validation")
-        batch = http.get(f"/v1/batches/{bid}").json()
-    assert batch["status"] == "in_progress", batch
+    upload = http.post("/v1/files", files={"file": ("poll.jsonl", data)}, data={"purpose": "batch"})
+    upload.raise_for_status()
+    batch = http.post("/v1/batches", json={"input_file_id": upload.json()["id"],
+                                           "endpoint": "/v1/chat/completions", "completion_window": "24h"})
+    batch.raise_for_status()
+    return batch.json()["id"]
+
+
+def wait_status(http: httpx.Client, batch_id: str, done, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while not done(batch := http.get(f"/v1/batches/{batch_id}").json()):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"batch {batch_id} still {batch['status']} after {timeout:.0f} s")
+        time.sleep(0.25)
     return batch
 
 
@@ -260,155 +154,170 @@ class ProgressWriter(threading.Thread):
                 self.writes += 1
 
 
-def database_counters(admin_url: str, name: str) -> tuple[int, int]:
-    """PostgreSQL's count of sessions opened on a database and of its transactions, so far."""
-    import psycopg
-
-    with psycopg.connect(admin_url, autocommit=True) as conn:
-        conn.execute("SELECT pg_stat_clear_snapshot()")
-        sessions, xacts = conn.execute(
-            "SELECT sessions, xact_commit + xact_rollback FROM pg_stat_database WHERE datname = %s", (name,)
-        ).fetchone()
-    return sessions, xacts
 
 
-def measure(base: str, path: str, headers: list[str], connections: int, args, pgid: int,
-            profile: Path | None = None) -> dict:
-    spy = None
-    if profile is not None:  # py-spy (pip install py-spy): where the server's processes hold the GIL
-        spy = subprocess.Popen([str(BIN.parent / "py-spy"), "record", "--pid", str(pgid), "--subprocesses",
-                                "--format", "raw", "--gil", "--rate", "200", "--duration", str(int(args.warmup + args.seconds)),
-                                "--output", str(profile)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    sessions, xacts = database_counters(args.pg_admin_url, args.db_name)
-    busy, api_cpu, pg_cpu = machine_busy_seconds(), group_cpu_seconds(pgid), backend_cpu_seconds(args.db_name)
-    start = time.perf_counter()
-    out = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "drive", base, path, str(connections), str(args.seconds),
-         str(args.warmup), *headers],
-        check=True, capture_output=True, text=True,
-    )
-    result = json.loads(out.stdout)
-    # the API's and the machine's CPU over the whole driver run (warm-up included), scaled to the window
-    share = args.seconds / (time.perf_counter() - start)
-    result["api_cpu_s"] = (group_cpu_seconds(pgid) - api_cpu) * share
-    result["machine_cpu_s"] = (machine_busy_seconds() - busy) * share
-    result["pg_cpu_s"] = (backend_cpu_seconds(args.db_name) - pg_cpu) * share
-    time.sleep(0.6)  # PostgreSQL flushes its statistics at most every 0.5 s
-    sessions_after, xacts_after = database_counters(args.pg_admin_url, args.db_name)
-    # over the whole driver run; the progress writer adds its 10 transactions a second
-    result["pg_sessions"] = sessions_after - sessions
-    result["pg_xacts_per_request"] = (xacts_after - xacts) / max(1, result["count"] * (1 + args.warmup / args.seconds))
-    if spy is not None:
-        spy.wait()
-        print(f"profile of the server (py-spy collapsed stacks): {profile}")
+# wrk
+
+
+def ensure_wrk() -> str:
+    found = shutil.which("wrk")
+    if found is None:  # Debian's package, as the Makefile installs chromium
+        subprocess.run(["apt-get", "install", "-y", "-qq", "wrk"], check=True, capture_output=True)
+        found = shutil.which("wrk")
+    assert found, "wrk is not installed (apt-get install wrk)"
+    return found
+
+
+class Wrk:
+    """One wrk run against ``url`` (started now; ``result`` waits for its summary)."""
+
+    def __init__(self, workdir: Path, url: str, key: str, connections: int, seconds: float,
+                 rate: float | None = None):
+        script = workdir / "poll.lua"
+        script.write_text(WRK_SCRIPT)
+        pause = 0 if rate is None else round(1000 * connections / rate)
+        self.proc = subprocess.Popen(
+            [ensure_wrk(), "-t", str(min(connections, 2)), "-c", str(connections), "-d", f"{seconds:.0f}s",
+             "--timeout", "10s", "-s", str(script), "-H", f"Authorization: Bearer {key}", url],
+            env=dict(os.environ, POLL_PAUSE_MS=str(pause)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGINT)  # wrk stops and prints its summary
+
+    def result(self) -> dict:
+        out, err = self.proc.communicate()
+        lines = [line for line in out.splitlines() if line.startswith("{")]
+        assert lines, f"wrk printed no summary: {out} {err}"
+        result = json.loads(lines[-1])
+        result["rate"] = result["count"] / result["seconds"]
+        return result
+
+
+def polls(workdir: Path, url: str, key: str, connections: int, seconds: float, pgid: int,
+          rate: float | None = None) -> dict:
+    """wrk for ``seconds`` (after 2 s unmeasured), with the API's CPU per poll."""
+    Wrk(workdir, url, key, connections, 2, rate).result()
+    cpu, busy = group_cpu_seconds(pgid), machine_busy_seconds()
+    result = Wrk(workdir, url, key, connections, seconds, rate).result()
+    result["api_cpu_ms"] = 1000 * (group_cpu_seconds(pgid) - cpu) / max(result["count"], 1)
+    result["machine_cpu_s"] = machine_busy_seconds() - busy
     return result
 
 
-def row(name: str, connections: int, r: dict) -> str:
-    errors = sum(n for status, n in r["statuses"].items() if int(status) != 200)
-    return (f"| {name} | {connections} | {r['rate']:,.0f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | "
-            f"{r['max_ms']:.0f} | {errors} | {r['api_cpu_s']:.1f} | {1000 * r['api_cpu_s'] / r['count']:.2f} | "
-            f"{r['driver_cpu_s']:.1f} | {r['pg_cpu_s']:.1f} | "
-            f"{r['machine_cpu_s']:.1f} | {r['pg_sessions']} | {r['pg_xacts_per_request']:.1f} |")
+# the deployments
 
 
-def main() -> int:
-    if len(sys.argv) > 1 and sys.argv[1] == "drive":
-        return drive_main(sys.argv[2:])
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--connections", default="64", help="comma-separated connection counts")
-    parser.add_argument("--seconds", type=float, default=10.0, help="measured seconds per target")
-    parser.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds before each")
-    parser.add_argument("--repeat", type=int, default=1, help="rounds of all targets, interleaved")
-    parser.add_argument("--serve-args", default="", help='extra `batchapi serve` arguments, e.g. "--workers 2"')
-    parser.add_argument("--peer-workers", type=int, default=None,
-                        help="uvicorn processes of the peer (default: --workers N from --serve-args, else 1)")
-    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
-                        help="a setting for the API, e.g. BATCHAPI_AUTH_CACHE_SECONDS=0 (repeatable)")
-    parser.add_argument("--lines", type=int, default=64, help="requests in the polled batch")
-    parser.add_argument("--no-peer", action="store_true")
-    parser.add_argument("--profile", type=Path, default=None,
-                        help="write py-spy collapsed stacks of the API during the first poll measurement here")
-    parser.add_argument("--pg-admin-url", default=PG_ADMIN_URL, help="a fresh database is made and dropped here")
-    args = parser.parse_args()
-    serve_args = shlex.split(args.serve_args)
-    peer_workers = args.peer_workers or (
-        int(serve_args[serve_args.index("--workers") + 1]) if "--workers" in serve_args else 1)
+def env_for(workdir: Path, port: int, **settings: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHAPI_")}
+    env.update(BATCHAPI_DATA_DIR=str(workdir / "data"), BATCHAPI_PORT=str(port), **settings)
+    return env
 
+
+def api_key(env: dict[str, str]) -> str:
+    subprocess.run([str(BIN), "db", "upgrade"], env=env, check=True, capture_output=True)
+    made = subprocess.run([str(BIN), "keys", "create", "--project", "bench"], env=env, check=True,
+                          capture_output=True, text=True)
+    return made.stdout.strip().splitlines()[-1]
+
+
+# the peer of the embedded default: its worker on threads of the API process, as before it had a
+# process of its own (``EmbeddedWorker``)
+IN_THREADS = ("import logging; from batchapi import logs; from batchapi.api.main import serve; "
+              "from batchapi.config import load_settings; from batchapi.workers.embedded import EmbeddedWorker; "
+              "logs.configure('text', logging.INFO); worker = EmbeddedWorker(); "
+              "serve(load_settings(), dispatcher=worker, hook=worker.run, sweep_shards=True)")
+
+
+def serve(procs: Processes, env: dict[str, str], workdir: Path, port: int,
+          threads: bool = False) -> tuple[subprocess.Popen, str]:
+    command = [sys.executable, "-c", IN_THREADS] if threads else [str(BIN), "serve"]
+    api = procs.spawn("api", *command, env=env)
+    base = f"http://127.0.0.1:{port}"
+    wait_until(lambda: answers(base + "/health"), 180, f"the API (see {workdir}/api.log)")
+    return api, base
+
+
+def embedded_round(args, workdir: Path, http: httpx.Client, base: str, key: str, pgid: int, round_: int) -> dict:
+    """The batch time unloaded, under ``--slow-rate`` polls/s and under as many as wrk gets; then
+    the polls as fast as they go and at ``--rate`` on a running batch."""
+    out = {}
+    for name, rate in (("unloaded", 0), ("slow", args.slow_rate), ("max", None)):
+        batch_id = upload_batch(http, args.lines, args.max_tokens, f"{round_}-{name}-{uuid.uuid4().hex[:6]}")
+        start = time.perf_counter()
+        load = None if rate == 0 else Wrk(workdir, f"{base}/v1/batches/{batch_id}", key, args.connections, 3600, rate)
+        batch = wait_status(http, batch_id, lambda b: b["status"] in TERMINAL, 1800)
+        out[f"batch_{name}_s"] = time.perf_counter() - start
+        assert batch["status"] == "completed", batch
+        if load is not None:
+            load.stop()
+            out[f"batch_{name}_polls"] = load.result()["rate"]
+    # the polls on the last batch, finished: the API's own rate, the engine idle (the loaded batch
+    # times above show the two together)
+    url = f"{base}/v1/batches/{batch_id}"
+    out["max"] = polls(workdir, url, key, args.connections, args.seconds, pgid)
+    out["paced"] = polls(workdir, url, key, args.connections, args.seconds, pgid, args.rate)
+    return out
+
+
+def run_embedded(args, threads: bool = False) -> list[dict]:
+    workdir = Path(tempfile.mkdtemp(prefix="batchapi-poll-embedded-"))
+    port = free_port()
+    env = env_for(workdir, port)
+    procs = Processes(workdir, env)
+    try:
+        key = api_key(env)
+        api, base = serve(procs, env, workdir, port, threads)
+        spy = None
+        if args.profile is not None and not threads:  # py-spy (pip install py-spy): where the API's and the worker's GIL goes
+            spy = subprocess.Popen([shutil.which("py-spy") or "py-spy", "record", "--pid", str(api.pid),
+                                    "--subprocesses", "--format", "raw", "--gil", "--rate", "200", "--duration",
+                                    "30", "--output", str(args.profile)], stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL)
+        rounds = []
+        with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=60) as http:
+            # the first batch waits for the worker to load the model: not a measurement
+            warm = upload_batch(http, 2, args.max_tokens, f"warm-{uuid.uuid4().hex[:6]}")
+            wait_status(http, warm, lambda b: b["status"] in TERMINAL, 600)
+            for round_ in range(args.repeat):
+                rounds.append(embedded_round(args, workdir, http, base, key, api.pid, round_))
+                print(f"embedded ({'threads' if threads else 'child process'}) round {round_ + 1}: "
+                      f"{json.dumps(rounds[-1])}", flush=True)
+        if spy is not None:
+            spy.wait()
+        return rounds
+    finally:
+        procs.stop_all()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def run_production(args) -> list[dict]:
     import psycopg
 
-    workdir = Path(tempfile.mkdtemp(prefix="batchapi-poll-"))
-    db_name = args.db_name = f"batchapi_poll_{uuid.uuid4().hex[:10]}"
+    workdir = Path(tempfile.mkdtemp(prefix="batchapi-poll-production-"))
+    db_name = f"batchapi_poll_{uuid.uuid4().hex[:10]}"
     with psycopg.connect(args.pg_admin_url, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{db_name}"')
     database_url = args.pg_admin_url.rsplit("/", 1)[0] + "/" + db_name
-    redis_port, api_port, peer_port = free_port(), free_port(), free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHAPI_")}
-    env.update({
-        "BATCHAPI_DATA_DIR": str(workdir / "data"), "BATCHAPI_PORT": str(api_port),
-        "BATCHAPI_DATABASE_URL": database_url, "BATCHAPI_BROKER_URL": f"redis://127.0.0.1:{redis_port}/0",
-    })
-    env.update(item.split("=", 1) for item in args.env)
+    redis_port, port = free_port(), free_port()
+    env = env_for(workdir, port, BATCHAPI_DATABASE_URL=database_url,
+                  BATCHAPI_BROKER_URL=f"redis://127.0.0.1:{redis_port}/0")
     procs = Processes(workdir, env)
-    peer_base = f"http://127.0.0.1:{peer_port}"
     writer = None
     try:
         procs.spawn("redis", "redis-server", "--bind", "127.0.0.1", "--port", str(redis_port), "--save", "",
                     "--appendonly", "no", "--dir", str(workdir))
-        subprocess.run([str(BIN), "db", "upgrade"], env=env, check=True, capture_output=True)
-        made = subprocess.run([str(BIN), "keys", "create", "--project", "bench"], env=env, check=True,
-                              capture_output=True, text=True)
-        key = made.stdout.strip().splitlines()[-1]
-        api = procs.spawn("api", str(BIN), "serve", *serve_args)
-        base = f"http://127.0.0.1:{api_port}"
-        wait_until(lambda: answers(base + "/health"), 120, f"the API (see {workdir}/api.log)")
-        batch = start_batch(base, key, args.lines)
-        writer = ProgressWriter(database_url, batch["id"])
+        key = api_key(env)
+        api, base = serve(procs, env, workdir, port)
+        with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=60) as http:
+            batch_id = upload_batch(http, 64, 16, uuid.uuid4().hex[:6])
+            wait_status(http, batch_id, lambda b: b["status"] == "in_progress", 300)
+        writer = ProgressWriter(database_url, batch_id)
         writer.start()
-        poll_path, auth = f"/v1/batches/{batch['id']}", [f"Authorization: Bearer {key}"]
-        body = httpx.get(base + poll_path, headers={"Authorization": f"Bearer {key}"}).content
-        (workdir / "peer_body.json").write_bytes(body)
-        peer_env = dict(env, POLL_LOAD_PEER_BODY=str(workdir / "peer_body.json"))
-
-        results = []
-        for round_ in range(args.repeat):
-            for connections in [int(c) for c in args.connections.split(",")]:
-                profile, args.profile = args.profile, None
-                results.append(("poll", connections, measure(base, poll_path, auth, connections, args, api.pid,
-                                                             profile)))
-                results.append(("models", connections, measure(base, "/v1/models", auth, connections, args, api.pid)))
-            if args.no_peer:
-                continue
-            procs.stop("api")  # the peer gets the cores to itself, as the API had them
-            peer = procs.spawn(
-                "peer", sys.executable, "-m", "uvicorn", "--app-dir", str(HERE), "--factory", "poll_load:peer_app",
-                "--host", "127.0.0.1", "--port", str(peer_port), "--workers", str(peer_workers),
-                "--no-access-log", "--log-level", "warning", env=peer_env,
-            )
-            wait_until(lambda: answers(peer_base + poll_path), 60, "the peer")
-            for connections in [int(c) for c in args.connections.split(",")]:
-                results.append(("peer", connections, measure(peer_base, poll_path, auth, connections, args, peer.pid)))
-            procs.stop("peer")
-            if round_ + 1 < args.repeat:
-                api = procs.spawn("api", str(BIN), "serve", *serve_args)
-                wait_until(lambda: answers(base + "/health"), 120, "the API")
-
-        print(f"{' '.join(args.env)} batchapi serve {' '.join(serve_args)} on PostgreSQL, broker set (no worker), batch "
-              f"{batch['id']} in_progress with {writer.writes} progress commits; peer: {peer_workers} uvicorn "
-              f"process(es); {args.seconds:.0f} s per target after {args.warmup:.0f} s warm-up; "
-              f"{os.cpu_count()} CPUs")
-        print("| target | conns | rate /s | p50 ms | p99 ms | max ms | non-200 | API CPU s | API CPU ms/request | "
-              "driver CPU s | PostgreSQL CPU s | machine CPU s | PG sessions opened | PG xacts/request |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-        for name, connections, r in results:
-            print(row(name, connections, r))
-        for connections in sorted({c for _, c, _ in results}):
-            polls = [r["rate"] for name, c, r in results if name == "poll" and c == connections]
-            peers = [r["rate"] for name, c, r in results if name == "peer" and c == connections]
-            if peers:
-                ratios = " / ".join(f"{p / q:.2f}" for p, q in zip(polls, peers, strict=False))
-                print(f"poll/peer rate at {connections} connections: {ratios}")
-        return 0
+        url = f"{base}/v1/batches/{batch_id}"
+        return [{"max": polls(workdir, url, key, args.connections, args.seconds, api.pid),
+                 "paced": polls(workdir, url, key, args.connections, args.seconds, api.pid, args.rate)}
+                for _ in range(args.repeat)]
     finally:
         if writer is not None:
             writer.stopping.set()
@@ -419,6 +328,67 @@ def main() -> int:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+# the report
+
+
+def poll_row(deployment: str, load: str, connections: int, r: dict) -> str:
+    return (f"| {deployment} | {load} | {connections} | {r['rate']:,.0f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | "
+            f"{r['max_ms']:.0f} | {r['non_2xx'] + r['socket_errors']} | {r['api_cpu_ms']:.2f} | "
+            f"{r['machine_cpu_s'] / r['seconds']:.2f} |")
+
+
+def cpu_model() -> str:
+    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+        if line.startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", choices=["embedded", "production"], default=None)
+    parser.add_argument("--connections", type=int, default=64)
+    parser.add_argument("--seconds", type=float, default=10.0, help="measured seconds of each poll run")
+    parser.add_argument("--rate", type=float, default=1000.0, help="polls/s in total of the paced run")
+    parser.add_argument("--slow-rate", type=float, default=200.0, help="polls/s in total while the batch runs")
+    parser.add_argument("--lines", type=int, default=96, help="requests in the timed batch")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--repeat", type=int, default=1, help="rounds")
+    parser.add_argument("--peer", action="store_true",
+                        help="the embedded default again with its worker on threads of the API process (as before)")
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="py-spy collapsed stacks (GIL holders) of the embedded serve and its worker, 30 s")
+    parser.add_argument("--pg-admin-url", default=PG_ADMIN_URL, help="a fresh database is made and dropped here")
+    args = parser.parse_args()
+    ensure_wrk()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stopped bench still stops its servers
+
+    embedded = run_embedded(args) if args.only != "production" else []
+    in_threads = run_embedded(args, threads=True) if args.only != "production" and args.peer else []
+    production = run_production(args) if args.only != "embedded" else []
+    print(f"{cpu_model()}, {os.cpu_count()} CPUs; wrk, {args.connections} connections, {args.seconds:.0f} s per "
+          f"poll run; paced: {args.rate:.0f} polls/s offered")
+    print("| deployment | load | conns | polls/s | p50 ms | p99 ms | max ms | errors | API CPU ms/poll | "
+          "machine cores busy |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, rounds in (("embedded default", embedded), ("embedded, worker on threads (peer)", in_threads),
+                         ("production API", production)):
+        for r in rounds:
+            print(poll_row(name, "as fast as it goes", args.connections, r["max"]))
+            print(poll_row(name, f"paced at {args.rate:.0f}/s", args.connections, r["paced"]))
+    if embedded:
+        print(f"\nthe embedded default's batch of {args.lines} requests x {args.max_tokens} tokens: unloaded, while "
+              f"{args.connections} connections poll it at {args.slow_rate:.0f}/s, and as fast as they go (ratio: "
+              f"over the unloaded time of the same round)")
+        print("| worker | round | unloaded s | polls/s | s | ratio | polls/s | s | ratio |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for name, rounds in (("child process", embedded), ("threads of the API (peer)", in_threads)):
+            for i, r in enumerate(rounds):
+                base = r["batch_unloaded_s"]
+                print(f"| {name} | {i + 1} | {base:.1f} | {r['batch_slow_polls']:,.0f} | {r['batch_slow_s']:.1f} | "
+                      f"{r['batch_slow_s'] / base:.2f} | {r['batch_max_polls']:,.0f} | {r['batch_max_s']:.1f} | "
+                      f"{r['batch_max_s'] / base:.2f} |")
+    return 0
 
 
 if __name__ == "__main__":

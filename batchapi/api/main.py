@@ -27,6 +27,7 @@ from batchapi.api.routes import (
     webhooks,
 )
 from batchapi.api.schemas import ModelObject
+from batchapi.api.security_headers import SecurityHeaders
 from batchapi.batches import messages
 from batchapi.batches.sweeper import SweepLoop
 from batchapi.config import Settings
@@ -102,6 +103,7 @@ def create_app(
                                             "/v1/messages/batches": messages.MAX_BODY_BYTES,
                                             uploads.PARTS_PATH: uploads.MAX_PART_BYTES + FORM_OVERHEAD_BYTES})
     app.add_middleware(metrics.HttpMetrics, registry=registry, shared=bool(shared))
+    app.add_middleware(SecurityHeaders)  # CSP and framing for /dashboard, nosniff for all
     app.add_middleware(RequestIdMiddleware)  # outermost of ours: every response and log line has the id
     openapi.install(app)
     for router in (files.router, batches.router, message_batches.router, models.router, health.router):

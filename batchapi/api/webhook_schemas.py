@@ -86,7 +86,9 @@ class WebhookTestResult(BaseModel):
     webhook_endpoint_id: str
     event_type: str
     status_code: int
-    success: Literal[True] = True
+    # whether the receiver accepted the event (a 2xx), as a delivery counts it; OpenAI's always says
+    # true (the test ran), which tells nothing a receiver answering 302 or 500 needs to know
+    success: bool
 
 
 class WebhookDeliveryObject(BaseModel):

@@ -17,7 +17,8 @@ from dataclasses import dataclass, replace
 
 from sqlalchemy import or_, select, update
 
-from batchapi.batches import fair_share, request_results, result_cache, states
+from batchapi.batches import request_results, result_cache, states
+from batchapi.batches.sharing import fair_share
 from batchapi.batches.states import BatchStatus, ShardStatus
 from batchapi.context import Context
 from batchapi.db.clock import now
@@ -257,11 +258,12 @@ def complete(ctx: Context, claimed: Claimed, owner: str, outcome: Outcome, outpu
             total.input_tokens - stored.input_tokens, total.cached_tokens - stored.cached_tokens,
             total.output_tokens - stored.output_tokens,
         )
-        request_results.add_counts(session, claimed.batch_id, rest, unrun=total.unrun, model=claimed.model)
         if cache_entries:
             result_cache.store(session, ctx.settings, claimed.batch_id, cache_entries)
         if not claimed.closing:
             request_results.forget(session, claimed.id)
+        # the batch's row last, just before the commit: the batch's other writers wait on it
+        request_results.add_counts(session, claimed.batch_id, rest, unrun=total.unrun, model=claimed.model)
         return True
 
 
@@ -340,3 +342,34 @@ def settle_cancelled_validation(ctx: Context, batch_id: str) -> str:
     with session_scope(ctx.sessions) as session:
         states.transition(session, batch_id, BatchStatus.CANCELLED, validation_lease_expires_at=None)
         return session.scalar(select(Batch.status).where(Batch.id == batch_id)) or "missing"
+
+
+# ---- a worker restarted under the same identity ----
+
+
+def take_back(ctx: Context, identity: str, owner: str) -> tuple[int, int]:
+    """A worker restarted as ``identity`` (``owner``, its new lease owner name, is
+    ``IDENTITY/INCARNATION``) takes back, at once, the shards an earlier process of that identity
+    held, rather than waiting for their leases to run out: they go back to the queue (its own
+    feeder claims them next), except those already tried ``max_shard_attempts`` times, whose
+    leases it ends now so that the sweeper closes them as it closes any shard that keeps losing
+    its worker. An earlier process that still lives is fenced off as any worker that lost its
+    lease is: its heartbeat, result writes and completion match no row. Returns (re-queued, ended)."""
+    prefix = f"{identity}/"
+    assert owner.startswith(prefix), f"{owner!r} is not an owner name of {identity!r}"
+    earlier = (Shard.status == ShardStatus.RUNNING) & Shard.lease_owner.startswith(prefix, autoescape=True) & (
+        Shard.lease_owner != owner)
+    spent = Shard.attempts >= ctx.settings.max_shard_attempts
+    t = now()
+    with session_scope(ctx.sessions) as session:
+        requeued = session.execute(
+            update(Shard).where(earlier, ~spent)
+            .values(status=ShardStatus.QUEUED, lease_owner=None, lease_expires_at=None)
+            .execution_options(synchronize_session=False)
+        ).rowcount
+        ended = session.execute(
+            update(Shard).where(earlier, spent)
+            .values(lease_owner=owner, lease_expires_at=t - 1)
+            .execution_options(synchronize_session=False)
+        ).rowcount
+    return requeued, ended

@@ -18,8 +18,9 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import re
+import tempfile
 from collections.abc import Iterator
+from typing import BinaryIO
 
 from sqlalchemy import delete as sql_delete
 from sqlalchemy import select
@@ -34,6 +35,7 @@ from batchapi.db.session import session_scope
 from batchapi.errors import TRANSIENT, InvalidRequest, NotFound
 from batchapi.openai.body import MESSAGES
 from batchapi.openai.lines import is_blank, iter_lines, peek_line
+from batchapi.openai.message_requests import Written, line_head, read_requests
 from batchapi.openai.message_results import dump, error_result, result_lines
 from batchapi.storage.streams import TooLarge
 
@@ -41,7 +43,6 @@ PREFIX, ROW_PREFIX = "msgbatch_", "batch_"
 # Anthropic's limits on one Message Batch, whatever the limits on files uploaded to /v1/files
 MAX_REQUESTS = 100_000
 MAX_BODY_BYTES = 256 * 1024 * 1024
-CUSTOM_ID = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 WINDOW = "24h"
 # what a request of a batch that ended before it ran ends as
 UNRUN = {BatchStatus.CANCELLED: {"type": "canceled"}, BatchStatus.EXPIRED: {"type": "expired"}}
@@ -61,76 +62,45 @@ def _not_found(message_batch_id: str) -> NotFound:
     return NotFound(f"No message batch found with id '{message_batch_id}'.", "message_batch_id")
 
 
-def input_lines(ctx: Context, body: object) -> tuple[bytes, int]:
-    """The input file of a create request's body, and its number of requests. A malformed
-    envelope (not custom_id and params, a custom_id repeated) refuses the whole request; a
-    problem inside ``params`` is left to that request's result."""
-    requests = body.get("requests") if isinstance(body, dict) else None
-    if not isinstance(requests, list) or not requests:
-        raise InvalidRequest("requests: a non-empty array of {custom_id, params} is required", "requests")
-    if len(requests) > MAX_REQUESTS:
-        raise InvalidRequest(f"requests: at most {MAX_REQUESTS} requests per batch, got {len(requests)}", "requests")
-    unknown = sorted(set(body) - {"requests"})
-    if unknown:
-        raise InvalidRequest(f"{unknown[0]}: Extra inputs are not permitted", unknown[0])
-    seen: set[str] = set()
+def input_lines(ctx: Context, body: BinaryIO | dict) -> tuple[bytes, int]:
+    """The input file of a create request's body, and its number of requests (``create`` writes
+    it to a temporary file instead)."""
     out = io.BytesIO()
-    for i, request in enumerate(requests):
-        out.write(_line(request, i, seen, ctx.settings.max_line_bytes))
+    count = _write_input(ctx, body, out).count
+    return out.getvalue(), count
+
+
+def _write_input(ctx: Context, body: BinaryIO | dict, out: BinaryIO) -> Written:
+    """Read ``body`` (the raw JSON, seekable, or its parsed object) into ``out``: a malformed envelope
+    (not custom_id and params, a custom_id repeated) or a request past ``max_line_bytes`` refuses
+    the whole request; a problem inside ``params`` is left to that request's result."""
+    source = body if hasattr(body, "read") else io.BytesIO(json.dumps(body).encode())
     limit = max_file_bytes()
-    if out.tell() > limit:  # a body within MAX_BODY_BYTES whose numbers grow when written again (1e9)
-        raise TooLarge(f"requests: the {len(requests)} requests are {out.tell()} bytes as an input file; the "
-                       f"limit is {limit}", "requests")
-    return out.getvalue(), len(requests)
+    written = read_requests(source, out, ctx.settings.max_line_bytes, MAX_REQUESTS, limit)
+    if written.file_bytes > limit:  # a body within MAX_BODY_BYTES whose numbers grow when written again (1e9)
+        raise TooLarge(f"requests: the {written.count} requests are {written.file_bytes} bytes as an input file; "
+                       f"the limit is {limit}", "requests")
+    return written
 
 
 def max_file_bytes() -> int:
     """The largest input file a create body within ``MAX_BODY_BYTES`` becomes: the body's bytes and
     what each request's line adds to it (its method and url, ``body`` for ``params``)."""
-    wrapper = len(_encode(_record("", {}))) - len(_encode({"custom_id": "", "params": {}}))
+    wrapper = len(line_head("")) - len(b'{"custom_id":"","params":')
     return MAX_BODY_BYTES + MAX_REQUESTS * wrapper
 
 
-def _line(request: object, i: int, seen: set[str], max_bytes: int) -> bytes:
-    at = f"requests.{i}"
-    if not isinstance(request, dict) or set(request) != {"custom_id", "params"}:
-        raise InvalidRequest(f"{at}: each request must be an object of exactly 'custom_id' and 'params'", at)
-    custom_id, params = request["custom_id"], request["params"]
-    if not isinstance(custom_id, str) or not CUSTOM_ID.fullmatch(custom_id):
-        raise InvalidRequest(f"{at}.custom_id: 1 to 64 of a-z, A-Z, 0-9, '_' and '-'", f"{at}.custom_id")
-    if custom_id in seen:
-        raise InvalidRequest(f"{at}.custom_id: the custom_id {custom_id!r} is used more than once; each request "
-                             "needs its own", f"{at}.custom_id")
-    seen.add(custom_id)
-    if not isinstance(params, dict):
-        raise InvalidRequest(f"{at}.params: must be an object", f"{at}.params")
+def create(ctx: Context, project_id: str, body: BinaryIO | dict) -> Batch:
+    """A new batch over the requests of ``body`` (as ``_write_input`` takes it), written as an input
+    file; a refused create leaves no file."""
+    with tempfile.TemporaryFile() as data:
+        written = _write_input(ctx, body, data)
+        data.seek(0)
+        file = upload_file(ctx, project_id, "message_batch_requests.jsonl", "batch", data,
+                           max_bytes=max_file_bytes())
     try:
-        line = _encode(_record(custom_id, params))
-    except UnicodeEncodeError:
-        raise InvalidRequest(f"{at}.params: holds a lone UTF-16 surrogate, which is not text", f"{at}.params") from None
-    if len(line) > max_bytes:
-        raise InvalidRequest(f"{at}: the request is {len(line)} bytes; the limit is {max_bytes}", at)
-    return line
-
-
-def _record(custom_id: str, params: dict) -> dict:
-    return {"custom_id": custom_id, "method": "POST", "url": MESSAGES, "body": params}
-
-
-def _encode(record: dict) -> bytes:
-    return json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
-
-
-def create(ctx: Context, project_id: str, body: object) -> Batch:
-    """A new batch over the requests, written as an input file; a refused create leaves no file."""
-    data, count = input_lines(ctx, body)
-    names = (request["params"].get("model") for request in body["requests"])
-    named = list(dict.fromkeys(name for name in names if isinstance(name, str)))  # a bad one: its request's error
-    file = upload_file(ctx, project_id, "message_batch_requests.jsonl", "batch", io.BytesIO(data),
-                       max_bytes=max_file_bytes())
-    try:
-        return service.create_batch(ctx, project_id, file.id, MESSAGES, WINDOW, request_total=count,
-                                    request_models=named)
+        return service.create_batch(ctx, project_id, file.id, MESSAGES, WINDOW, request_total=written.count,
+                                    request_models=written.models)
     except Exception:  # refused, or the database away: the client retries with a new file
         with contextlib.suppress(NotFound, *TRANSIENT):  # gone already, or left for the file expiry
             if not _has_batch(ctx, file.id):  # an error after the batch's commit leaves a live batch its input

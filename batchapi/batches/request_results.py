@@ -25,7 +25,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from batchapi.batches.billing import add_usage
-from batchapi.batches.spend_cap import stop_at_cap
+from batchapi.batches.sharing.spend_cap import stop_at_cap
 from batchapi.batches.states import ShardStatus
 from batchapi.context import Context
 from batchapi.db.clock import now
@@ -116,23 +116,23 @@ def record(ctx: Context, groups: list[Group], owner: str) -> set[str]:
             # only rows new to the table count: a group written again (its commit's answer was lost
             # and the writer put it back) must not count its rows twice
             per_batch.setdefault((group.batch_id, group.model), []).extend(r for r in group.rows if r.seq in inserted)
+        # the batch rows last, just before the commit: every writer of a batch's shards waits on its row
         for batch_id, model in sorted(per_batch, key=lambda key: (key[0], key[1] or "")):
-            add_counts(session, batch_id, _counted(per_batch[batch_id, model]), model=model)
-            _add_saved(session, batch_id, [r.saved for r in per_batch[batch_id, model] if r.saved is not None])
+            rows = per_batch[batch_id, model]
+            add_counts(session, batch_id, _counted(rows), model=model,
+                       saved=[r.saved for r in rows if r.saved is not None])
     return written
 
 
-def _add_saved(session: Session, batch_id: str, saved: list[tuple[int, int, int]]) -> None:
-    """Count requests answered from the result cache, and the usage they would have cost."""
+def _saved_values(saved: list[tuple[int, int, int]]) -> dict:
+    """Requests answered from the result cache, and the usage they would have cost, as additions."""
     if not saved:
-        return
-    session.execute(
-        update(Batch).where(Batch.id == batch_id).values(
-            cached_requests=Batch.cached_requests + len(saved),
-            cache_saved_input_tokens=Batch.cache_saved_input_tokens + sum(s[0] for s in saved),
-            cache_saved_cached_tokens=Batch.cache_saved_cached_tokens + sum(s[1] for s in saved),
-            cache_saved_output_tokens=Batch.cache_saved_output_tokens + sum(s[2] for s in saved),
-        ).execution_options(synchronize_session=False)
+        return {}
+    return dict(
+        cached_requests=Batch.cached_requests + len(saved),
+        cache_saved_input_tokens=Batch.cache_saved_input_tokens + sum(s[0] for s in saved),
+        cache_saved_cached_tokens=Batch.cache_saved_cached_tokens + sum(s[1] for s in saved),
+        cache_saved_output_tokens=Batch.cache_saved_output_tokens + sum(s[2] for s in saved),
     )
 
 
@@ -143,10 +143,14 @@ def _insert_new(session: Session):
     return sqlite.insert(RequestResult)
 
 
-def add_counts(session: Session, batch_id: str, c: Counted, unrun: int = 0, model: str | None = None) -> None:
+def add_counts(session: Session, batch_id: str, c: Counted, unrun: int = 0, model: str | None = None,
+               saved: list[tuple[int, int, int]] | None = None) -> None:
     """Add to the batch's counts and usage, and to ``model``'s share of a batch of several models
     (read back under the row lock this UPDATE took, so two writers never lose each other's).
-    A batch with a ``max_cost`` that this reaches is stopped (``spend_cap``)."""
+    ``saved``: the usage of requests answered from the result cache (input, cached, output
+    tokens each), counted apart. A batch with a ``max_cost`` that this reaches is stopped
+    (``spend_cap``). One UPDATE of the batch's row: callers make it their transaction's last
+    statement, since every writer of the batch's shards waits on that row until the commit."""
     row = session.execute(
         update(Batch)
         .where(Batch.id == batch_id)
@@ -157,6 +161,7 @@ def add_counts(session: Session, batch_id: str, c: Counted, unrun: int = 0, mode
             input_tokens=Batch.input_tokens + c.input_tokens,
             cached_tokens=Batch.cached_tokens + c.cached_tokens,
             output_tokens=Batch.output_tokens + c.output_tokens,
+            **_saved_values(saved or []),
         )
         .returning(Batch.per_model, Batch.max_cost)
         .execution_options(synchronize_session=False)

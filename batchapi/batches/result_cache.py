@@ -56,9 +56,18 @@ def key(model: str, fingerprint: str | None, body: ParsedBody) -> str | None:
     seed, or no fingerprint to tie it to an engine configuration)."""
     if not fingerprint or not deterministic(body):
         return None
-    canonical = json.dumps({"model": model, "system_fingerprint": fingerprint, "body": dataclasses.asdict(body)},
-                           sort_keys=True, separators=(",", ":"), default=repr)
+    canonical = json.dumps({"model": model, "system_fingerprint": fingerprint, "body": body},
+                           sort_keys=True, separators=(",", ":"), default=_fields)
     return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _fields(value):
+    """What ``json.dumps`` cannot write itself: a dataclass as the dict of its fields (the JSON
+    ``dataclasses.asdict`` gives, without deep-copying every prompt first: a worker keys each
+    request of a shard before it runs any), anything else as its ``repr``."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    return repr(value)
 
 
 def _live(t: int):

@@ -13,9 +13,10 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from batchapi.batches import quotas, request_results, states
+from batchapi.batches import request_results, states
 from batchapi.batches.billing import new_per_model, price_for
 from batchapi.batches.files import expiry_seconds, get_file_row
+from batchapi.batches.sharing import quotas
 from batchapi.batches.states import DONE_SHARDS, BatchStatus
 from batchapi.context import Context
 from batchapi.db.clock import now

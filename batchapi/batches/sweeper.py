@@ -35,10 +35,11 @@ from typing import Protocol, TypeVar
 from sqlalchemy import exists, select
 
 from batchapi.background import Background
-from batchapi.batches import fair_share, files, leases, result_cache
+from batchapi.batches import files, leases, result_cache
 from batchapi.batches.finalize import finalize_batch
 from batchapi.batches.leases import CUT_OFF, Outcome
 from batchapi.batches.shard_input import read_custom_ids
+from batchapi.batches.sharing import fair_share
 from batchapi.batches.states import OPEN_SHARDS, BatchStatus, ShardStatus
 from batchapi.batches.uploads import expire_uploads
 from batchapi.context import Context

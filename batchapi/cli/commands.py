@@ -69,7 +69,7 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """The API; with no broker, the embedded worker runs in the same process."""
+    """The API; with no broker, the embedded worker runs in a child process that serve supervises."""
     from batchapi.api.main import serve
 
     overrides = {name: getattr(args, name) for name in ("host", "port") if getattr(args, name) is not None}
@@ -77,9 +77,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         overrides["api_workers"] = args.workers
     settings = load_settings(**overrides)  # --workers is checked as BATCHAPI_API_WORKERS is: it needs a broker
     if settings.embedded:
-        from batchapi.workers.embedded import EmbeddedWorker
+        from batchapi.workers.embedded import WorkerProcess
 
-        worker = EmbeddedWorker()
+        worker = WorkerProcess()
         serve(settings, dispatcher=worker, hook=worker.run, sweep_shards=True)  # no beat: it sweeps
     elif settings.api_workers > 1:
         serve(settings, factory="batchapi.cli.commands:api_app")
@@ -105,13 +105,22 @@ def api_app():
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from batchapi.workers.processes import run_worker
+    from batchapi.workers.processes import run_embedded_worker, run_worker
 
     settings = load_settings()
+    if args.embedded:  # started by `batchapi serve`, which talks to it on its stdin
+        if not settings.embedded:
+            raise CommandError("`batchapi worker --embedded` is the worker of `batchapi serve` without "
+                               "BATCHAPI_BROKER_URL", usage=True)
+        run_embedded_worker(settings)
+        return 0
     if settings.embedded:
         raise CommandError("`batchapi worker` needs BATCHAPI_BROKER_URL (without one, `batchapi serve` runs "
                            "the worker itself)", usage=True)
-    run_worker(settings, args.name)
+    if args.slot is not None and (not args.slot or "/" in args.slot):
+        raise CommandError(f"--slot {args.slot!r}: a non-empty name without '/', such as the GPU's index",
+                           usage=True)
+    run_worker(settings, args.name, args.slot)
     return 0
 
 
@@ -267,6 +276,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
     worker = sub.add_parser("worker", help="a Celery GPU worker (one per GPU)")
     worker.add_argument("-n", "--name", default=None, help="Celery node name")
+    worker.add_argument("--slot", default=None,
+                        help="this worker's place on its host, e.g. its GPU's index: a worker restarted in the "
+                        "same slot takes back at once the shards the one before it held")
+    worker.add_argument("--embedded", action="store_true", help=argparse.SUPPRESS)  # batchapi serve's child
     worker.set_defaults(func=cmd_worker)
     sub.add_parser(
         "beat", help="the sweeper on Celery beat: re-queue lost shards, expire and cancel batches"

@@ -2,8 +2,8 @@
 the database of BATCHAPI_DATABASE_URL (as ``batchapi keys``).
 
 A project's weight is its share against other projects' when workers pick the next shard
-(``batches.fair_share``); its quotas limit, per model, the estimated tokens of its unfinished
-batches and how many there may be (``batches.quotas``).
+(``batches.sharing.fair_share``); its quotas limit, per model, the estimated tokens of its unfinished
+batches and how many there may be (``batches.sharing.quotas``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from rich.table import Table
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from batchapi.batches import quotas
+from batchapi.batches.sharing import quotas
 from batchapi.config import Settings
 from batchapi.db.models import Project
 from batchapi.db.projects import cli_session, project_by_name

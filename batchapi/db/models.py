@@ -37,13 +37,13 @@ class Project(Base):
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     name: Mapped[str] = mapped_column(String(200), unique=True)
     created_at: Mapped[int]
-    # its share of the fleet against other projects' (``batches.fair_share``); `batchapi projects set`
+    # its share of the fleet against other projects' (``batches.sharing.fair_share``); `batchapi projects set`
     weight: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
 
 
 class Quota(Base):
     """A project's limits for one model (``model`` empty: every model it has no row of its own
-    for), checked when a batch starts (``batches.quotas``); a None limit falls back to the
+    for), checked when a batch starts (``batches.sharing.quotas``); a None limit falls back to the
     deployment's (``BATCHAPI_QUOTA_*``), 0 is no limit."""
 
     __tablename__ = "quotas"
@@ -166,7 +166,7 @@ class Batch(Base):
     # completed requests, those answered from the cache, and the usage they would have cost
     result_cache: Mapped[bool] = mapped_column(default=True, server_default="1")
 
-    # sharing the fleet (``batches.fair_share``): the order of the project's batches (higher
+    # sharing the fleet (``batches.sharing.fair_share``): the order of the project's batches (higher
     # first); when the planner expects it to finish; when it found the batch unable to meet its
     # window under the fair share (from then on it is served before other projects' batches)
     priority: Mapped[int] = mapped_column(Integer, default=0, server_default="0")

@@ -51,6 +51,12 @@ def _postgres_engine(url: str, settings: Settings) -> Engine:
 
 
 def _sqlite_engine(url: str) -> Engine:
+    """The embedded default's file, written by two processes (``batchapi serve`` and its worker):
+    WAL, so that readers never wait for the writer nor it for them, and a busy timeout on every
+    connection (set first, so that even switching to WAL waits), so that a writer waits its turn
+    for the file's one write lock instead of failing. pysqlite begins a transaction only at a
+    session's first write, so no read snapshot is ever upgraded to a write (which WAL refuses at
+    once, whatever the timeout)."""
     path = url.split(":///", 1)[-1]
     if path and path != ":memory:":
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -59,9 +65,9 @@ def _sqlite_engine(url: str) -> Engine:
     @event.listens_for(engine, "connect")
     def _pragmas(dbapi_conn, _record):
         cursor = dbapi_conn.cursor()
+        cursor.execute("PRAGMA busy_timeout=30000")
         cursor.execute("PRAGMA journal_mode=WAL")
         cursor.execute("PRAGMA foreign_keys=ON")
-        cursor.execute("PRAGMA busy_timeout=30000")
         cursor.close()
 
     return engine

@@ -10,6 +10,7 @@ service as under ``hf`` on the same weights.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from pathlib import Path
@@ -42,6 +43,7 @@ DEFAULT_MAX_LENGTH = 2048  # hf's, for a model whose config names no context len
 DEFAULT_MAX_GEN_TOKS = 256  # hf's
 # a scored prompt is max_length + 1 tokens, and the service refuses a prompt as long as the context
 SCORED_ROOM = 2
+ENCODED_CACHE = 1024  # strings whose token ids the backend keeps
 
 
 def _special_tokens(add_special_tokens: bool | None, add_bos_token: bool | None) -> dict:
@@ -73,7 +75,9 @@ class BatchAPILM(TemplateLM):
         when that is a directory). ``max_length``: as ``hf``'s, the most tokens the model reads in
         one pass (default: the model's context less two: a scored prompt is ``max_length + 1``
         tokens, and the service takes prompts shorter than the context, ``max_tokens: 0`` or
-        not). ``max_file_lines`` and ``max_file_bytes``: the service's file limits."""
+        not). ``max_file_lines`` and ``max_file_bytes``: the service's file limits. ``poll_seconds``:
+        the longest wait between two polls of a batch (the first waits are shorter, so that a
+        batch the result cache answers is read back as soon as it ends)."""
         super().__init__()
         from openai import OpenAI
         from transformers import AutoConfig, AutoTokenizer
@@ -85,6 +89,8 @@ class BatchAPILM(TemplateLM):
             raise ValueError("model_args needs tokenizer=DIR: a local directory with the served model's tokenizer")
         kwargs = {} if add_bos_token is None else {"add_bos_token": add_bos_token}
         self.tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        # lm-eval encodes a question's context once for each of its choices (``_encode_pair``)
+        self._encode = functools.lru_cache(maxsize=ENCODED_CACHE)(self._encode_uncached)
         self.model = model
         self.add_bos_token = add_bos_token
         self.custom_prefix_token_id = prefix_token_id
@@ -126,11 +132,14 @@ class BatchAPILM(TemplateLM):
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None,
                    **kwargs) -> list[int]:
+        encoding = self._encode(string, add_special_tokens)
+        return list(encoding[-left_truncate_len:] if left_truncate_len else encoding)
+
+    def _encode_uncached(self, string: str, add_special_tokens: bool | None) -> tuple[int, ...]:
         special = _special_tokens(add_special_tokens, self.add_bos_token)
         if add_special_tokens is None and has_bos_prefix(string, self.tokenizer.decode(self.prefix_token_id)):
             special["add_special_tokens"] = False  # the text (a chat template's) has its BOS already
-        encoding = self.tokenizer.encode(string, **special)
-        return encoding[-left_truncate_len:] if left_truncate_len else encoding
+        return tuple(self.tokenizer.encode(string, **special))
 
     def context_encode(self, context: str) -> list[int]:
         """A generation's context as ``hf`` encodes a batch of them (``tok_batch_encode``)."""

@@ -22,6 +22,9 @@ logger = logging.getLogger(__name__)
 
 ENDPOINT = "/v1/completions"
 TERMINAL = {"completed", "failed", "expired", "cancelled"}
+# the first wait between polls, doubled up to ``poll_seconds``: a batch the result cache answers
+# ends within a few tenths of a second, which a fixed one-second poll would more than double
+FIRST_POLL_SECONDS = 0.05
 
 
 class EvalRequestFailed(RuntimeError):
@@ -131,8 +134,10 @@ class BatchRunner:
     def _follow(self, files: dict[str, list[str]], total: int, desc: str, results: dict[str, dict],
                 ended: set[str]) -> None:
         """Poll until every batch has ended (``ended``), collecting each as it ends: the first one
-        without a result for every request raises at once."""
+        without a result for every request raises at once. The waits between polls start at
+        ``FIRST_POLL_SECONDS`` and double up to ``poll_seconds``."""
         done_of: dict[str, int] = {}
+        wait = min(FIRST_POLL_SECONDS, self.poll_seconds)
         with tqdm(total=total, desc=desc) as bar:
             while True:
                 for batch_id, custom_ids in files.items():
@@ -148,7 +153,8 @@ class BatchRunner:
                 bar.update(sum(done_of.values()) - bar.n)
                 if len(ended) == len(files):
                     return
-                time.sleep(self.poll_seconds)
+                time.sleep(wait)
+                wait = min(wait * 2, self.poll_seconds)
 
     def _cancel(self, batch_ids: list[str]) -> None:
         from openai import OpenAIError

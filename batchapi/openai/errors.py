@@ -35,7 +35,7 @@ class ErrorCode(StrEnum):
     FILE_NOT_FOUND = "file_not_found"
     FILE_TOO_LARGE = "file_too_large"
     VALIDATION_ERROR = "validation_error"
-    # over the project's quota for the model when the batch would start (``batches.quotas``)
+    # over the project's quota for the model when the batch would start (``batches.sharing.quotas``)
     TOKEN_LIMIT_EXCEEDED = "token_limit_exceeded"  # OpenAI's: enqueued tokens
     BATCH_LIMIT_EXCEEDED = "batch_limit_exceeded"  # unfinished batches
     # the batch's cost reached its ``max_cost``: stopped as a cancel stops it

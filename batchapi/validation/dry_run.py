@@ -17,10 +17,10 @@ import threading
 import time
 from dataclasses import dataclass
 
-from batchapi.batches import fair_share, quotas
 from batchapi.batches.billing import Cost, discounted, list_amount, price_for
 from batchapi.batches.files import get_file_row
 from batchapi.batches.service import batch_models, check_scheduling, window_seconds
+from batchapi.batches.sharing import fair_share, quotas
 from batchapi.context import Context
 from batchapi.errors import InvalidRequest, RateLimited
 from batchapi.models.registry import served_model

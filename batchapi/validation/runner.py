@@ -18,8 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 from sqlalchemy import delete, select
 from sqlalchemy.exc import OperationalError
 
-from batchapi.batches import leases, messages, quotas, states
+from batchapi.batches import leases, messages, states
 from batchapi.batches.billing import set_estimates
+from batchapi.batches.sharing import quotas
 from batchapi.batches.states import BatchStatus, ShardStatus
 from batchapi.context import Context
 from batchapi.db.clock import now

@@ -10,7 +10,10 @@ resolves to a private address, or to nothing, is a failed attempt with no POST."
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
+import ssl
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -72,7 +75,7 @@ def deliver_due(sessions: sessionmaker[Session], settings: Settings) -> int:
 def _client(settings: Settings) -> httpx.Client:
     # no kept-alive connections: a POST pinned to an address would otherwise reuse a TLS connection
     # to that address made for another host name; no redirects: they could lead anywhere
-    return httpx.Client(timeout=settings.webhook_timeout_seconds, follow_redirects=False,
+    return httpx.Client(timeout=settings.webhook_timeout_seconds, follow_redirects=False, verify=_tls(),
                         headers={"user-agent": USER_AGENT}, limits=httpx.Limits(max_keepalive_connections=0))
 
 
@@ -116,24 +119,41 @@ def deliver_one(sessions: sessionmaker[Session], settings: Settings, client: htt
     return outcome.ok
 
 
-def send_test(settings: Settings, endpoint: WebhookEndpoint, event_type: str) -> Outcome:
+async def send_test(settings: Settings, endpoint: WebhookEndpoint, event_type: str) -> Outcome:
     """A sample event (``data.id`` a made-up batch id) posted to ``endpoint`` now, unrecorded;
-    ForbiddenAddress or HostUnresolved when it may not be posted."""
-    target = pin(settings, endpoint.url)
+    ForbiddenAddress or HostUnresolved when it may not be posted. Nothing here holds a thread of
+    the API's while it waits: the host is checked (``pin`` resolves it) in the event loop's own
+    executor, the POST is async, and the whole test ends within ``webhook_timeout_seconds``."""
+    target = await asyncio.get_running_loop().run_in_executor(None, pin, settings, endpoint.url)
     event_id = new_id("evt_")
     payload = event_body(event_id, event_type, now(), new_id("batch_test_"))
-    with _client(settings) as client:
-        return post(client, target, event_id, payload, signing_secrets(endpoint, now()))
+    secrets = signing_secrets(endpoint, now())
+    async with _async_client(settings) as client:
+        try:
+            async with asyncio.timeout(settings.webhook_timeout_seconds):
+                return await post_async(client, target, event_id, payload, secrets)
+        except TimeoutError:  # an answer trickled in too slowly to time out any one read
+            return Outcome(None, f"no answer within {settings.webhook_timeout_seconds} s")
+
+
+def _async_client(settings: Settings) -> httpx.AsyncClient:
+    return httpx.AsyncClient(timeout=settings.webhook_timeout_seconds, follow_redirects=False, verify=_tls(),
+                             headers={"user-agent": USER_AGENT}, limits=httpx.Limits(max_keepalive_connections=0))
+
+
+@functools.cache
+def _tls() -> ssl.SSLContext:
+    """httpx's default TLS context, made once: making it reads the CA bundle (some 50 ms of CPU),
+    which a client per test would do on the event loop each time."""
+    return httpx.create_ssl_context()
 
 
 def post(client: httpx.Client, target: Target, event_id: str, payload: str, secrets: list[str]) -> Outcome:
-    headers = {"content-type": "application/json", **target.headers,
-               **signed_headers(event_id, payload, secrets, now())}
     try:
         # streamed, and only the start of the body read: a receiver answering with gigabytes must
         # not fill the sweeper's memory
-        with client.stream("POST", target.url, content=payload.encode(), headers=headers,
-                           extensions=target.extensions) as response:
+        with client.stream("POST", target.url, content=payload.encode(), headers=_headers(target, event_id, payload,
+                           secrets), extensions=target.extensions) as response:
             if 200 <= response.status_code < 300:
                 return Outcome(response.status_code, None)
             head = b""
@@ -142,9 +162,40 @@ def post(client: httpx.Client, target: Target, event_id: str, payload: str, secr
                 if len(head) >= 200:
                     break
     except httpx.HTTPError as exc:  # refused, reset, timed out, a bad URL: the endpoint is not there
-        return Outcome(None, f"{type(exc).__name__}: {exc}"[:MAX_ERROR])
+        return _unanswered(exc)
+    return _refused(response.status_code, head)
+
+
+async def post_async(client: httpx.AsyncClient, target: Target, event_id: str, payload: str,
+                     secrets: list[str]) -> Outcome:
+    """``post`` on an async client."""
+    try:
+        async with client.stream("POST", target.url, content=payload.encode(), headers=_headers(
+                target, event_id, payload, secrets), extensions=target.extensions) as response:
+            if 200 <= response.status_code < 300:
+                return Outcome(response.status_code, None)
+            head = b""
+            async for chunk in response.aiter_bytes():
+                head += chunk
+                if len(head) >= 200:
+                    break
+    except httpx.HTTPError as exc:
+        return _unanswered(exc)
+    return _refused(response.status_code, head)
+
+
+def _headers(target: Target, event_id: str, payload: str, secrets: list[str]) -> dict[str, str]:
+    return {"content-type": "application/json", **target.headers, **signed_headers(event_id, payload, secrets, now())}
+
+
+def _unanswered(exc: httpx.HTTPError) -> Outcome:
+    return Outcome(None, f"{type(exc).__name__}: {exc}"[:MAX_ERROR])
+
+
+def _refused(status_code: int, head: bytes) -> Outcome:
+    """A status other than 2xx (a redirect too: none is followed), with the start of its body."""
     text = head[:200].decode("utf-8", errors="replace")
-    return Outcome(response.status_code, f"HTTP {response.status_code}: {text}"[:MAX_ERROR])
+    return Outcome(status_code, f"HTTP {status_code}: {text}"[:MAX_ERROR])
 
 
 def _record(sessions: sessionmaker[Session], settings: Settings, delivery_id: str, outcome: Outcome) -> None:

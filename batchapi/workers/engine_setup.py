@@ -80,12 +80,15 @@ class TakeTurns:
         self._cond.notify_all()
 
 
-def worker_owner() -> str:
-    """A lease owner name unique to this process and readable in the shards table."""
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+def worker_owner(identity: str | None = None) -> str:
+    """A lease owner name unique to this process and readable in the shards table. With an
+    ``identity`` (a worker that restarts as the same one) it is ``IDENTITY/PID:RANDOM``, and the
+    next process of that identity takes this one's shards back at once (``leases.take_back``)."""
+    incarnation = f"{os.getpid()}:{uuid.uuid4().hex[:6]}"
+    return f"{socket.gethostname()}:{incarnation}" if identity is None else f"{identity}/{incarnation}"
 
 
-def start_runner(ctx: Context) -> ShardRunner:
+def start_runner(ctx: Context, identity: str | None = None) -> ShardRunner:
     """Load the served models (``Settings.served_models``: one engine for the chat model, one
     encoder per embedding model), start their threads and the runner's. Should an engine or
     encoder thread die, the runner gives its shards back and this process stops (``stop_this_process``)."""
@@ -106,7 +109,7 @@ def start_runner(ctx: Context) -> ShardRunner:
                       context_length(chat[0].path),  # validation's: the worker refuses what it refused
                       thinking_key=settings.thinking_key())
     encoders = {m.id: start_encoder(settings, m.path, m.id, turn) for m in served if m.kind != CHAT}
-    return ShardRunner(ctx, front, codec, worker_owner(), on_engine_death=stop_this_process,
+    return ShardRunner(ctx, front, codec, worker_owner(identity), on_engine_death=stop_this_process,
                        encoders=encoders).start()
 
 

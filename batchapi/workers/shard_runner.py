@@ -2,7 +2,9 @@
 
 Its feeder thread claims the next shard whenever the engine's waiting queue is below the
 watermark (and fewer than ``max_shards_in_flight`` are held), so the engine never idles on a
-shard's tail; an idle feeder looks again every ``worker_poll_seconds`` or when woken. Beside it
+shard's tail; an idle feeder looks again every ``worker_poll_seconds`` or when woken (told that
+shards may be queued: room freed by a finished request alone does not send it back to a queue it
+found empty less than a poll ago). Beside it
 run the lease monitor (``lease_monitor``: cancels, expiries, heartbeats), the result writer
 (``result_writer``: each finished request durable within about a second, so a shard taken over
 after a crash runs only the rest) and the finisher (``shard_finisher``: a finished shard's
@@ -71,6 +73,10 @@ class ShardRunner:
         self._kept: dict[str, ShardWork] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
+        # set by ``wake`` (shards may have been queued): after a claim found the queue empty, only
+        # this or the poll interval lets the feeder look again, not every finished request's wake
+        self._news = threading.Event()
+        self._found_empty: float | None = None  # monotonic time of the last claim that found nothing
         self._stop = threading.Event()  # the feeder's and the monitor's: they stop together
         self._writer = ResultWriter(ctx, owner, self._unstored, self._codec_of)
         self._finisher = ShardFinisher(ctx, owner, self._writer, self._codec_of, self._stop, self._stored)
@@ -87,6 +93,7 @@ class ShardRunner:
 
     def wake(self) -> None:
         """New shards may be queued: look now instead of at the next poll."""
+        self._news.set()
         self._wake.set()
 
     def run_shard(self, shard_id: str, timeout: float | None = None) -> str:
@@ -167,20 +174,29 @@ class ShardRunner:
         return held < self.settings.max_shards_in_flight and self._waiting() <= self.settings.engine_watermark
 
     def _feed_loop(self) -> None:
+        poll = self.settings.worker_poll_seconds
         while not self._stop.is_set():
             if not self._has_room():
                 self._wake.wait(0.1)
                 self._wake.clear()
                 continue
+            since_empty = None if self._found_empty is None else time.monotonic() - self._found_empty
+            if since_empty is not None and since_empty < poll and not self._news.is_set():
+                self._wake.wait(poll - since_empty)  # room came, but nothing new was queued
+                self._wake.clear()
+                continue
+            self._news.clear()
             try:
                 claimed = leases.claim_next(self.ctx, self.owner, self.models)
             except OperationalError:
                 log.warning("database unavailable while claiming; retrying", exc_info=True)
                 claimed = None
             if claimed is not None:
+                self._found_empty = None
                 self._start(claimed)
                 continue
-            self._wake.wait(self.settings.worker_poll_seconds)
+            self._found_empty = time.monotonic()
+            self._wake.wait(poll)
             self._wake.clear()
 
     def _start(self, claimed: Claimed) -> ShardWork | None:

@@ -16,6 +16,7 @@ EXPECTED = {
     ("delete", "/v1/files/{file_id}"): AUTHED | {"404", "503"},
     ("get", "/v1/files/{file_id}/content"): AUTHED | {"404", "503"},
     ("post", "/v1/batches"): AUTHED | {"404", "409", "413"},
+    ("post", "/v1/batches/dry_run"): AUTHED | {"404", "429"},
     ("get", "/v1/batches"): AUTHED | {"404"},
     ("get", "/v1/batches/{batch_id}"): AUTHED | {"404"},
     ("post", "/v1/batches/{batch_id}/cancel"): AUTHED | {"404", "409"},
@@ -25,7 +26,7 @@ EXPECTED = {
     ("get", "/v1/models"): AUTHED,
     ("get", "/v1/models/{model}"): AUTHED | {"404"},
     ("get", "/health"): COMMON | {"503"},
-    ("post", "/v1/messages/batches"): AUTHED | {"404", "413"},
+    ("post", "/v1/messages/batches"): AUTHED | {"404", "413", "429"},
     ("get", "/v1/messages/batches"): AUTHED | {"404"},
     ("get", "/v1/messages/batches/{message_batch_id}"): AUTHED | {"404"},
     ("post", "/v1/messages/batches/{message_batch_id}/cancel"): AUTHED | {"404", "409"},
@@ -44,7 +45,7 @@ EXPECTED = {
     ("post", "/v1/webhook_endpoints/{webhook_endpoint_id}"): AUTHED | {"404"},
     ("delete", "/v1/webhook_endpoints/{webhook_endpoint_id}"): AUTHED | {"404"},
     ("post", "/v1/webhook_endpoints/{webhook_endpoint_id}/rotate_secret"): AUTHED | {"404"},
-    ("post", "/v1/webhook_endpoints/{webhook_endpoint_id}/test"): AUTHED | {"404"},
+    ("post", "/v1/webhook_endpoints/{webhook_endpoint_id}/test"): AUTHED | {"404", "429"},
     ("get", "/v1/webhook_endpoints/{webhook_endpoint_id}/deliveries"): AUTHED | {"404"},
 }
 

@@ -9,9 +9,10 @@ import time
 import pytest
 from sqlalchemy import select, update
 
-from batchapi.batches import fair_share, leases
-from batchapi.batches.fair_share import Queued, finish_times
+from batchapi.batches import leases
 from batchapi.batches.leases import Outcome
+from batchapi.batches.sharing import fair_share
+from batchapi.batches.sharing.fair_share import Queued, finish_times
 from batchapi.batches.states import ShardStatus
 from batchapi.context import open_context
 from batchapi.db.clock import now

@@ -60,10 +60,6 @@ def test_the_async_read_renders_exactly_as_the_orm_row(pg_jobs):
     assert Decimal(BatchObject.of(found).cost.amount) > 0
 
 
-def test_sqlite_keeps_the_sync_path(sqlite_jobs):
-    assert open_reads(sqlite_jobs.settings) is None
-
-
 def test_conninfo_keeps_credentials_and_options():
     url = "postgresql+psycopg://u:p%40ss@db.example:5433/jobs?sslmode=require"
     assert libpq_conninfo(url) == "postgresql://u:p%40ss@db.example:5433/jobs?sslmode=require"

@@ -14,7 +14,7 @@ import pytest
 from openai import OpenAI
 
 from batchapi import cli
-from batchapi.batches import quotas
+from batchapi.batches.sharing import quotas
 from batchapi.db.models import ApiKey, Batch
 from batchapi.db.projects import hash_key
 from batchapi.db.session import session_scope

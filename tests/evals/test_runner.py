@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import time
+from types import SimpleNamespace
 
 import pytest
 from openai import OpenAI
@@ -87,3 +89,25 @@ def test_a_failed_run_cancels_the_batches_it_left_running(server, served_model):
     statuses = [b.status for b in client.batches.list(limit=5).data][:4]  # newest first: the four long ones
     assert "cancelling" in statuses or "cancelled" in statuses, statuses
     assert set(statuses) <= {"cancelling", "cancelled", "completed"}, statuses
+
+
+def test_polls_start_short_and_double_up_to_poll_seconds(server, served_model, monkeypatch):
+    from batchapi.evals import runner as runner_module
+
+    waits: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        waits.append(seconds)
+        time.sleep(seconds)
+
+    # the runner's own module name only: the live server's threads keep the real ``time.sleep``
+    monkeypatch.setattr(runner_module, "time", SimpleNamespace(sleep=sleep))
+    client = OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+    runner = BatchRunner(client, poll_seconds=0.2)
+    # sampled without a seed (never from the result cache), long enough to be polled several times
+    body = {"model": served_model, "prompt": [100, 200], "max_tokens": 400, "ignore_eos": True, "temperature": 0.7}
+    results = runner.run({"one": body}, desc="test")
+    assert results["one"]["usage"]["completion_tokens"] == 400
+    first = runner_module.FIRST_POLL_SECONDS
+    assert len(waits) >= 4, waits  # 0.05, 0.1, 0.2, 0.2, ...
+    assert waits == [min(first * 2**i, 0.2) for i in range(len(waits))]

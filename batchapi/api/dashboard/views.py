@@ -10,7 +10,7 @@ from decimal import Decimal
 from batchapi.api.schemas import BatchDiffObject, BatchObject
 from batchapi.batches.billing import cost, format_amount
 from batchapi.batches.diff.compare import BatchDiff
-from batchapi.batches.quotas import ModelQuota
+from batchapi.batches.sharing.quotas import ModelQuota
 from batchapi.batches.states import TERMINAL, BatchStatus
 from batchapi.db.models import Batch
 

@@ -19,7 +19,7 @@ from batchapi.api.schemas import (
 from batchapi.batches import retry
 from batchapi.batches import service as batches
 from batchapi.batches.diff.compare import diff_batches
-from batchapi.db.reads import AsyncReads
+from batchapi.db.reads import AsyncReads, SqliteReads
 from batchapi.validation.dry_run import dry_run
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"], responses=error_responses(400, 401, 404, 431))
@@ -58,18 +58,23 @@ def list_batches(
 
 @router.get("/{batch_id}", response_model=BatchObject)
 async def retrieve_batch(request: Request, ctx: ContextDep, project_id: ProjectDep, batch_id: str) -> Response:
-    """The polled route, serialized once rather than validated again against response_model. On
-    PostgreSQL one prepared SELECT awaited on the loop (``db.reads``); on SQLite one query on a
-    thread of the event loop's own small executor (cheaper than anyio's 40-thread pool)."""
-    reads: AsyncReads | None = request.app.state.reads
+    """The polled route, serialized once rather than validated again against response_model: one
+    plain SELECT on the event loop (``db.reads``: prepared and awaited on PostgreSQL, run at once
+    on SQLite), and the batch rendered again only when its row changed since the last poll. An
+    in-memory SQLite (no reads) takes one query on a thread of the loop's own small executor."""
+    reads: AsyncReads | SqliteReads | None = request.app.state.reads
     if reads is None:
         loop = asyncio.get_running_loop()
         batch = await loop.run_in_executor(None, batches.get_batch, ctx, project_id, batch_id)
-    else:
-        batch = await reads.batch(project_id, batch_id)
-        if batch is None:
-            raise batches.batch_not_found(batch_id)
-    return Response(BatchObject.of(batch).model_dump_json(), media_type="application/json")
+        return Response(_render(batch), media_type="application/json")
+    body = await reads.rendered(project_id, batch_id, _render)
+    if body is None:
+        raise batches.batch_not_found(batch_id)
+    return Response(body, media_type="application/json")
+
+
+def _render(batch) -> bytes:
+    return BatchObject.of(batch).model_dump_json().encode()
 
 
 @router.post("/{batch_id}/cancel", responses=error_responses(409))

@@ -22,8 +22,9 @@ from fastapi.templating import Jinja2Templates
 from batchapi import reports
 from batchapi.api.dashboard import charts, views
 from batchapi.api.deps import ContextDep
-from batchapi.batches import files, quotas, service
+from batchapi.batches import files, service
 from batchapi.batches.diff.compare import diff_batches
+from batchapi.batches.sharing import quotas
 from batchapi.context import Context
 from batchapi.db.clock import now
 from batchapi.db.projects import (

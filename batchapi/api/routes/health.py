@@ -20,11 +20,13 @@ def health(ctx: ContextDep) -> JSONResponse:
 
 
 @router.get("/metrics", include_in_schema=False)
-def prometheus_metrics(request: Request) -> Response:
+def prometheus_metrics(request: Request, ctx: ContextDep) -> Response:
     """Prometheus text format: the job tables' numbers and HTTP latency, plus the engine's gauges
-    when this process runs one (the embedded default). Sync: the database is read in a thread."""
+    when this process runs one, or, in the embedded default, those its worker child serves on
+    loopback (its dispatcher's ``metrics_text``). Sync: the database is read in a thread."""
     registries = [request.app.state.metrics_registry]
     engine = metrics.engine_stats()
     if engine.attached:
         registries.append(engine.registry)
-    return Response(metrics.exposition(*registries), media_type=CONTENT_TYPE_LATEST)
+    child = getattr(ctx.dispatcher, "metrics_text", None)
+    return Response(metrics.exposition(*registries) + (child() if child else b""), media_type=CONTENT_TYPE_LATEST)

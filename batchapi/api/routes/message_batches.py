@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import tempfile
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
@@ -13,23 +13,23 @@ from batchapi.api.deps import AnthropicProjectDep, ContextDep
 from batchapi.api.message_schemas import DeletedMessageBatch, MessageBatch, MessageBatchList, error_responses
 from batchapi.api.schemas import error_responses as openai_error_responses
 from batchapi.batches import messages
-from batchapi.errors import InvalidRequest
 
+SPOOL_BYTES = 1024 * 1024  # a body past this is spooled to disk
 # a request head too large is refused before any route, in the OpenAI shape (api/limits.py)
 router = APIRouter(prefix="/v1/messages/batches", tags=["message batches"],
                    responses={**error_responses(400, 401, 404), **openai_error_responses(431)})
 
 
-@router.post("", responses=error_responses(413))
+@router.post("", responses=error_responses(413, 429))
 async def create_message_batch(request: Request, ctx: ContextDep, project_id: AnthropicProjectDep) -> MessageBatch:
     """Body: ``{"requests": [{"custom_id", "params"}]}``, read by hand: a problem in one request's
-    ``params`` is that request's errored result, not a refusal of the batch."""
-    raw = await request.body()
-    try:
-        body = await run_in_threadpool(json.loads, raw)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
-        raise InvalidRequest("The request body is not valid JSON.") from None
-    batch = await run_in_threadpool(messages.create, ctx, project_id, body)
+    ``params`` is that request's errored result, not a refusal of the batch. The body goes to a
+    temporary file as it arrives, and is read from there a request at a time (``batches.messages``)."""
+    with tempfile.SpooledTemporaryFile(SPOOL_BYTES) as body:
+        async for chunk in request.stream():
+            body.write(chunk)
+        body.seek(0)
+        batch = await run_in_threadpool(messages.create, ctx, project_id, body)
     return MessageBatch.of(batch, _base_url(request, ctx))
 
 
@@ -73,5 +73,16 @@ def message_batch_results(ctx: ContextDep, project_id: AnthropicProjectDep, mess
 
 
 def _base_url(request: Request, ctx) -> str:
-    """Where clients reach the API: ``BATCHAPI_PUBLIC_URL``, else the request's own scheme and host."""
-    return ctx.settings.public_url or str(request.base_url)
+    """Where clients reach the API, for the links handed out: ``BATCHAPI_PUBLIC_URL``; else the
+    request's own scheme and host if its Host is one of ``BATCHAPI_TRUSTED_HOSTS``; else the
+    server's own address: the one the connection reached (``BATCHAPI_HOST:BATCHAPI_PORT`` where
+    the server does not say). A Host header is the client's to write: a link never follows one
+    that the deployment did not name."""
+    settings = ctx.settings
+    if settings.public_url:
+        return settings.public_url
+    if request.headers.get("host", "").lower() in settings.trusted_hosts:  # as listed: a port only if named
+        return str(request.base_url)
+    host, port = request.scope.get("server") or (settings.host, settings.port)
+    host = f"[{host}]" if ":" in host else host  # an IPv6 address
+    return f"http://{host}:{port}/"

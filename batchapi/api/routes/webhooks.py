@@ -3,10 +3,13 @@ calls it), and batchapi's ``GET /v1/webhook_endpoints/{id}/deliveries``."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Annotated, TypeVar
 
 from fastapi import APIRouter, Query
+from fastapi.concurrency import run_in_threadpool
 from sqlalchemy.orm import Session
 
 from batchapi.api.deps import ContextDep, ProjectDep
@@ -25,12 +28,15 @@ from batchapi.api.webhook_schemas import (
     WebhookTestResult,
 )
 from batchapi.context import Context
+from batchapi.db.models import WebhookEndpoint
 from batchapi.db.session import session_scope
-from batchapi.errors import InvalidRequest
+from batchapi.errors import InvalidRequest, RateLimited
 from batchapi.webhooks import delivery, endpoints, outbox
 
 router = APIRouter(prefix="/v1/webhook_endpoints", tags=["webhooks"], responses=error_responses(400, 401, 431))
 T = TypeVar("T")
+TESTS_PER_PROJECT = 4  # webhook tests in flight at once, per project and API process
+_tests_running: Counter[str] = Counter()  # per project; touched on the event loop only
 
 
 def _committed(ctx: Context, act: Callable[[Session], T]) -> T:
@@ -81,17 +87,40 @@ def rotate_secret(ctx: ContextDep, project_id: ProjectDep, webhook_endpoint_id: 
         s, webhook_endpoint_id, keep, project_id)))
 
 
-@router.post("/{webhook_endpoint_id}/test", responses=error_responses(404))
-def test_endpoint(ctx: ContextDep, project_id: ProjectDep, webhook_endpoint_id: str,
-                  body: TestWebhookRequest) -> WebhookTestResult:
-    """Sends a sample event now, signed as a real one; its answer's status comes back."""
+@router.post("/{webhook_endpoint_id}/test", responses=error_responses(404, 429))
+async def test_endpoint(ctx: ContextDep, project_id: ProjectDep, webhook_endpoint_id: str,
+                        body: TestWebhookRequest) -> WebhookTestResult:
+    """Sends a sample event now, signed as a real one; its answer's status comes back, and
+    ``success`` says whether it was a 2xx (a redirect is not followed). Async, so a receiver that never answers holds
+    none of the API's threads; a project has at most ``TESTS_PER_PROJECT`` in flight in a process."""
     event_type = endpoints.check_event_types([body.event_type])[0]
-    with ctx.sessions() as session:
-        endpoint = endpoints.get_endpoint(session, webhook_endpoint_id, project_id)
-    outcome = delivery.send_test(ctx.settings, endpoint, event_type)
+    with _test_slot(project_id):
+        endpoint = await run_in_threadpool(_endpoint, ctx, webhook_endpoint_id, project_id)
+        outcome = await delivery.send_test(ctx.settings, endpoint, event_type)
     if outcome.status_code is None:
         raise InvalidRequest(f"the endpoint did not answer: {outcome.error}", "url", "webhook_endpoint_unreachable")
-    return WebhookTestResult(webhook_endpoint_id=endpoint.id, event_type=event_type, status_code=outcome.status_code)
+    return WebhookTestResult(webhook_endpoint_id=endpoint.id, event_type=event_type, status_code=outcome.status_code,
+                             success=outcome.ok)
+
+
+def _endpoint(ctx: Context, webhook_endpoint_id: str, project_id: str) -> WebhookEndpoint:
+    with ctx.sessions() as session:
+        return endpoints.get_endpoint(session, webhook_endpoint_id, project_id)
+
+
+@contextmanager
+def _test_slot(project_id: str) -> Iterator[None]:
+    """One of the project's test slots, for as long as its test runs (all on the event loop: no lock)."""
+    if _tests_running[project_id] >= TESTS_PER_PROJECT:
+        raise RateLimited(f"This project already has {TESTS_PER_PROJECT} webhook tests in flight; try again when "
+                          "one has ended.")
+    _tests_running[project_id] += 1
+    try:
+        yield
+    finally:
+        _tests_running[project_id] -= 1
+        if not _tests_running[project_id]:
+            del _tests_running[project_id]
 
 
 @router.get("/{webhook_endpoint_id}/deliveries", responses=error_responses(404))
