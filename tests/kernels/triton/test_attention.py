@@ -17,7 +17,9 @@ from batchapi.kernels.torch import attention as twin
 from batchapi.kernels.triton import attention
 from tests.kernels.paged import dense_attention, make_case
 
-TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
+# float32: the kernel's reductions and torch's dense oracle (whose summation order follows the CPU's
+# BLAS kernels: AVX2 and AVX-512 machines differ) part by a few ulps over windows of 100 positions
+TOL = {torch.float32: 3e-5, torch.float16: 3e-3}
 GQA = [(1, 1), (2, 3), (1, 5), (2, 4), (3, 3)]  # (Hkv, group)
 
 
