@@ -22,7 +22,6 @@ Printed, never asserted: timings are noisy on a shared CPU.
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import threading
 import time
@@ -33,6 +32,8 @@ from pathlib import Path
 import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from procs import cpu_model  # noqa: E402
 
 from batchapi.batches import leases  # noqa: E402
 from batchapi.batches.leases import Outcome  # noqa: E402
@@ -47,13 +48,6 @@ from batchapi.db.session import session_scope  # noqa: E402
 
 ADMIN = "postgresql://postgres@127.0.0.1:5432/postgres"
 ORDERS = {"first come, first served": fair_share.fifo_order, "fair share": fair_share.claim_order}
-
-
-def cpu_model() -> str:
-    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 def project(ctx) -> str:

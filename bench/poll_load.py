@@ -40,7 +40,7 @@ import uuid
 from pathlib import Path
 
 import httpx
-from procs import answers, free_port, stat_fields, stop_group, wait_until
+from procs import answers, cpu_model, free_port, stat_fields, stop_group, wait_until
 
 BIN = Path(sys.executable).parent / "batchapi"
 PG_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -335,13 +335,6 @@ def poll_row(deployment: str, load: str, connections: int, r: dict) -> str:
     return (f"| {deployment} | {load} | {connections} | {r['rate']:,.0f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | "
             f"{r['max_ms']:.0f} | {r['non_2xx'] + r['socket_errors']} | {r['api_cpu_ms']:.2f} | "
             f"{r['machine_cpu_s'] / r['seconds']:.2f} |")
-
-
-def cpu_model() -> str:
-    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 def main() -> int:

@@ -1,4 +1,5 @@
-"""What the service benches share: free ports, waiting, a URL's health, CPU seconds from /proc."""
+"""What the service benches share: free ports, waiting, a URL's health, CPU seconds from /proc,
+the CPU's name."""
 
 from __future__ import annotations
 
@@ -55,3 +56,11 @@ def stop_group(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def cpu_model() -> str:
+    """``lscpu``'s model name, printed beside every figure."""
+    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+        if line.startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
+    return "unknown CPU"
