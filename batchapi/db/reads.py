@@ -41,18 +41,34 @@ BATCH_SQL, BATCH_ATTRS = _batch_query(postgresql.psycopg.dialect())
 RENDERS_KEPT = 4096  # batches whose last rendering is kept (the oldest goes first)
 
 
-class Renders:
-    """Each batch's last rendering, with the row it was rendered from."""
+class _Reads:
+    """What both readers give: a batch by id and project, or its rendering, kept with the row it
+    was rendered from (the last ``RENDERS_KEPT`` batches'). A reader supplies ``_read`` (the row)
+    and ``_batch`` (the row as a transient ``Batch``)."""
 
     def __init__(self) -> None:
         self._last: dict[tuple[str, str], tuple[tuple, bytes]] = {}
 
-    def get(self, key: tuple[str, str], row: tuple, batch: Callable[[tuple], Batch],
-            render: Callable[[Batch], bytes]) -> bytes:
+    async def _read(self, project_id: str, batch_id: str) -> tuple | None:
+        raise NotImplementedError
+
+    def _batch(self, row: tuple) -> Batch:
+        raise NotImplementedError
+
+    async def batch(self, project_id: str, batch_id: str) -> Batch | None:
+        row = await self._read(project_id, batch_id)
+        return None if row is None else self._batch(row)
+
+    async def rendered(self, project_id: str, batch_id: str, render: Callable[[Batch], bytes]) -> bytes | None:
+        """``render(batch)``, or its last result when the row is as it was then; None: no such batch."""
+        row = await self._read(project_id, batch_id)
+        if row is None:
+            return None
+        key = (project_id, batch_id)
         last = self._last.get(key)
         if last is not None and last[0] == row:
             return last[1]
-        body = render(batch(row))
+        body = render(self._batch(row))
         self._last.pop(key, None)
         self._last[key] = (row, body)
         if len(self._last) > RENDERS_KEPT:
@@ -65,7 +81,7 @@ def libpq_conninfo(sqlalchemy_url: str) -> str:
     return make_url(sqlalchemy_url).set(drivername="postgresql").render_as_string(hide_password=False)
 
 
-class AsyncReads:
+class AsyncReads(_Reads):
     """A small pool of autocommit connections; ``open`` before use, ``close`` at shutdown. A read
     that finds its connection dropped runs again on another (checking each connection before use
     would be a second round trip per poll); a request waits up to
@@ -77,7 +93,7 @@ class AsyncReads:
             conninfo, min_size=1, max_size=max_size, open=False, timeout=timeout,
             kwargs={"autocommit": True, "prepare_threshold": 0},
         )
-        self.renders = Renders()
+        super().__init__()
 
     async def open(self) -> None:
         await self.pool.open()
@@ -85,14 +101,8 @@ class AsyncReads:
     async def close(self) -> None:
         await self.pool.close()
 
-    async def batch(self, project_id: str, batch_id: str) -> Batch | None:
-        row = await self._read(project_id, batch_id)
-        return None if row is None else _batch(row)
-
-    async def rendered(self, project_id: str, batch_id: str, render: Callable[[Batch], bytes]) -> bytes | None:
-        """``render(batch)``, or its last result when the row is as it was then; None: no such batch."""
-        row = await self._read(project_id, batch_id)
-        return None if row is None else self.renders.get((project_id, batch_id), row, _batch, render)
+    def _batch(self, row: tuple) -> Batch:
+        return Batch(**dict(zip(BATCH_ATTRS, row, strict=True)))
 
     async def _read(self, project_id: str, batch_id: str) -> tuple | None:
         try:
@@ -111,11 +121,7 @@ class AsyncReads:
             return await cursor.fetchone()
 
 
-def _batch(row: tuple) -> Batch:
-    return Batch(**dict(zip(BATCH_ATTRS, row, strict=True)))
-
-
-class SqliteReads:
+class SqliteReads(_Reads):
     """The same reads on SQLite: one read-only sqlite3 connection in autocommit, used on the loop.
     Its values go through the column types' own conversions (JSON, Numeric, Boolean), as a
     session's would. A read that finds the file busy (rare in WAL mode: a reader waits only while
@@ -131,7 +137,7 @@ class SqliteReads:
         self.convert = [(attr, column.type.dialect_impl(dialect).result_processor(dialect, None))
                         for attr, column in zip(attrs, columns, strict=True)]
         self.conn: sqlite3.Connection | None = None
-        self.renders = Renders()
+        super().__init__()
 
     async def open(self) -> None:
         """Nothing yet: the connection is made on the first read, once the file is surely migrated."""
@@ -140,14 +146,6 @@ class SqliteReads:
         if self.conn is not None:
             self.conn.close()
             self.conn = None
-
-    async def batch(self, project_id: str, batch_id: str) -> Batch | None:
-        row = await self._read(project_id, batch_id)
-        return None if row is None else self._batch(row)
-
-    async def rendered(self, project_id: str, batch_id: str, render: Callable[[Batch], bytes]) -> bytes | None:
-        row = await self._read(project_id, batch_id)
-        return None if row is None else self.renders.get((project_id, batch_id), row, self._batch, render)
 
     def _batch(self, row: tuple) -> Batch:
         return Batch(**{attr: value if convert is None else convert(value)

@@ -195,18 +195,18 @@ def test_every_dashboard_response_forbids_framing_and_inline_script(pg_server):
 # results_url
 
 
-def _request(host: str, server: tuple[str, int] | None = ("10.0.0.1", 8080)) -> Request:
+def _request(host: str, server: tuple[str, int] | None = ("127.0.0.9", 8080)) -> Request:
     """A request as uvicorn hands it over: ``server`` is the address its connection reached."""
     return Request({"type": "http", "method": "GET", "path": "/v1/messages/batches", "scheme": "http",
                     "server": server, "headers": [(b"host", host.encode())], "query_string": b""})
 
 
 @pytest.mark.parametrize("public_url,trusted,host,link", [
-    ("", [], "evil.example", "http://10.0.0.1:8080/"),  # forged: the server's own address
+    ("", [], "evil.example", "http://127.0.0.9:8080/"),  # forged: the server's own address
     ("", ["batch.internal:8080"], "batch.internal:8080", "http://batch.internal:8080/"),
     ("", ["batch.internal:8080"], "BATCH.internal:8080", "http://BATCH.internal:8080/"),  # names ignore case
-    ("", ["batch.internal:8080"], "batch.internal:9999", "http://10.0.0.1:8080/"),  # a port not listed
-    ("", ["batch.internal"], "evil.example", "http://10.0.0.1:8080/"),
+    ("", ["batch.internal:8080"], "batch.internal:9999", "http://127.0.0.9:8080/"),  # a port not listed
+    ("", ["batch.internal"], "evil.example", "http://127.0.0.9:8080/"),
     ("https://batch.example.com/api", ["evil.example"], "evil.example", "https://batch.example.com/api"),
 ])
 def test_results_url_follows_only_a_configured_host(pg_server, public_url, trusted, host, link):

@@ -38,6 +38,7 @@ from batchapi.db.session import session_scope
 log = logging.getLogger(__name__)
 
 NO_RISK = 2**62  # sorts after every expiry
+ETA_STEP_SECONDS = 2  # a planned completion that moved less is not written again
 
 
 def shard_work():
@@ -77,7 +78,8 @@ def fifo_order(query, t: int, window: int):
 
 def fleet_rate(session, t: float, window: int) -> float | None:
     """Estimated tokens per second the fleet finished over the window; None before any finished.
-    The rows count whole seconds, cut down: a shard started on average half a second after its."""
+    The rows hold whole seconds, rounded down: a shard started on average half a second after the
+    second its row names."""
     work, started = session.execute(
         select(func.sum(shard_work()), func.min(Shard.started_at))
         .where(Shard.status == ShardStatus.SUCCEEDED, Shard.finished_at >= int(t) - window)
@@ -98,6 +100,7 @@ class Queued:
     created_at: int
     expires_at: int
     at_risk: bool
+    estimated_completion_at: int | None = None  # the last plan's
 
 
 def finish_times(batches: Sequence[Queued], weights: dict[str, int], rate: float, t: float) -> dict[str, float]:
@@ -140,7 +143,7 @@ def queued(session, extra: Iterable[Queued] = ()) -> tuple[list[Queued], dict[st
     rows = session.scalars(select(Batch).where(Batch.status == BatchStatus.IN_PROGRESS)).all()
     batches = [
         Queued(b.id, b.project_id, remaining_work(b), b.priority, b.created_at, b.expires_at,
-               b.deadline_risk_at is not None)
+               b.deadline_risk_at is not None, b.estimated_completion_at)
         for b in rows
     ] + list(extra)
     weights = dict(session.execute(
@@ -187,10 +190,10 @@ def plan(ctx: Context) -> Plan:
             for b in late:
                 log.warning("batch %s cannot finish by its expiry at the fleet's rate (%.0f estimated tokens/s); "
                             "it is served before other batches", b.id, rate)
-        if finish:
-            session.execute(
-                update(Batch),
-                [{"id": bid, "estimated_completion_at": round(at)} for bid, at in sorted(finish.items())],
-                execution_options={"synchronize_session": False},
-            )
+        # only the estimates that moved: a batch's row is what its result writers queue on
+        was = {b.id: b.estimated_completion_at for b in batches}
+        moved = [{"id": bid, "estimated_completion_at": round(at)} for bid, at in sorted(finish.items())
+                 if was[bid] is None or abs(round(at) - was[bid]) >= ETA_STEP_SECONDS]
+        if moved:
+            session.execute(update(Batch), moved, execution_options={"synchronize_session": False})
     return Plan(rate, finish, [b.id for b in late])
