@@ -2,8 +2,8 @@
 
 Polls: `wrk` (Debian's C load generator, installed with apt-get when missing, so that the client's
 own CPU does not decide the figure) with C keep-alive connections on `GET /v1/batches/{id}`, as fast
-as they go (a closed loop) and paced to a target rate (each connection waits C/rate s between
-its polls), printing polls/s, p50/p99/max latency, non-200 answers and the API's CPU per poll:
+as they go (a closed loop) and paced to a target rate (each wrk thread sends its share of the
+rate on a fixed schedule, whatever the answers' latency), printing polls/s, p50/p99/max latency, non-200 answers and the API's CPU per poll:
 
 1. the embedded default: `batchapi serve` with no configuration (SQLite, the worker in a child
    process, the access log on), polled on a finished batch (the engine idle);
@@ -45,10 +45,27 @@ from procs import answers, cpu_model, free_port, stat_fields, stop_group, wait_u
 BIN = Path(sys.executable).parent / "batchapi"
 PG_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 TERMINAL = {"completed", "failed", "expired", "cancelled"}
-# wrk's summary as one JSON line; a paced run waits ``pause`` ms between a connection's polls
+# wrk's summary as one JSON line. A paced run keeps each wrk thread to its share of the rate on a
+# fixed schedule (a poll's slot is the previous slot plus the period; it waits only until its slot),
+# so the offered rate does not fall as the answers slow, as a fixed pause after each answer would.
 WRK_SCRIPT = """
-local pause = tonumber(os.getenv("POLL_PAUSE_MS") or "0")
-if pause > 0 then delay = function() return pause end end
+local period = tonumber(os.getenv("POLL_PERIOD_MS") or "0")
+if period > 0 then
+  local ffi = require("ffi")
+  ffi.cdef[[ typedef struct { long tv_sec; long tv_nsec; } poll_timespec;
+             int clock_gettime(int clk_id, poll_timespec *tp); ]]
+  local ts = ffi.new("poll_timespec")
+  local function now_ms()
+    ffi.C.clock_gettime(1, ts)  -- CLOCK_MONOTONIC
+    return tonumber(ts.tv_sec) * 1000 + tonumber(ts.tv_nsec) / 1e6
+  end
+  local slot = nil
+  delay = function()
+    local t = now_ms()
+    slot = (slot == nil or slot < t - 1000) and t or slot + period  -- a slot missed by a second is dropped
+    return math.max(0, math.floor(slot - t))
+  end
+end
 done = function(summary, latency, requests)
   local e = summary.errors
   io.write(string.format('{"count": %d, "seconds": %.3f, "non_2xx": %d, "socket_errors": %d, '
@@ -175,11 +192,12 @@ class Wrk:
                  rate: float | None = None):
         script = workdir / "poll.lua"
         script.write_text(WRK_SCRIPT)
-        pause = 0 if rate is None else round(1000 * connections / rate)
+        threads = min(connections, 2)
+        period = 0 if rate is None else 1000 * threads / rate  # ms between one thread's polls
         self.proc = subprocess.Popen(
-            [ensure_wrk(), "-t", str(min(connections, 2)), "-c", str(connections), "-d", f"{seconds:.0f}s",
+            [ensure_wrk(), "-t", str(threads), "-c", str(connections), "-d", f"{seconds:.0f}s",
              "--timeout", "10s", "-s", str(script), "-H", f"Authorization: Bearer {key}", url],
-            env=dict(os.environ, POLL_PAUSE_MS=str(pause)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=dict(os.environ, POLL_PERIOD_MS=f"{period:.4f}"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
 
     def stop(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractContextManager, asynccontextmanager, nullcontext
@@ -82,6 +83,10 @@ def create_app(
         sweeper.start()
         try:
             with hook(ctx) if hook else nullcontext():
+                # what start-up made (imports, the app, the settings) lives as long as the process:
+                # out of the collector's sight, a full collection no longer walks it (tens of ms on
+                # the loop, the polls' p99: docs/BENCHMARKS.md, "Polling")
+                gc.freeze()
                 try:
                     yield
                 finally:
