@@ -76,10 +76,6 @@ end
 """
 
 
-
-
-
-
 def group_cpu_seconds(pgid: int) -> float:
     """User + system CPU seconds of every live process in a process group (Linux)."""
     total = 0.0
@@ -93,6 +89,11 @@ def group_cpu_seconds(pgid: int) -> float:
         if int(fields[2]) == pgid:
             total += int(fields[11]) + int(fields[12])
     return total / os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu_seconds(pid: int) -> float:
+    fields = stat_fields(str(pid))
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def machine_busy_seconds() -> float:
@@ -262,14 +263,21 @@ def embedded_round(args, workdir: Path, http: httpx.Client, base: str, key: str,
     out = {}
     for name, rate in (("unloaded", 0), ("slow", args.slow_rate), ("max", None)):
         batch_id = upload_batch(http, args.lines, args.max_tokens, f"{round_}-{name}-{uuid.uuid4().hex[:6]}")
-        start = time.perf_counter()
+        start, api_cpu = time.perf_counter(), group_cpu_seconds(pgid)
         load = None if rate == 0 else Wrk(workdir, f"{base}/v1/batches/{batch_id}", key, args.connections, 3600, rate)
         batch = wait_status(http, batch_id, lambda b: b["status"] in TERMINAL, 1800)
-        out[f"batch_{name}_s"] = time.perf_counter() - start
+        out[f"batch_{name}_s"] = seconds = time.perf_counter() - start
         assert batch["status"] == "completed", batch
+        # where the time went: validating, running (the engine), finalizing
+        out[f"batch_{name}_phases"] = [batch["in_progress_at"] - batch["created_at"],
+                                       batch["finalizing_at"] - batch["in_progress_at"],
+                                       batch["completed_at"] - batch["finalizing_at"]]
         if load is not None:
+            # the cores the API and the load client took while the batch ran: the rest was the engine's to use
+            taken = group_cpu_seconds(pgid) - api_cpu + process_cpu_seconds(load.proc.pid)
             load.stop()
             out[f"batch_{name}_polls"] = load.result()["rate"]
+            out[f"batch_{name}_taken"] = taken / seconds
     # the polls on the last batch, finished: the API's own rate, the engine idle (the loaded batch
     # times above show the two together)
     url = f"{base}/v1/batches/{batch_id}"
@@ -390,15 +398,18 @@ def main() -> int:
     if embedded:
         print(f"\nthe embedded default's batch of {args.lines} requests x {args.max_tokens} tokens: unloaded, while "
               f"{args.connections} connections poll it at {args.slow_rate:.0f}/s, and as fast as they go (ratio: "
-              f"over the unloaded time of the same round)")
-        print("| worker | round | unloaded s | polls/s | s | ratio | polls/s | s | ratio |")
-        print("|---|---|---|---|---|---|---|---|---|")
+              f"over the unloaded time of the same round; API + wrk: the cores those took meanwhile; bound: the "
+              f"ratio at which the engine runs at the share of the {os.cpu_count()} cores they left it)")
+        print("| worker | round | unloaded s | polls/s | s | ratio | polls/s | API + wrk cores | s | ratio | bound |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for name, rounds in (("child process", embedded), ("threads of the API (peer)", in_threads)):
             for i, r in enumerate(rounds):
                 base = r["batch_unloaded_s"]
+                cores = os.cpu_count()
+                bound = cores / max(cores - r["batch_max_taken"], 0.01)
                 print(f"| {name} | {i + 1} | {base:.1f} | {r['batch_slow_polls']:,.0f} | {r['batch_slow_s']:.1f} | "
-                      f"{r['batch_slow_s'] / base:.2f} | {r['batch_max_polls']:,.0f} | {r['batch_max_s']:.1f} | "
-                      f"{r['batch_max_s'] / base:.2f} |")
+                      f"{r['batch_slow_s'] / base:.2f} | {r['batch_max_polls']:,.0f} | {r['batch_max_taken']:.2f} | "
+                      f"{r['batch_max_s']:.1f} | {r['batch_max_s'] / base:.2f} | {bound:.2f} |")
     return 0
 
 

@@ -137,6 +137,10 @@ class WorkerProcess:
         # its own session: a Ctrl-C or a signal to serve's process group is serve's to handle;
         # serve stops it, and a serve that died closes its stdin, which stops it too
         env = {**os.environ, "BATCHAPI_EMBEDDED_METRICS_PORT": str(self.metrics_port)}
+        # the engine's CPU threads sleep, not spin, while they wait on each other: on cores the API
+        # shares, a spinning thread burns the core its descheduled sibling (or the API) needed, and
+        # the engine slowed several times the share the API took (docs/BENCHMARKS.md, "Polling")
+        env.setdefault("OMP_WAIT_POLICY", "passive")
         proc = subprocess.Popen(self.command, stdin=subprocess.PIPE, text=True, start_new_session=True, env=env)
         log.info("worker process %d started", proc.pid)
         return proc
