@@ -4,18 +4,22 @@ batch as the schema says."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 
+from batchapi.api.routes.batches import PollShortcut
 from batchapi.api.schemas import BatchObject
 from batchapi.db.models import Batch, Project
-from batchapi.db.projects import list_keys, revoke_key
+from batchapi.db.projects import KeyCache, list_keys, revoke_key
+from batchapi.db.reads import open_reads
 from tests.utils.batch_service import new_key
 from tests.utils.job_rows import make_batch
 from tests.utils.services import free_port, fresh_database
@@ -123,3 +127,51 @@ def _answers(url: str) -> bool:
         return httpx.get(url, timeout=2).status_code == 200
     except httpx.TransportError:
         return False
+
+
+def test_the_poll_shortcut_answers_a_cached_key_and_leaves_everything_else_to_the_app(sqlite_jobs):
+    batch_id, _ = make_batch(sqlite_jobs, shards=2)
+    with sqlite_jobs.sessions() as session:
+        stored = session.get(Batch, batch_id)
+        expected = BatchObject.of(stored).model_dump_json().encode()
+    key_cache = KeyCache(60)
+    key_cache.put("sk-cached", stored.project_id)
+    key_cache.put("sk-other-project", "proj_other")
+    state = SimpleNamespace(ctx=sqlite_jobs, key_cache=key_cache, reads=open_reads(sqlite_jobs.settings))
+    to_app: list[str] = []
+
+    async def app(scope, receive, send):
+        to_app.append(f"{scope['method']} {scope['path']}")
+
+    shortcut = PollShortcut(app, state)
+
+    async def get(path: str, key: str, method: str = "GET") -> list[dict]:
+        sent: list[dict] = []
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "method": method, "path": path, "headers": [(b"authorization", f"Bearer {key}".encode())]}
+        await shortcut(scope, None, send)
+        return sent
+
+    async def polls():
+        await state.reads.open()
+        try:
+            return [await get(f"/v1/batches/{batch_id}", "sk-cached"),
+                    await get(f"/v1/batches/{batch_id}", "sk-unknown"),  # not in the cache: the app asks
+                    await get(f"/v1/batches/{batch_id}", "sk-other-project"),  # not theirs: the app's 404
+                    await get("/v1/batches/batch_0123abc", "sk-cached"),  # no such batch
+                    await get(f"/v1/batches/{batch_id}/cancel", "sk-cached", "POST")]
+        finally:
+            await state.reads.close()
+
+    answered, *passed_on = asyncio.run(polls())
+    assert answered == [
+        {"type": "http.response.start", "status": 200,
+         "headers": [(b"content-length", str(len(expected)).encode()), (b"content-type", b"application/json")]},
+        {"type": "http.response.body", "body": expected},
+    ]
+    assert passed_on == [[], [], [], []]
+    assert to_app == [f"GET /v1/batches/{batch_id}"] * 2 + ["GET /v1/batches/batch_0123abc",
+                                                             f"POST /v1/batches/{batch_id}/cancel"]

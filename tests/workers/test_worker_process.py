@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -159,3 +162,64 @@ def test_serve_killed_alone_takes_its_worker_down_with_it(serve):
     serve.proc.wait()
     wait_until(lambda: not any(alive(pid) for pid in (worker, *engine_cores)), 60, 0.1,
                "the worker and its engine core to stop once serve is gone")
+
+
+class PollLoad:
+    """``rate`` polls/s in total of ``GET path`` over ``connections`` keep-alive sockets, each on a
+    thread of its own and on a fixed schedule: raw HTTP/1.1, so the client's own CPU stays small."""
+
+    def __init__(self, port: int, path: str, rate: float, connections: int = 8):
+        self.port, self.period = port, connections / rate
+        self.request = f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode()
+        self.stopping = threading.Event()
+        self.answered = 0
+        self.threads = [threading.Thread(target=self._run, args=(i / rate,), daemon=True) for i in range(connections)]
+        for thread in self.threads:
+            thread.start()
+
+    def _run(self, offset: float) -> None:
+        with socket.create_connection(("127.0.0.1", self.port)) as sock:
+            slot = time.monotonic() + offset
+            while not self.stopping.is_set():
+                time.sleep(max(0.0, slot - time.monotonic()))
+                slot += self.period
+                sock.sendall(self.request)
+                head = b""
+                while b"\r\n\r\n" not in head:
+                    head += sock.recv(65536)
+                header, body = head.split(b"\r\n\r\n", 1)
+                assert header.startswith(b"HTTP/1.1 200"), header
+                length = int(next(line.split(b":")[1] for line in header.split(b"\r\n")
+                                  if line.lower().startswith(b"content-length")))
+                while len(body) < length:
+                    body += sock.recv(65536)
+                self.answered += 1
+
+    def stop(self) -> int:
+        self.stopping.set()
+        for thread in self.threads:
+            thread.join(10)
+        return self.answered
+
+
+def test_polls_at_200_a_second_leave_the_batch_within_half_again_its_time(serve):
+    """The embedded default's batch under 200 polls/s takes at most 1.5x its unloaded time (the
+    best of two runs each way, interleaved; bench/poll_load.py measures the tighter 1.2x)."""
+    with httpx.Client(base_url=serve.base_url, timeout=30) as http:
+        model = http.get("/v1/models").json()["data"][0]["id"]
+        finished(http, submit(http, lines_for(model, 2, prefix="warm", max_tokens=2)), 120)
+        seconds: dict[bool, list[float]] = {False: [], True: []}
+        for round_ in range(2):
+            for polled in (False, True):
+                lines = lines_for(model, 16, prefix=f"polls-{round_}-{polled}", max_tokens=16)
+                start = time.monotonic()
+                batch_id = submit(http, lines)
+                load = PollLoad(serve.port, f"/v1/batches/{batch_id}", 200) if polled else None
+                batch = wait_until(lambda: (b := http.get(f"/v1/batches/{batch_id}").json())["status"] == "completed"
+                                   and b, 300, 0.05, "the batch")
+                seconds[polled].append(time.monotonic() - start)
+                if load is not None:
+                    answered = load.stop()
+                    assert answered >= 0.8 * 200 * seconds[True][-1]  # the API kept up with the polls
+                assert batch["request_counts"]["completed"] == 16
+    assert min(seconds[True]) <= 1.5 * min(seconds[False]), seconds
