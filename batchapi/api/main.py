@@ -53,11 +53,13 @@ def create_app(
     storage: Storage | None = None,
     hook: Hook | None = None,
     sweep_shards: bool = False,
+    freeze_start_up: bool = False,
 ) -> FastAPI:
     """The API. ``dispatcher`` hears about validated and cancelled batches; ``hook(ctx)`` is a
     context manager entered for the app's lifetime (the embedded worker runs inside it). The API
     always sweeps for validations; ``sweep_shards`` adds the sweeper's shard steps, which are
-    ``batchapi beat``'s in production and the embedded worker's host's without a broker."""
+    ``batchapi beat``'s in production and the embedded worker's host's without a broker.
+    ``freeze_start_up``: the app has its process to itself (``batchapi serve``)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -83,10 +85,13 @@ def create_app(
         sweeper.start()
         try:
             with hook(ctx) if hook else nullcontext():
-                # what start-up made (imports, the app, the settings) lives as long as the process:
-                # out of the collector's sight, a full collection no longer walks it (tens of ms on
-                # the loop, the polls' p99: docs/BENCHMARKS.md, "Polling")
-                gc.freeze()
+                if freeze_start_up:
+                    # what start-up made (imports, the app, the settings) lives as long as the
+                    # process: out of the collector's sight, a full collection no longer walks it
+                    # (tens of ms on the loop, the polls' p99: docs/BENCHMARKS.md, "Polling");
+                    # collected first, so no start-up garbage is kept for good
+                    gc.collect()
+                    gc.freeze()
                 try:
                     yield
                 finally:
@@ -140,5 +145,5 @@ def serve(settings: Settings, *, dispatcher: Dispatcher | None = None, hook: Hoo
         with metrics.shared_across_processes(settings):
             uvicorn.run(factory, factory=True, workers=settings.api_workers, **options, **server_options())
         return
-    app = create_app(settings, dispatcher=dispatcher, hook=hook, sweep_shards=sweep_shards)
+    app = create_app(settings, dispatcher=dispatcher, hook=hook, sweep_shards=sweep_shards, freeze_start_up=True)
     uvicorn.run(app, **options, **server_options())

@@ -101,7 +101,7 @@ def api_app():
 
     _configure_logging(verbose=False)
     settings = load_settings()
-    return create_app(settings, dispatcher=_celery_dispatcher(settings))
+    return create_app(settings, dispatcher=_celery_dispatcher(settings), freeze_start_up=True)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:

@@ -19,7 +19,7 @@ from batchapi.api.routes.batches import PollShortcut
 from batchapi.api.schemas import BatchObject
 from batchapi.db.models import Batch, Project
 from batchapi.db.projects import KeyCache, list_keys, revoke_key
-from batchapi.db.reads import open_reads
+from batchapi.db.reads import AsyncReads, open_reads
 from tests.utils.batch_service import new_key
 from tests.utils.job_rows import make_batch
 from tests.utils.services import free_port, fresh_database
@@ -166,12 +166,22 @@ def test_the_poll_shortcut_answers_a_cached_key_and_leaves_everything_else_to_th
         finally:
             await state.reads.close()
 
+    async def unreachable():  # a failed read goes on to the app too, which answers its 503
+        state.reads = AsyncReads("postgresql://postgres@127.0.0.1:1/nothing?connect_timeout=1", 1, timeout=1.0)
+        await state.reads.pool.open(wait=False)
+        try:
+            return await get(f"/v1/batches/{batch_id}", "sk-cached")
+        finally:
+            await state.reads.close()
+
     answered, *passed_on = asyncio.run(polls())
+    passed_on.append(asyncio.run(unreachable()))
     assert answered == [
         {"type": "http.response.start", "status": 200,
          "headers": [(b"content-length", str(len(expected)).encode()), (b"content-type", b"application/json")]},
         {"type": "http.response.body", "body": expected},
     ]
-    assert passed_on == [[], [], [], []]
+    assert passed_on == [[], [], [], [], []]
     assert to_app == [f"GET /v1/batches/{batch_id}"] * 2 + ["GET /v1/batches/batch_0123abc",
-                                                             f"POST /v1/batches/{batch_id}/cancel"]
+                                                             f"POST /v1/batches/{batch_id}/cancel",
+                                                             f"GET /v1/batches/{batch_id}"]

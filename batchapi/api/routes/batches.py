@@ -86,9 +86,10 @@ class PollShortcut:
     sends most: ``GET /v1/batches/{id}`` with a key the key cache holds (or auth off), of a batch
     the reads find. Routing, dependency solving and the route's wrappers were two thirds of a
     poll's API CPU (docs/BENCHMARKS.md, "Polling"); here the poll costs the read and the send.
-    Anything else, a refusal or a miss included, goes on to the app, which answers it as ever. A
-    pure ASGI middleware inside the others (request id, security headers, HTTP metrics), so the
-    response carries what theirs does; ``scope["route"]`` is the route's own, for the metrics."""
+    Anything else, a refusal, a miss or a failed read included, goes on to the app, which answers
+    it as ever. A pure ASGI middleware inside the others (request id, security headers, HTTP
+    metrics), so the response carries what theirs does; ``scope["route"]`` is the route's own, for
+    the metrics."""
 
     def __init__(self, app, state) -> None:
         self.app, self.state = app, state
@@ -98,7 +99,10 @@ class PollShortcut:
         found = POLLED.fullmatch(scope["path"]) if scope["type"] == "http" and scope["method"] == "GET" else None
         reads: AsyncReads | SqliteReads | None = getattr(self.state, "reads", None) if found else None
         project_id = self._project(scope) if reads is not None else None
-        body = await reads.rendered(project_id, found.group(1), _render) if project_id is not None else None
+        try:
+            body = await reads.rendered(project_id, found.group(1), _render) if project_id is not None else None
+        except Exception:  # noqa: BLE001 - the app reads again and answers with its error (503, say)
+            body = None
         if body is None:
             return await self.app(scope, receive, send)
         scope["route"] = self.route
