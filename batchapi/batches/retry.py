@@ -4,8 +4,10 @@ not in the shard's output, ``_ShardOutcomes``), or, for a batch that ended befor
 every request of its input.
 
 The new batch's input file holds those lines as the original input held them, in input order;
-its endpoint, completion window, metadata and ``output_expires_after`` are the original's, and
-``retry_of`` names it. An ``Idempotency-Key`` makes the call safe to repeat: the key is stored on the new batch, so the same
+its endpoint, completion window, metadata, ``output_expires_after``, ``priority`` and
+``result_cache`` are the original's, and ``retry_of`` names it. An original with a ``max_cost``
+passes on what it left unspent as the retry's cap (the two together never cost more than the cap);
+one that spent it all is not retried (409 ``max_cost_reached``). An ``Idempotency-Key`` makes the call safe to repeat: the key is stored on the new batch, so the same
 key gets the same batch back, across restarts too.
 """
 
@@ -20,12 +22,14 @@ from dataclasses import dataclass
 from sqlalchemy import select
 
 from batchapi.batches import messages, request_results, service
+from batchapi.batches.billing import cost, format_amount
 from batchapi.batches.files import delete_file, get_file_row, upload_file
 from batchapi.batches.states import DONE_SHARDS, TERMINAL, BatchStatus
 from batchapi.context import Context
 from batchapi.db.models import Batch, Shard
 from batchapi.errors import Conflict, InvalidRequest, NotFound
 from batchapi.openai.body import MESSAGES
+from batchapi.openai.errors import ErrorCode
 from batchapi.openai.lines import LongLine, is_blank, iter_lines, peek_line, strip_bom
 from batchapi.openai.text import check_text
 
@@ -44,6 +48,13 @@ def retry_batch(ctx: Context, project_id: str, bid: str, idempotency_key: str | 
         existing = service.by_idempotency_key(ctx, project_id, idempotency_key, service.retry_fingerprint(bid))
         if existing is not None:
             return existing
+    budget = None
+    if original.max_cost is not None:
+        budget = original.max_cost - cost(original).amount
+        if budget <= 0:
+            raise Conflict(f"Batch {bid} spent its max_cost of {format_amount(original.max_cost)} "
+                           f"{original.currency}; a retry would spend more. Create a batch with a max_cost of its "
+                           "own to run these requests.", "batch_id", code=str(ErrorCode.MAX_COST_REACHED))
     with tempfile.SpooledTemporaryFile(SPOOL_BYTES) as spool:
         count = _write_input(ctx, original, spool)
         if not count:
@@ -56,7 +67,8 @@ def retry_batch(ctx: Context, project_id: str, bid: str, idempotency_key: str | 
     keep = original.output_expires_after  # its output files expire as the original's do
     batch = service.create_batch(ctx, project_id, file.id, original.endpoint, original.completion_window,
                                  original.metadata_, idempotency_key, retry_of=bid,
-                                 output_expires_after={"anchor": "created_at", "seconds": keep} if keep else None)
+                                 output_expires_after={"anchor": "created_at", "seconds": keep} if keep else None,
+                                 result_cache=original.result_cache, priority=original.priority, max_cost=budget)
     if batch.input_file_id != file.id:  # the same key raced us and won: its batch, and no second file
         delete_file(ctx, project_id, file.id)
     log.info("batch %s retries %d requests of %s", batch.id, count, bid)

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import io
 import json
+from decimal import Decimal
 
 import pytest
 from sqlalchemy import update
 
 from batchapi.batches import leases, request_results, service
+from batchapi.batches.billing import cost
 from batchapi.batches.files import upload_file
 from batchapi.batches.finalize import finalize_batch
 from batchapi.batches.leases import Outcome
@@ -188,3 +190,25 @@ def test_an_original_whose_input_is_gone_cannot_be_retried(any_jobs, project):
     with pytest.raises(NotFound) as gone:
         retry_batch(ctx, project, original)
     assert "expired" in str(gone.value) and gone.value.param == "batch_id"
+
+
+def test_a_retry_keeps_the_originals_priority_and_cache_choice_and_the_rest_of_its_cap(any_jobs, project):
+    ctx = any_jobs
+    f = upload_file(ctx, project, "in.jsonl", "batch", io.BytesIO(jsonl(
+        [request_line(cid, served_model_id(ctx.settings), "Say hello.", max_tokens=3) for cid in "ab"])))
+    originals = [service.create_batch(ctx, project, f.id, CHAT, "24h", result_cache=False, priority=7,
+                                      max_cost=Decimal("2.00")).id for _ in range(2)]
+    for original in originals:
+        service.cancel_batch(ctx, project, original)
+        assert leases.settle_cancelled_validation(ctx, original) == BatchStatus.CANCELLED
+    with session_scope(ctx.sessions) as session:  # what they spent before they were stopped
+        for original, output_tokens in zip(originals, (1_000_000, 100_000_000), strict=True):
+            session.execute(update(Batch).where(Batch.id == original).values(output_tokens=output_tokens))
+        spent = [cost(session.get(Batch, original)).amount for original in originals]
+    assert Decimal(0) < spent[0] < Decimal(2) <= spent[1], spent
+
+    retry = retry_batch(ctx, project, originals[0])
+    assert (retry.priority, retry.result_cache, retry.max_cost) == (7, False, Decimal(2) - spent[0])
+    with pytest.raises(Conflict) as refused:  # it spent its cap: a retry would spend more
+        retry_batch(ctx, project, originals[1])
+    assert refused.value.code == "max_cost_reached"
