@@ -110,7 +110,12 @@ class RejectNulMiddleware:
         await self.app(scope, receive, send)
 
 
-async def _database_down(_request: Request, exc: Exception) -> JSONResponse:
+# the database is unreachable or out of connections (a 503 with Retry-After, ``database_down``)
+DATABASE_DOWN = (sqlalchemy.exc.OperationalError, sqlalchemy.exc.TimeoutError, psycopg.OperationalError,
+                 psycopg_pool.PoolTimeout)
+
+
+async def database_down(_request: Request | None, exc: Exception) -> JSONResponse:
     # the database is unreachable or out of connections: retry later, nothing was changed
     log.warning("database unavailable: %s", exc)
     return error_response(503, "The service's database is unavailable; please retry.", None,
@@ -150,8 +155,7 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _shaped(_validation_error))
     app.add_exception_handler(StarletteHTTPException, _shaped(_http_error))
     app.add_exception_handler(DataError, _shaped(_bad_value))
-    for exc in (sqlalchemy.exc.OperationalError, sqlalchemy.exc.TimeoutError, psycopg.OperationalError,
-                psycopg_pool.PoolTimeout):
-        app.add_exception_handler(exc, _shaped(_database_down))
+    for exc in DATABASE_DOWN:
+        app.add_exception_handler(exc, _shaped(database_down))
     app.add_exception_handler(Exception, _shaped(_unexpected))
     app.add_middleware(RejectNulMiddleware)

@@ -108,8 +108,8 @@ def create_app(
     app = FastAPI(title="batchapi", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     shared = settings.prometheus_multiproc_dir  # several API processes on one port
     app.state.metrics_registry = registry = metrics.api_registry(shared_dir=shared)
+    app.add_middleware(batches.PollShortcut, state=app.state)  # the innermost of ours (added first)
     errors.install(app)
-    app.add_middleware(batches.PollShortcut, state=app.state)  # the innermost of ours
     app.add_middleware(BodyLimit, per_path={"/v1/files": settings.max_upload_bytes + FORM_OVERHEAD_BYTES,
                                             "/v1/messages/batches": messages.MAX_BODY_BYTES,
                                             uploads.PARTS_PATH: uploads.MAX_PART_BYTES + FORM_OVERHEAD_BYTES})

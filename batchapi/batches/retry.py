@@ -6,8 +6,9 @@ every request of its input.
 The new batch's input file holds those lines as the original input held them, in input order;
 its endpoint, completion window, metadata, ``output_expires_after``, ``priority`` and
 ``result_cache`` are the original's, and ``retry_of`` names it. An original with a ``max_cost``
-passes on what it left unspent as the retry's cap (the two together never cost more than the cap);
-one that spent it all is not retried (409 ``max_cost_reached``). An ``Idempotency-Key`` makes the call safe to repeat: the key is stored on the new batch, so the same
+passes on what it left as the retry's cap (its cap less its cost and less the caps of its earlier
+retries, so the original and all its retries together stay within the cap); one with nothing left
+is not retried (409 ``max_cost_reached``). An ``Idempotency-Key`` makes the call safe to repeat: the key is stored on the new batch, so the same
 key gets the same batch back, across restarts too.
 """
 
@@ -18,8 +19,9 @@ import tempfile
 from bisect import bisect_right
 from collections.abc import Iterator
 from dataclasses import dataclass
+from decimal import Decimal
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from batchapi.batches import messages, request_results, service
 from batchapi.batches.billing import cost, format_amount
@@ -48,13 +50,12 @@ def retry_batch(ctx: Context, project_id: str, bid: str, idempotency_key: str | 
         existing = service.by_idempotency_key(ctx, project_id, idempotency_key, service.retry_fingerprint(bid))
         if existing is not None:
             return existing
-    budget = None
-    if original.max_cost is not None:
-        budget = original.max_cost - cost(original).amount
-        if budget <= 0:
-            raise Conflict(f"Batch {bid} spent its max_cost of {format_amount(original.max_cost)} "
-                           f"{original.currency}; a retry would spend more. Create a batch with a max_cost of its "
-                           "own to run these requests.", "batch_id", code=str(ErrorCode.MAX_COST_REACHED))
+    budget = _unspent(ctx, original)
+    if budget is not None and budget <= 0:
+        raise Conflict(f"Batch {bid} and its retries have spent or been given its max_cost of "
+                       f"{format_amount(original.max_cost)} {original.currency}; a retry would spend more. Retry "
+                       "its latest retry, or create a batch with a max_cost of its own.", "batch_id",
+                       code=str(ErrorCode.MAX_COST_REACHED))
     with tempfile.SpooledTemporaryFile(SPOOL_BYTES) as spool:
         count = _write_input(ctx, original, spool)
         if not count:
@@ -73,6 +74,18 @@ def retry_batch(ctx: Context, project_id: str, bid: str, idempotency_key: str | 
         delete_file(ctx, project_id, file.id)
     log.info("batch %s retries %d requests of %s", batch.id, count, bid)
     return batch
+
+
+def _unspent(ctx: Context, original: Batch) -> Decimal | None:
+    """What the original's ``max_cost`` leaves for a retry: the cap less its own cost and less the
+    cap of each earlier retry of it (a retry's cap bounds it and its own retries), so a batch and
+    all its retries together stay within the cap however often it is retried. None: no cap."""
+    if original.max_cost is None:
+        return None
+    with ctx.sessions() as session:
+        given = session.scalar(select(func.coalesce(func.sum(Batch.max_cost), 0)).where(
+            Batch.retry_of == original.id, Batch.project_id == original.project_id))
+    return original.max_cost - cost(original).amount - Decimal(given)
 
 
 def _write_input(ctx: Context, original: Batch, out) -> int:

@@ -209,6 +209,9 @@ def test_a_retry_keeps_the_originals_priority_and_cache_choice_and_the_rest_of_i
 
     retry = retry_batch(ctx, project, originals[0])
     assert (retry.priority, retry.result_cache, retry.max_cost) == (7, False, Decimal(2) - spent[0])
+    with pytest.raises(Conflict) as again:  # the first retry was given all that was left
+        retry_batch(ctx, project, originals[0])
+    assert again.value.code == "max_cost_reached"
     with pytest.raises(Conflict) as refused:  # it spent its cap: a retry would spend more
         retry_batch(ctx, project, originals[1])
     assert refused.value.code == "max_cost_reached"

@@ -166,19 +166,23 @@ def test_serve_killed_alone_takes_its_worker_down_with_it(serve):
 
 class PollLoad:
     """``rate`` polls/s in total of ``GET path`` over ``connections`` keep-alive sockets, each on a
-    thread of its own and on a fixed schedule: raw HTTP/1.1, so the client's own CPU stays small."""
+    thread of its own and on a fixed schedule: raw HTTP/1.1, so the client's own CPU stays small.
+    ``stop`` gives the polls answered with a 200 a second while it ran; a connection the server
+    closed, an answer that is not a 200, or one 30 s late ends that thread's polls."""
 
     def __init__(self, port: int, path: str, rate: float, connections: int = 8):
         self.port, self.period = port, connections / rate
         self.request = f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode()
         self.stopping = threading.Event()
-        self.answered = 0
-        self.threads = [threading.Thread(target=self._run, args=(i / rate,), daemon=True) for i in range(connections)]
+        self.answered = [0] * connections  # each thread its own count
+        self.started = time.monotonic()
+        self.threads = [threading.Thread(target=self._run, args=(i, i / rate), daemon=True)
+                        for i in range(connections)]
         for thread in self.threads:
             thread.start()
 
-    def _run(self, offset: float) -> None:
-        with socket.create_connection(("127.0.0.1", self.port)) as sock:
+    def _run(self, index: int, offset: float) -> None:
+        with socket.create_connection(("127.0.0.1", self.port), timeout=30) as sock:
             slot = time.monotonic() + offset
             while not self.stopping.is_set():
                 time.sleep(max(0.0, slot - time.monotonic()))
@@ -186,20 +190,27 @@ class PollLoad:
                 sock.sendall(self.request)
                 head = b""
                 while b"\r\n\r\n" not in head:
-                    head += sock.recv(65536)
+                    chunk = sock.recv(65536)
+                    if not chunk:
+                        return
+                    head += chunk
                 header, body = head.split(b"\r\n\r\n", 1)
-                assert header.startswith(b"HTTP/1.1 200"), header
+                if not header.startswith(b"HTTP/1.1 200"):
+                    return
                 length = int(next(line.split(b":")[1] for line in header.split(b"\r\n")
                                   if line.lower().startswith(b"content-length")))
                 while len(body) < length:
-                    body += sock.recv(65536)
-                self.answered += 1
+                    chunk = sock.recv(65536)
+                    if not chunk:
+                        return
+                    body += chunk
+                self.answered[index] += 1
 
-    def stop(self) -> int:
+    def stop(self) -> float:
         self.stopping.set()
         for thread in self.threads:
-            thread.join(10)
-        return self.answered
+            thread.join(35)
+        return sum(self.answered) / (time.monotonic() - self.started)
 
 
 def test_polls_at_200_a_second_leave_the_batch_within_half_again_its_time(serve):
@@ -219,7 +230,6 @@ def test_polls_at_200_a_second_leave_the_batch_within_half_again_its_time(serve)
                                    == "completed" and b, 300, 0.05, "the batch")
                 seconds[polled].append(time.monotonic() - start)
                 if load is not None:
-                    answered = load.stop()
-                    assert answered >= 0.8 * 200 * seconds[True][-1]  # the API kept up with the polls
+                    assert load.stop() >= 0.8 * 200  # polls/s answered: the API kept up with them
                 assert batch["request_counts"]["completed"] == 24
     assert min(seconds[True]) <= 1.5 * min(seconds[False]), seconds

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response, StreamingResponse
 
 from batchapi.api.deps import ContextDep, IdempotencyKey, ProjectDep
+from batchapi.api.errors import DATABASE_DOWN, database_down
 from batchapi.api.schemas import (
     BatchDiffObject,
     BatchList,
@@ -86,8 +87,8 @@ class PollShortcut:
     sends most: ``GET /v1/batches/{id}`` with a key the key cache holds (or auth off), of a batch
     the reads find. Routing, dependency solving and the route's wrappers were two thirds of a
     poll's API CPU (docs/BENCHMARKS.md, "Polling"); here the poll costs the read and the send.
-    Anything else, a refusal, a miss or a failed read included, goes on to the app, which answers
-    it as ever. A pure ASGI middleware inside the others (request id, security headers, HTTP
+    Anything else, a refusal or a miss included, goes on to the app, which answers it as ever; a
+    database that cannot be reached gets the app's 503 here. A pure ASGI middleware inside the others (request id, security headers, HTTP
     metrics), so the response carries what theirs does; ``scope["route"]`` is the route's own, for
     the metrics."""
 
@@ -101,8 +102,8 @@ class PollShortcut:
         project_id = self._project(scope) if reads is not None else None
         try:
             body = await reads.rendered(project_id, found.group(1), _render) if project_id is not None else None
-        except Exception:  # noqa: BLE001 - the app reads again and answers with its error (503, say)
-            body = None
+        except DATABASE_DOWN as exc:  # answered here: the app would wait for the same pool again
+            return await (await database_down(None, exc))(scope, receive, send)
         if body is None:
             return await self.app(scope, receive, send)
         scope["route"] = self.route
