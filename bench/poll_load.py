@@ -40,7 +40,7 @@ import uuid
 from pathlib import Path
 
 import httpx
-from procs import answers, cpu_model, free_port, stat_fields, stop_group, wait_until
+from procs import answers, cpu_model, cpu_seconds, free_port, stat_fields, stop_group, wait_until
 
 BIN = Path(sys.executable).parent / "batchapi"
 PG_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -89,11 +89,6 @@ def group_cpu_seconds(pgid: int) -> float:
         if int(fields[2]) == pgid:
             total += int(fields[11]) + int(fields[12])
     return total / os.sysconf("SC_CLK_TCK")
-
-
-def process_cpu_seconds(pid: int) -> float:
-    fields = stat_fields(str(pid))
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def machine_busy_seconds() -> float:
@@ -274,7 +269,7 @@ def embedded_round(args, workdir: Path, http: httpx.Client, base: str, key: str,
                                        batch["completed_at"] - batch["finalizing_at"]]
         if load is not None:
             # the cores the API and the load client took while the batch ran: the rest was the engine's to use
-            taken = group_cpu_seconds(pgid) - api_cpu + process_cpu_seconds(load.proc.pid)
+            taken = group_cpu_seconds(pgid) - api_cpu + cpu_seconds(load.proc.pid)
             load.stop()
             out[f"batch_{name}_polls"] = load.result()["rate"]
             out[f"batch_{name}_taken"] = taken / seconds

@@ -18,11 +18,16 @@ async def get_context(request: Request) -> Context:  # async: no threadpool roun
 ContextDep = Annotated[Context, Depends(get_context)]
 
 
+def bearer(authorization: str | None) -> str | None:
+    """The key of an ``Authorization: Bearer KEY`` header; None for another scheme or none."""
+    scheme, _, key = (authorization or "").partition(" ")
+    return key.strip() if scheme.lower() == "bearer" else None
+
+
 async def get_project_id(request: Request, ctx: ContextDep) -> str:
     """The project of the request's API key (``Authorization: Bearer KEY``). Async, so that a key
     seen in the last BATCHAPI_AUTH_CACHE_SECONDS costs neither a thread nor a query."""
-    scheme, _, key = (request.headers.get("authorization") or "").partition(" ")
-    return await _project_of(request, ctx, key.strip() if scheme.lower() == "bearer" else None)
+    return await _project_of(request, ctx, bearer(request.headers.get("authorization")))
 
 
 async def get_anthropic_project_id(request: Request, ctx: ContextDep) -> str:
@@ -55,8 +60,7 @@ async def get_identity(request: Request, ctx: ContextDep) -> Identity:
     With auth off (``BATCHAPI_AUTH_REQUIRED=false``), an admin of the default project."""
     if not ctx.settings.auth_required:
         return Identity("", request.app.state.default_project_id, True)
-    scheme, _, key = (request.headers.get("authorization") or "").partition(" ")
-    return await run_in_threadpool(_identify, ctx, key.strip() if scheme.lower() == "bearer" else None)
+    return await run_in_threadpool(_identify, ctx, bearer(request.headers.get("authorization")))
 
 
 def _identify(ctx: Context, key: str | None) -> Identity:

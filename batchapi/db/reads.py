@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 import psycopg
@@ -41,7 +42,7 @@ BATCH_SQL, BATCH_ATTRS = _batch_query(postgresql.psycopg.dialect())
 RENDERS_KEPT = 4096  # batches whose last rendering is kept (the oldest goes first)
 
 
-class _Reads:
+class _Reads(ABC):
     """What both readers give: a batch by id and project, or its rendering, kept with the row it
     was rendered from (the last ``RENDERS_KEPT`` batches'). A reader supplies ``_read`` (the row)
     and ``_batch`` (the row as a transient ``Batch``)."""
@@ -49,11 +50,13 @@ class _Reads:
     def __init__(self) -> None:
         self._last: dict[tuple[str, str], tuple[tuple, bytes]] = {}
 
+    @abstractmethod
     async def _read(self, project_id: str, batch_id: str) -> tuple | None:
-        raise NotImplementedError
+        """The batch's row, or None."""
 
+    @abstractmethod
     def _batch(self, row: tuple) -> Batch:
-        raise NotImplementedError
+        """The row as a transient ``Batch``."""
 
     async def batch(self, project_id: str, batch_id: str) -> Batch | None:
         row = await self._read(project_id, batch_id)

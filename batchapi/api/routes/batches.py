@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response, StreamingResponse
 
-from batchapi.api.deps import ContextDep, IdempotencyKey, ProjectDep
+from batchapi.api.deps import ContextDep, IdempotencyKey, ProjectDep, bearer
 from batchapi.api.errors import DATABASE_DOWN, database_down
 from batchapi.api.schemas import (
     BatchDiffObject,
@@ -117,8 +117,8 @@ class PollShortcut:
             return self.state.default_project_id
         for name, value in scope["headers"]:
             if name == b"authorization":
-                scheme, _, key = value.decode("latin-1").partition(" ")
-                return self.state.key_cache.get(key.strip()) if scheme.lower() == "bearer" and key.strip() else None
+                key = bearer(value.decode("latin-1"))
+                return self.state.key_cache.get(key) if key else None
         return None
 
 
