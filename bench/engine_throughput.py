@@ -49,6 +49,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from batchapi.engine import EngineConfig, GenerationRequest, LLMEngine, SamplingParams
+from batchapi.engine.model.linears import Bf16StoredLinear
 from batchapi.engine.model.moe import SparseMoE
 from batchapi.models.store import resolve_model
 
@@ -116,12 +117,13 @@ def dense_twin(arch: str) -> dict:
 
 
 def build_arch(arch: str, out_dir: Path, tokenizer_dir: Path, dense: bool = False) -> Path:
-    """A random-weight model of ARCHS[arch] (or its dense twin) saved in out_dir, with the tokenizer."""
+    """A random-weight model of ARCHS[arch] (or its dense twin) saved in out_dir, with the tokenizer, in
+    bf16 as each family's checkpoints are released (transformers and a float32 engine widen it alike)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the builder is the tests' own
     from tests.utils.tiny_models import build_tiny_model
 
     family, fields = (DENSE[arch], dense_twin(arch)) if dense else (arch, ARCHS[arch][1])
-    return build_tiny_model(out_dir, tokenizer_dir, arch=family, **fields)
+    return build_tiny_model(out_dir, tokenizer_dir, arch=family, save_dtype="bfloat16", **fields)  # as released
 
 
 def chat_texts(count: int, seed: int = 0) -> list[str]:
@@ -236,11 +238,11 @@ def matmul_roofline(engine: LLMEngine, tokens_per_step: int, repeats: int = 5) -
     through the model's own linear layers (on CPU: with their weights packed for oneDNN). An
     expert's layers get its share of the routed tokens (tokens x k / experts, spread evenly)."""
     model = engine.runner.model
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    weights = [m.weight for m in linears]
+    linears = [m for m in model.modules() if isinstance(m, LINEARS)]
+    sizes = [(m.out_features, m.in_features) for m in linears]
     rows = _expert_rows(model, tokens_per_step)
     rows = [rows.get(m, tokens_per_step) for m in linears]
-    inputs = [torch.randn(n, w.shape[1], dtype=w.dtype) for n, w in zip(rows, weights, strict=True)]
+    inputs = [torch.randn(n, k, dtype=engine.runner.dtype) for n, (_, k) in zip(rows, sizes, strict=True)]
     with torch.inference_mode():
         for a, m in zip(inputs, linears, strict=True):
             m(a)
@@ -250,9 +252,9 @@ def matmul_roofline(engine: LLMEngine, tokens_per_step: int, repeats: int = 5) -
                 for a, m in zip(inputs, linears, strict=True):
                     m(a)
             best = min(best, clock.cpu)
-    flops = sum(2 * w.numel() * n for n, w in zip(rows, weights, strict=True))
+    flops = sum(2 * out * k * n for n, (out, k) in zip(rows, sizes, strict=True))
     print(f"  matmul FLOP/s at {tokens_per_step} tokens a step: {flops / best / 1e9:.0f} GFLOP/s "
-          f"({sum(w.numel() for w in weights) / 1e6:.1f}M matmul parameters)")
+          f"({sum(out * k for out, k in sizes) / 1e6:.1f}M matmul parameters)")
     return tokens_per_step / best
 
 
@@ -260,11 +262,12 @@ def _expert_rows(model, tokens: int) -> dict:
     rows = {}
     for moe in (m for m in model.modules() if isinstance(m, SparseMoE)):
         share = max(1, round(tokens * moe.top_k / len(moe.experts)))
-        rows |= {m: share for m in moe.experts.modules() if isinstance(m, torch.nn.Linear)}
+        rows |= {m: share for m in moe.experts.modules() if isinstance(m, LINEARS)}
     return rows
 
 
-MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise")
+LINEARS = (torch.nn.Linear, Bf16StoredLinear)  # the model's linear layers, packed for oneDNN or bf16-stored
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", "batchapi::linear_bf16w")
 
 
 def matmul_share(engine: LLMEngine, prompts, params) -> tuple[float, float]:
@@ -273,13 +276,23 @@ def matmul_share(engine: LLMEngine, prompts, params) -> tuple[float, float]:
     that runs the same matmuls at the same speed. An op's self time in the profiler is the wall
     time of its call on the engine's thread, which its OpenMP threads share: it is not divided
     by the thread count (until December 2026 it was, which halved the share on two threads)."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
+    stored = [m for m in engine.runner.model.modules() if isinstance(m, Bf16StoredLinear)]
+    for m in stored:  # a ctypes call: named for the profiler, as the aten ops are
+        m.forward = lambda x, f=m.forward: _recorded(record_function, f, x)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         with Clock() as clock:
             run_engine(engine, prompts, params)
+    for m in stored:
+        del m.forward
     spent = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in MATMUL_OPS) / 1e6
     return spent / clock.wall, clock.wall
+
+
+def _recorded(record_function, forward, x):
+    with record_function("batchapi::linear_bf16w"):
+        return forward(x)
 
 
 STEP_PARTS = {  # the ops of the engine's kernel table, by what they are
@@ -307,7 +320,7 @@ def step_breakdown(engine: LLMEngine, prompts, params, run=None) -> str:
 
     runner, ops = engine.runner, engine.runner.ops
     saved_ops = {op: getattr(ops, op) for ops_ in STEP_PARTS.values() for op in ops_}
-    linears = [m for m in runner.model.modules() if isinstance(m, torch.nn.Linear) or hasattr(m, "inner")]
+    linears = [m for m in runner.model.modules() if isinstance(m, LINEARS) or hasattr(m, "inner")]
     linears = [m for m in linears if not any(m is getattr(o, "inner", None) for o in linears)]  # outermost only
     saved_forward = {m: m.forward for m in linears}
     saved_sampler = runner.sampler
@@ -345,7 +358,7 @@ def main() -> None:
     ap.add_argument("--mixed-prompts", type=int, default=48)
     ap.add_argument("--mixed-slots", type=int, default=16)
     ap.add_argument("--skip", default="",
-                    help="comma list of: vllm,steps,e2e,profile,hf,static,mixed,prefix,invariance,dense")
+                    help="comma list of: weights,vllm,steps,e2e,profile,hf,static,mixed,prefix,invariance,dense")
     ap.add_argument("--e2e-prompts", default="96,288", help="prompt counts of the end-to-end lines")
     ap.add_argument("--e2e-rounds", type=int, default=2, help="interleaved rounds of the end-to-end runs")
     ap.add_argument("--invariance-rounds", type=int, default=3)
@@ -389,6 +402,8 @@ def measure(args, skip: set[str], model_dir: Path, label: str, dense_dir: Path |
           f"{cont.rate / roof:.0%} of it in output tokens, {cont.rows / cont.cpu / roof:.0%} in token rows "
           f"through the matmuls ({cont.rows}: decode steps and the prompt tokens past the prefix cache)")
 
+    if "weights" not in skip and engine.runner.linear_kinds.get("bf16-stored"):
+        compare_weights(engine, config, prompts, greedy, cont)
     if "vllm" not in skip:
         compare_vllm(engine, args.vllm_python, model_dir, prompts, greedy, torch.get_num_threads(), args.max_num_seqs)
     if "steps" not in skip:
@@ -458,6 +473,24 @@ def measure(args, skip: set[str], model_dir: Path, label: str, dense_dir: Path |
                   f"{timed.cpu:.1f} CPU s, {timed.wall:.1f} wall s")
     if dense_dir is not None:
         compare_dense(engine, config, dense_dir, prompts, args.max_tokens)
+
+
+def compare_weights(engine: LLMEngine, config: EngineConfig, prompts, params, stored: Timed,
+                    rounds: int = 2) -> None:
+    """The engine with its bf16 weights stored in bf16 (the default where it computes in float32)
+    against the same weights widened to float32 at load through oneDNN's packed matmul: best of
+    interleaved rounds, the first being the run above."""
+    widened = LLMEngine(replace(config, bf16_weights=False))
+    run_engine(widened, prompts[:8], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    best = {"bf16": stored}
+    for round_ in range(rounds):
+        runs = (("float32", widened),) if round_ == 0 else (("bf16", engine), ("float32", widened))
+        for name, eng in runs:
+            timed = run_engine(eng, prompts, params)
+            best[name] = timed if name not in best or timed.rate > best[name].rate else best[name]
+    print(f"weights stored in bf16: {best['bf16']}; widened to float32 at load (oneDNN): {best['float32']}; "
+          f"{best['bf16'].rate / best['float32'].rate:.2f}x (best of {rounds} interleaved rounds)")
+    widened.close()
 
 
 def compare_dense(engine: LLMEngine, config: EngineConfig, dense_dir: Path, prompts, max_tokens: int,

@@ -25,6 +25,9 @@ class EngineConfig:
     num_threads: int | None = None  # CPU intra-op threads; None leaves torch's default
     # a request's tokens do not depend on the batch it runs in (engine/model/linears.py, README)
     batch_invariant: bool = True
+    # CPU in float32: linear weights exact in bf16 (a bf16 checkpoint's) stay bf16, half the bytes a
+    # decode step reads, widened to float32 as they multiply (engine/model/linears.py)
+    bf16_weights: bool = True
     # a step's detokenizing and stop-string search run while the next step computes (None: on CUDA,
     # where the forward runs on the device; on CPU the forward holds the cores and nothing overlaps)
     overlap_text: bool | None = None

@@ -126,7 +126,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, self.runner.scores)
         self.requests: dict[str, _RequestState] = {}
-        self.system_fingerprint = system_fingerprint(config, str(self.runner.dtype), self.runner.ops.name)
+        kernels = self.runner.ops.name + ("+bf16-weights" if self.runner.linear_kinds.get("bf16-stored") else "")
+        self.system_fingerprint = system_fingerprint(config, str(self.runner.dtype), kernels)
         self._grammars = None  # grammar.GrammarCompiler, made for the first constrained request
         self.overlap_text = config.device.startswith("cuda") if config.overlap_text is None else config.overlap_text
         # tokens appended whose text is still to work out, and whether each is in a thinking block

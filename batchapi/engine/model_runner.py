@@ -48,6 +48,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config.hidden_size)
         self.ops = get_ops(config.kernels, self.device, invariant=config.batch_invariant)
         self.matmul_plan: dict[str, int | str] = {}  # batch invariance: min rows of each linear layer
+        self.linear_kinds: dict[str, int] = {}  # CPU: how many linear layers run bf16-stored, oneDNN-packed
         self.model = self._load_model()
         self.block_size = config.block_size
         self.max_context_len = config.max_model_len or self.model_config.context_limit
@@ -86,8 +87,9 @@ class ModelRunner:
                 if isinstance(module, SparseMoE):
                     module.fuse()
         if self.device.type == "cpu":
-            packed = pack_linears(model, batch_hint=self.config.max_num_seqs)
-            log.info("packed %d linear layers for oneDNN", packed)
+            self.linear_kinds = pack_linears(model, batch_hint=self.config.max_num_seqs,
+                                             bf16_weights=self.config.bf16_weights)
+            log.info("linear layers on CPU: %s", self.linear_kinds)
         if self.config.batch_invariant:
             self.matmul_plan = make_invariant(model, self.device, self.config.max_num_batched_tokens,
                                               self.config.max_num_seqs)

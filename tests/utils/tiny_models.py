@@ -23,9 +23,11 @@ def copy_tokenizer(source_dir: Path, out_dir: Path) -> None:
 GEMMA = dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=12, tie_word_embeddings=True)
 
 
-def build_tiny_model(out_dir: Path, tokenizer_dir: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+def build_tiny_model(out_dir: Path, tokenizer_dir: Path, arch: str = "llama", seed: int = 0,
+                     save_dtype: str = "float32", **overrides) -> Path:
     """Save a 2-layer random model of ``arch`` ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral",
-    "gemma2", "gemma3") in ``out_dir``."""
+    "gemma2", "gemma3") in ``out_dir``, its tensors in ``save_dtype`` ("bfloat16": as most real
+    checkpoints are, which the engine in float32 keeps in bf16)."""
     import torch
     from transformers import (
         AutoTokenizer,
@@ -102,7 +104,7 @@ def build_tiny_model(out_dir: Path, tokenizer_dir: Path, arch: str = "llama", se
             if arch.startswith("gemma") and name.endswith("norm.weight"):  # Gemma scales by 1 + w: w not 0
                 param.uniform_(-0.5, 0.5)
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.to(torch.float32).save_pretrained(out_dir, safe_serialization=True)
+    model.to(getattr(torch, save_dtype)).save_pretrained(out_dir, safe_serialization=True)
     copy_tokenizer(tokenizer_dir, out_dir)
     return out_dir
 

@@ -54,6 +54,15 @@ Fixed blocks for every layer would be exact on any library but cost 12-50% of a 
 AVX512-BF16 CPU (bench in the note of issue 15); the probe keeps oneDNN's one call per step
 where it can.
 
+**bf16-stored weights.** Where the engine computes in float32 on CPU (no native bf16 matmuls) and
+a layer's weight is exact in bf16 (a bf16 checkpoint's are), ``pack_linears`` makes it a
+``Bf16StoredLinear``: the weight kept in bf16 and widened to float32 as the C kernel multiplies
+(kernels/cpu/matmul.py), the same values in float32 arithmetic on half the bytes. A decode step
+reads every weight once, so there the step is bound by those bytes: on a 2-core AVX2 EPYC the C
+kernel ran Qwen3-0.6B's projections 1.2-3x faster than oneDNN's packed fp32 at 1-16 rows and as
+fast from 64 rows on (bench/kernels_cpu.py). Its every output is one multiply-add chain in a fixed
+order, so a row has the same bits at any row count: ``make_invariant`` leaves these layers as they are.
+
 On CUDA the layers run batchapi.kernels.triton.matmul instead of cuBLAS: fixed tiles, no split-K.
 """
 
@@ -72,6 +81,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchapi.engine.model import onednn
+from batchapi.kernels.cpu import matmul
 
 log = logging.getLogger(__name__)
 
@@ -90,19 +100,50 @@ class PackedLinear(nn.Linear):
         return onednn.linear(x, self.packed_weight, self.bias)
 
 
+class Bf16StoredLinear(nn.Module):
+    """A float32 linear layer whose weight, exact in bf16, is stored in bf16 (packed for the C kernel);
+    ``weight`` widens it back on demand (for the probe and tests, never on a step)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed_weight = matmul.pack(linear.weight)
+        self.bias = linear.bias
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return matmul.unpack(self.packed_weight, self.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return matmul.linear(x, self.packed_weight, self.out_features, self.bias)
+
+
+def can_store_bf16(module: nn.Module) -> bool:
+    """A float32 CPU nn.Linear whose weight bf16 holds exactly, where the C kernel built."""
+    return (type(module) is nn.Linear and module.weight.device.type == "cpu"
+            and module.weight.dtype == torch.float32 and matmul.available() and matmul.exact_in_bf16(module.weight))
+
+
 def can_pack(module: nn.Module) -> bool:
     """bf16 only where native; where torch's oneDNN ops are gone or changed, no layer is packed."""
     return (type(module) is nn.Linear and module.weight.device.type == "cpu"
             and module.weight.dtype in (torch.bfloat16, torch.float32) and onednn.available(module.weight.dtype))
 
 
-def pack_linears(model: nn.Module, batch_hint: int) -> int:
-    """Replace every packable nn.Linear of ``model`` in place; returns how many were replaced."""
+def pack_linears(model: nn.Module, batch_hint: int, bf16_weights: bool = True) -> dict[str, int]:
+    """Replace every nn.Linear of ``model`` that can be in place: bf16-stored where ``bf16_weights``
+    and ``can_store_bf16``, else packed for oneDNN where ``can_pack``. Returns how many of each."""
+    counts = {"bf16-stored": 0, "onednn": 0}
     targets = [(parent, name, child) for parent in model.modules()
-               for name, child in parent.named_children() if can_pack(child)]
+               for name, child in parent.named_children() if type(child) is nn.Linear]
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear.from_linear(child, batch_hint))
-    return len(targets)
+        if bf16_weights and can_store_bf16(child):
+            setattr(parent, name, Bf16StoredLinear(child))
+            counts["bf16-stored"] += 1
+        elif can_pack(child):
+            setattr(parent, name, PackedLinear.from_linear(child, batch_hint))
+            counts["onednn"] += 1
+    return counts
 
 
 CANDIDATE_MIN_ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 33, 48, 64)  # for padding: at most BLOCK_ROWS
@@ -370,9 +411,12 @@ def make_invariant(model: nn.Module, device: torch.device, max_tokens: int,
     layers ``max_tokens``."""
     plan: dict[str, int | str] = {}
     targets = [(parent, name, child) for parent in model.modules()
-               for name, child in parent.named_children() if isinstance(child, nn.Linear)]
+               for name, child in parent.named_children() if isinstance(child, nn.Linear | Bf16StoredLinear)]
     for parent, name, child in targets:
         shape = f"{name}:{child.in_features}x{child.out_features}"
+        if isinstance(child, Bf16StoredLinear):  # one fixed order per output: invariant as it is
+            plan[shape] = 1
+            continue
         if device.type == "cuda":
             setattr(parent, name, TritonLinear(child))
             plan[shape] = "triton"

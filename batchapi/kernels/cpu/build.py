@@ -1,8 +1,9 @@
 """Build and load the C kernels (csrc/) with the machine's C compiler; they are called through ctypes.
 
-Two libraries: paged_decode.c (decode attention, launched by attention.py) and elementwise.c
+Three libraries: paged_decode.c (decode attention, launched by attention.py), elementwise.c
 (the norms, rotary, SiLU-and-mul, the KV store, the argmax and the token bitmask, launched by
-elementwise.py). Each is built once per source and CPU (-march=native) into the cache directory
+elementwise.py) and matmul.c (linear layers with bf16-stored weights in fp32 arithmetic, launched
+by matmul.py). Each is built once per source and CPU (-march=native) into the cache directory
 (BATCHAPI_NATIVE_DIR, default ~/.cache/batchapi/native) and reused by every later process. Without
 a compiler, or if a build fails, its loader returns None and callers keep the pure-torch twins: the
 native kernels are a speed-up, never a requirement.
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
 ELEMENTWISE_SOURCE = SOURCE.with_name("elementwise.c")
+MATMUL_SOURCE = SOURCE.with_name("matmul.c")
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # what the kernels take, and their C suffixes
 
@@ -105,6 +107,23 @@ def load_elementwise() -> ctypes.CDLL | None:
         if "elementwise" not in _state:
             _state["elementwise"] = _load_elementwise()
         return _state["elementwise"]
+
+
+def load_matmul() -> ctypes.CDLL | None:
+    """The bf16-stored linear library, building it on first use; None where it cannot be built."""
+    with _lock:
+        if "matmul" not in _state:
+            _state["matmul"] = _load_matmul()
+        return _state["matmul"]
+
+
+def _load_matmul() -> ctypes.CDLL | None:
+    lib = _open(MATMUL_SOURCE, "bf16 weights are widened to float32 at load and the linear layers stay")
+    if lib is not None:
+        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        lib.linear_bf16w.restype = ctypes.c_int
+        lib.linear_bf16w.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, ctypes.c_int]
+    return lib
 
 
 def _load() -> ctypes.CDLL | None:

@@ -1,0 +1,62 @@
+"""Linear layers with bf16-stored weights and fp32 arithmetic, in C (csrc/matmul.c).
+
+Where the CPU has no native bf16 matmuls the engine computes in float32, and a decode step, which
+reads every weight once, is bound by the weights' bytes. A bf16 checkpoint's weights are exact in
+bf16, so ``pack`` keeps them so (half the bytes of float32) and ``linear`` widens each weight as it
+multiplies: the float32 layer's values, summed in one fixed order per output (csrc/matmul.c), so a
+row gets the same bits at any row count and batch invariance needs no padding or blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from batchapi.kernels.cpu.build import load_matmul
+
+PANEL = 16  # outputs a panel: as in csrc/matmul.c
+
+
+def available() -> bool:
+    return load_matmul() is not None
+
+
+def exact_in_bf16(weight: torch.Tensor) -> bool:
+    """Whether every value of the float32 ``weight`` survives bf16 (a bf16 checkpoint's do)."""
+    return weight.dtype == torch.float32 and torch.equal(weight.to(torch.bfloat16).to(torch.float32), weight)
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] float32 or bf16 -> the layout csrc/matmul.c reads: [panels, in, 16] bf16, the 16
+    columns of a panel in the order 0, 8, 1, 9, ..., 7, 15, the last panel padded with zeros."""
+    out_features, in_features = weight.shape
+    w = F.pad(weight.detach().to(torch.bfloat16), (0, 0, 0, (-out_features) % PANEL))  # [N', K]
+    # [P, 2, 8, K] (panel, half, column in half, k) -> [P, K, 8, 2]: per k, column j then j + 8
+    return w.view(-1, 2, PANEL // 2, in_features).permute(0, 3, 2, 1).contiguous().view(-1, in_features, PANEL)
+
+
+def unpack(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``pack``'s inverse, in float32: [out, in]."""
+    panels, in_features, _ = packed.shape
+    w = packed.view(panels, in_features, PANEL // 2, 2).permute(0, 3, 2, 1).reshape(-1, in_features)
+    return w[:out_features].float()
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for float32 ``x`` [..., in] and ``packed = pack(weight)``."""
+    lib = load_matmul()
+    assert lib is not None, "linear() needs the library: callers check available() first"
+    in_features = packed.shape[1]
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, in_features)
+    if x2.stride(1) != 1 or x2.stride(0) < in_features or x2.dtype != torch.float32:
+        x2 = x2.contiguous().float()
+    rows = x2.shape[0]
+    out = torch.empty(rows, out_features, dtype=torch.float32)
+    if bias is not None:
+        bias = bias.detach().float().contiguous()
+    rc = lib.linear_bf16w(x2.data_ptr(), x2.stride(0), rows, packed.data_ptr(), out_features, in_features,
+                          bias.data_ptr() if bias is not None else None, out.data_ptr(), out_features,
+                          torch.get_num_threads())
+    assert rc == 0, f"linear_bf16w refused [{rows}, {in_features}] x [{out_features}, {in_features}]"
+    return out.view(*lead, out_features)
