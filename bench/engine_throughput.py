@@ -508,12 +508,18 @@ def compare_dense(engine: LLMEngine, config: EngineConfig, dense_dir: Path, prom
             step = (timed.cpu / timed.steps, mlp / timed.steps, timed.steps)
             best[name] = min(best.get(name, step), step)
     (moe_step, moe_mlp, steps), (dense_step, dense_mlp, _) = best["moe"], best["dense"]
-    total, active = (sum(p.numel() for p in e.runner.model.parameters()) / 1e6 for e in (engine, dense))
+    total, active = (parameter_count(e.runner.model) / 1e6 for e in (engine, dense))
     print(f"MoE vs dense twin ({total:.0f}M parameters vs {active:.0f}M: the MoE's active ones a token, "
           f"less the router), {len(prompts)} prompts, {max_tokens} tokens each, EOS ignored, {steps} steps: "
           f"step {1e3 * moe_step:.1f} vs {1e3 * dense_step:.1f} ms CPU, MoE / dense {moe_step / dense_step:.2f}x; "
           f"the MLPs alone {1e3 * moe_mlp:.1f} vs {1e3 * dense_mlp:.1f} ms, {moe_mlp / dense_mlp:.2f}x")
     dense.close()
+
+
+def parameter_count(model) -> int:
+    """The model's parameters, bf16-stored linear weights included (kept packed, not as parameters)."""
+    stored = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, Bf16StoredLinear))
+    return stored + sum(p.numel() for p in model.parameters())
 
 
 def run_timing_mlps(engine: LLMEngine, prompts, params) -> tuple[Timed, float]:

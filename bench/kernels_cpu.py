@@ -1,4 +1,4 @@
-"""CPU micro-benchmark of decode-attention twin variants (SmolLM2-135M shapes by default).
+"""CPU micro-benchmarks: decode-attention twin variants (SmolLM2-135M shapes by default).
 
 Prints ms per call for each variant and its ratio to the first (the plain gather + einsum).
 Usage: .venv/bin/python bench/kernels_cpu.py [--batch 96] [--ctx 300] [--spread 50] [--dtype bf16] [--only a,b]
@@ -6,6 +6,9 @@ Usage: .venv/bin/python bench/kernels_cpu.py [--batch 96] [--ctx 300] [--spread 
    or: .venv/bin/python bench/kernels_cpu.py --op apply_token_bitmask [--rows 64] [--vocab 49152]
         (the grammar's token bitmask applied to logits: its torch twin against the C kernel, fp32
         and bf16, for masks that allow a few tokens, nearly all of them, or a random half)
+   or: .venv/bin/python bench/kernels_cpu.py --op linear_bf16w [--row-counts 1,8,16,64,256]
+        (float32 linear layers of Qwen3-0.6B's shapes: bf16-stored weights in C, kernels/cpu/csrc/matmul.c,
+        against oneDNN's packed float32 weights and F.linear, interleaved, GFLOP/s)
 
 The figures, per CPU kind, are in docs/BENCHMARKS.md ("CPU kernels"). v_native is the C kernel the
 engine uses on CPU (kernels/cpu/csrc/paged_decode.c); v_library the torch path it falls back to.
@@ -271,9 +274,38 @@ def bench_bitmask(a):
                   f"median {cm:6.3f} ms   x{tb / cb:5.1f}")
 
 
+LINEAR_SHAPES = {"qkv_proj": (4096, 1024), "o_proj": (1024, 2048), "gate_up_proj": (6144, 1024),
+                 "down_proj": (1024, 3072), "lm_head": (151936, 1024)}  # Qwen3-0.6B: (out, in)
+
+
+def bench_linear(a):
+    """Best ms per call of a float32 linear layer: bf16-stored weights (C) against oneDNN's packed
+    float32 and F.linear (MKL), at each row count, the three taking turns."""
+    from batchapi.engine.model import onednn
+    from batchapi.kernels.cpu import matmul
+
+    print(f"float32 linear layers, Qwen3-0.6B's shapes, threads={torch.get_num_threads()}; GFLOP/s and the C "
+          "kernel's speed-up over oneDNN")
+    g = torch.Generator().manual_seed(0)
+    for name, (out_features, in_features) in LINEAR_SHAPES.items():
+        weight = torch.randn(out_features, in_features, generator=g).bfloat16().float()
+        packed, onednn_packed = matmul.pack(weight), onednn.pack(weight, 64)
+        for rows in map(int, a.row_counts.split(",")):
+            x = torch.randn(rows, in_features, generator=g)
+            fns = [lambda x, w=packed, n=out_features: matmul.linear(x, w, n, None),
+                   lambda x, w=onednn_packed: onednn.linear(x, w, None), lambda x, w=weight: F.linear(x, w)]
+            reps = max(3, min(a.reps, int(3e9 / (rows * out_features * in_features))))
+            (c, _), (o, _), (m, _) = bench_interleaved(fns, (x,), reps).values()
+            flops = 2 * rows * out_features * in_features / 1e6  # per ms: GFLOP/s
+            print(f"{name:13s} {out_features:>6d}x{in_features:<5d} {rows:4d} rows: C {c:8.2f} ms {flops / c:5.0f}   "
+                  f"oneDNN {o:8.2f} ms {flops / o:5.0f}   F.linear {m:8.2f} ms {flops / m:5.0f}   x{o / c:4.2f}")
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--op", default="paged_attention", choices=["paged_attention", "apply_token_bitmask"])
+    ap.add_argument("--op", default="paged_attention", choices=["paged_attention", "apply_token_bitmask",
+                                                                "linear_bf16w"])
+    ap.add_argument("--row-counts", default="1,8,16,64,256", help="linear_bf16w: rows a call")
     ap.add_argument("--rows", type=int, default=64, help="apply_token_bitmask: constrained rows")
     ap.add_argument("--vocab", type=int, default=49152, help="apply_token_bitmask: vocabulary size")
     ap.add_argument("--batch", type=int, default=96)
@@ -293,6 +325,8 @@ def main():
         keep_freed_memory()
     if a.op == "apply_token_bitmask":
         return bench_bitmask(a)
+    if a.op == "linear_bf16w":
+        return bench_linear(a)
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     q, kc, vc, tables, lens = make_inputs(a.batch, a.ctx, a.hq, a.hkv, a.dim, 16, dtype, spread=a.spread)
     args = (q, kc, vc, tables, lens, a.dim**-0.5)

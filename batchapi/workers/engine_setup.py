@@ -145,5 +145,6 @@ def engine_config_from(settings: Settings, model: str | None = None) -> EngineCo
         gpu_memory_utilization=settings.gpu_memory_utilization,
         enable_prefix_caching=settings.enable_prefix_caching,
         batch_invariant=settings.batch_invariant,
+        bf16_weights=settings.bf16_weights,
         cuda_graphs=settings.cuda_graphs,
     )

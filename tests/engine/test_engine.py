@@ -80,6 +80,24 @@ def test_greedy_parity_with_hf_on_tiny_models(fixture, request):
     assert [r.prompt_tokens for r in results] == [len(p) for p in prompts]
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "gemma3"])
+def test_greedy_parity_with_hf_on_bf16_checkpoints_kept_in_bf16(tmp_path, smollm2_dir, arch):
+    """A bf16 checkpoint in float32 (the dtype without native bf16 matmuls): the engine keeps its
+    linear weights in bf16 and widens them as it multiplies; transformers widens them at load."""
+    from tests.utils.tiny_models import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / arch, smollm2_dir, arch, save_dtype="bfloat16")
+    prompts = tokenize(model_dir, PROMPTS)
+    expected = hf_greedy(model_dir, prompts, 16)
+    engine = engine_for(model_dir, max_num_seqs=3, max_num_batched_tokens=16)
+    assert engine.runner.linear_kinds["bf16-stored"] > 0 and engine.runner.linear_kinds["onednn"] == 0
+    results = run(engine, prompts, greedy(16))
+    assert [r.outputs[0].token_ids for r in results] == expected
+    widened = engine_for(model_dir, bf16_weights=False)  # another order of the sums: another fingerprint
+    assert widened.runner.linear_kinds["bf16-stored"] == 0
+    assert widened.system_fingerprint != engine.system_fingerprint
+
+
 @pytest.mark.parametrize("rope", [
     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0},
     {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},

@@ -204,12 +204,13 @@ def test_the_sampler_draws_each_row_alone_as_in_any_batch():
 
 @pytest.fixture(scope="module", params=["qwen3", "qwen3_moe", "mixtral", "gemma2", "gemma3", "mistral"])
 def family_dir(request, tmp_path_factory, smollm2_dir):
-    """The newer families at head size 64: Qwen3's q/k norm, the MoE routing and its expert GEMMs,
+    """The newer families at head size 64, saved in bf16 as released (in float32 the engine keeps the
+    linear weights in bf16): Qwen3's q/k norm, the MoE routing and its expert GEMMs,
     Gemma's local layers (a 12-token window) and soft-caps, Mistral's window on every layer (whose
     blocks past it are released and reused by others)."""
     window = {"sliding_window": 16} if request.param == "mistral" else {}
     return build_tiny_model(tmp_path_factory.mktemp("invariance") / request.param, smollm2_dir, request.param,
-                            seed=5, hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                            seed=5, save_dtype="bfloat16", hidden_size=128, intermediate_size=256, num_attention_heads=2,
                             num_key_value_heads=1, head_dim=64, max_position_embeddings=1024, **window)
 
 

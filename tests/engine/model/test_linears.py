@@ -4,11 +4,13 @@ from torch import nn
 
 from batchapi.engine.model.linears import (
     BLOCK_ROWS,
+    Bf16StoredLinear,
     InvariantLinear,
     PackedLinear,
     RowCounts,
     can_pack,
     invariant_layer,
+    make_invariant,
     pack_linears,
     probe_input,
     probe_row_counts,
@@ -25,7 +27,7 @@ def test_packed_linear_is_bit_identical_at_any_batch(bias):
     linear = _linear(bias)
     if not can_pack(linear):  # a CPU without oneDNN bf16: the model keeps its plain layer
         model = nn.Sequential(linear)
-        assert pack_linears(model, batch_hint=64) == 0 and model[0] is linear
+        assert pack_linears(model, batch_hint=64)["onednn"] == 0 and model[0] is linear
         return
     packed = PackedLinear.from_linear(linear, batch_hint=64)
     for rows in (1, 7, 64, 300):
@@ -37,11 +39,35 @@ def test_pack_linears_keeps_shared_weights_and_skips_fp16():
     model = nn.ModuleDict({"a": _linear(False), "b": _linear(True, torch.float16), "emb": nn.Embedding(160, 96)})
     model["a"].weight = model["emb"].weight = nn.Parameter(torch.randn(160, 96).bfloat16(), requires_grad=False)
     if not can_pack(model["a"]):  # a CPU without oneDNN bf16: nothing is replaced
-        assert pack_linears(model, batch_hint=8) == 0 and type(model["a"]) is nn.Linear
+        assert pack_linears(model, batch_hint=8)["onednn"] == 0 and type(model["a"]) is nn.Linear
         return
-    assert pack_linears(model, batch_hint=8) == 1
+    assert pack_linears(model, batch_hint=8)["onednn"] == 1
     assert isinstance(model["a"], PackedLinear) and type(model["b"]) is nn.Linear
     assert model["a"].weight is model["emb"].weight
+
+
+@pytest.mark.parametrize("bf16_weights", [True, False])
+def test_a_float32_layer_whose_weights_bf16_holds_keeps_them_in_bf16(bf16_weights):
+    """A bf16 checkpoint in a float32 engine: the layer's values on half the bytes, and batch
+    invariance leaves it as it is (one order a row at any count); a float32 layer bf16 would round
+    stays oneDNN's."""
+    torch.manual_seed(0)
+    exact, rounded = nn.Linear(96, 160), nn.Linear(96, 160)
+    exact.weight.data = exact.weight.data.bfloat16().float()
+    model = nn.ModuleDict({"exact": exact, "rounded": rounded}).requires_grad_(False)
+    x = torch.randn(7, 96)
+    expected = exact(x)
+    counts = pack_linears(model, batch_hint=8, bf16_weights=bf16_weights)
+    if not bf16_weights:
+        assert counts == {"bf16-stored": 0, "onednn": 2}
+        return
+    assert counts == {"bf16-stored": 1, "onednn": 1}
+    stored = model["exact"]
+    assert isinstance(stored, Bf16StoredLinear) and isinstance(model["rounded"], PackedLinear)
+    assert stored.packed_weight.dtype == torch.bfloat16 and torch.equal(stored.weight, exact.weight)
+    torch.testing.assert_close(stored(x), expected, rtol=1e-5, atol=1e-5)
+    plan = make_invariant(model, torch.device("cpu"), max_tokens=64, max_logit_rows=64)
+    assert model["exact"] is stored and plan["exact:96x160"] == 1
 
 
 @pytest.mark.parametrize("bias", [False, True])

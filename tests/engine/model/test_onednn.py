@@ -65,7 +65,7 @@ def test_the_packed_linear_gives_f_linears_results(dtype, bias):
     if dtype == torch.bfloat16 and not onednn.bf16_native():  # the engine never calls the ops here
         plain = nn.Linear(96, 160, bias=bias).to(dtype)
         assert not can_pack(plain)
-        assert pack_linears(nn.Sequential(plain), batch_hint=8) == 0
+        assert not any(pack_linears(nn.Sequential(plain), batch_hint=8).values())
         return
     packed = onednn.pack(weight, 64)
     tol = onednn.TOLERANCE[dtype]
@@ -106,7 +106,7 @@ def test_a_changed_torch_leaves_the_layers_on_f_linear_and_says_so_once(monkeypa
     model = nn.Sequential(fp32_linear(), fp32_linear())
     with caplog.at_level(logging.INFO, logger=onednn.__name__):
         assert not can_pack(model[0])
-        assert pack_linears(model, batch_hint=8) == 0
+        assert pack_linears(model, batch_hint=8)["onednn"] == 0
     assert all(type(m) is nn.Linear for m in model)
     warnings = [r for r in caplog.records if r.name == onednn.__name__]
     assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING, caplog.text
@@ -116,7 +116,7 @@ def test_a_changed_torch_leaves_the_layers_on_f_linear_and_says_so_once(monkeypa
 def test_the_packed_path_is_logged_once(caplog):
     with caplog.at_level(logging.INFO, logger=onednn.__name__):
         model = nn.Sequential(fp32_linear(), fp32_linear())
-        assert pack_linears(model, batch_hint=8) == 2
+        assert pack_linears(model, batch_hint=8)["onednn"] == 2
     assert all(isinstance(m, PackedLinear) for m in model)
     records = [r.getMessage() for r in caplog.records if r.name == onednn.__name__]
     assert records == [f"torch.float32 linear layers on CPU: oneDNN's packed weights ({TORCH})"]
