@@ -653,7 +653,9 @@ def compare_end_to_end(engine: LLMEngine, config: EngineConfig, args, count: int
     for lines in outputs.values():
         for record in lines:
             (record["response"]["body"].get("usage") or {}).get("prompt_tokens_details", {}).pop("cached_tokens", None)
-    same = "the same lines" if outputs["process"] == outputs["thread"] else "DIFFERENT LINES"
+    differing = [(a, b) for a, b in zip(outputs["process"], outputs["thread"], strict=True) if a != b]
+    same = "the same lines" if not differing else (f"DIFFERENT LINES ({len(differing)}; the first at "
+                                                   f"{first_difference(*differing[0])})")
     if cached:  # which prompt blocks a request found cached depends on what ran beside it, and when
         same += f" ({cached} of {len(texts)} with other cached_tokens)"
     base = max(b.tokens / b.wall for b in bare)
@@ -668,6 +670,19 @@ def compare_end_to_end(engine: LLMEngine, config: EngineConfig, args, count: int
         theirs = peer["tokens"] / peer["wall"]
         print(f"  vLLM {peer['version']} LLM.chat end to end: {theirs:.1f} tok/s wall; batchapi end to end / vLLM "
               f"{rates['process'] / theirs:.2f}x")
+
+
+def first_difference(a, b, path: str = "") -> str:
+    """Where two parsed output lines first differ: a dotted path and the two values."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b)):
+            if a.get(key) != b.get(key):
+                return first_difference(a.get(key), b.get(key), f"{path}.{key}")
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            if x != y:
+                return first_difference(x, y, f"{path}[{i}]")
+    return f"{path}: {str(a)[:80]!r} vs {str(b)[:80]!r}"
 
 
 def chat_line(custom_id: str, text: str, max_tokens: int) -> dict:

@@ -8,7 +8,8 @@ its endpoint, completion window, metadata, ``output_expires_after``, ``priority`
 ``result_cache`` are the original's, and ``retry_of`` names it. An original with a ``max_cost``
 passes on what it left as the retry's cap (its cap less its cost and less the caps of its earlier
 retries, so the original and all its retries together stay within the cap); one with nothing left
-is not retried (409 ``max_cost_reached``). An ``Idempotency-Key`` makes the call safe to repeat: the key is stored on the new batch, so the same
+is not retried (409 ``max_cost_reached``); two retries of it at once are given the remainder one
+after the other (``_one_capped_retry_at_a_time``). An ``Idempotency-Key`` makes the call safe to repeat: the key is stored on the new batch, so the same
 key gets the same batch back, across restarts too.
 """
 
@@ -16,8 +17,10 @@ from __future__ import annotations
 
 import logging
 import tempfile
+import threading
 from bisect import bisect_right
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from decimal import Decimal
 
@@ -50,12 +53,7 @@ def retry_batch(ctx: Context, project_id: str, bid: str, idempotency_key: str | 
         existing = service.by_idempotency_key(ctx, project_id, idempotency_key, service.retry_fingerprint(bid))
         if existing is not None:
             return existing
-    budget = _unspent(ctx, original)
-    if budget is not None and budget <= 0:
-        raise Conflict(f"Batch {bid} and its retries have spent or been given its max_cost of "
-                       f"{format_amount(original.max_cost)} {original.currency}; a retry would spend more. Retry "
-                       "its latest retry, or create a batch with a max_cost of its own.", "batch_id",
-                       code=str(ErrorCode.MAX_COST_REACHED))
+    _unspent_or_refuse(ctx, original)  # before the upload: a refused retry stores nothing
     with tempfile.SpooledTemporaryFile(SPOOL_BYTES) as spool:
         count = _write_input(ctx, original, spool)
         if not count:
@@ -66,14 +64,48 @@ def retry_batch(ctx: Context, project_id: str, bid: str, idempotency_key: str | 
         limit = messages.max_file_bytes() if original.endpoint == MESSAGES else None
         file = upload_file(ctx, project_id, f"{bid}_retry.jsonl", "batch", spool, max_bytes=limit)
     keep = original.output_expires_after  # its output files expire as the original's do
-    batch = service.create_batch(ctx, project_id, file.id, original.endpoint, original.completion_window,
-                                 original.metadata_, idempotency_key, retry_of=bid,
-                                 output_expires_after={"anchor": "created_at", "seconds": keep} if keep else None,
-                                 result_cache=original.result_cache, priority=original.priority, max_cost=budget)
+    with _one_capped_retry_at_a_time(ctx, original):
+        try:
+            budget = _unspent_or_refuse(ctx, original)  # again: another retry may have been given it meanwhile
+        except Conflict:
+            delete_file(ctx, project_id, file.id)
+            raise
+        batch = service.create_batch(ctx, project_id, file.id, original.endpoint, original.completion_window,
+                                     original.metadata_, idempotency_key, retry_of=bid,
+                                     output_expires_after={"anchor": "created_at", "seconds": keep} if keep else None,
+                                     result_cache=original.result_cache, priority=original.priority,
+                                     max_cost=budget)
     if batch.input_file_id != file.id:  # the same key raced us and won: its batch, and no second file
         delete_file(ctx, project_id, file.id)
     log.info("batch %s retries %d requests of %s", batch.id, count, bid)
     return batch
+
+
+_capped_retries = threading.Lock()  # this process's retries of capped batches (SQLite takes no row lock)
+
+
+@contextmanager
+def _one_capped_retry_at_a_time(ctx: Context, original: Batch) -> Iterator[None]:
+    """Held while a retry of a batch with a ``max_cost`` reads what the cap leaves and creates
+    itself, so two retries at once are not both given the same remainder: a lock in this process,
+    and the original's row lock (PostgreSQL) for retries through other API processes."""
+    if original.max_cost is None:
+        yield
+        return
+    with _capped_retries, ctx.sessions() as session:
+        session.execute(select(Batch.id).where(Batch.id == original.id).with_for_update())
+        yield  # the session's end (a rollback: it wrote nothing) releases the row
+
+
+def _unspent_or_refuse(ctx: Context, original: Batch) -> Decimal | None:
+    """``_unspent``, or 409 ``max_cost_reached`` where nothing is left."""
+    budget = _unspent(ctx, original)
+    if budget is not None and budget <= 0:
+        raise Conflict(f"Batch {original.id} and its retries have spent or been given its max_cost of "
+                       f"{format_amount(original.max_cost)} {original.currency}; a retry would spend more. Retry "
+                       "its latest retry, or create a batch with a max_cost of its own.", "batch_id",
+                       code=str(ErrorCode.MAX_COST_REACHED))
+    return budget
 
 
 def _unspent(ctx: Context, original: Batch) -> Decimal | None:

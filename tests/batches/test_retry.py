@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import io
 import json
+import threading
 from decimal import Decimal
 
 import pytest
-from sqlalchemy import update
+from sqlalchemy import select, update
 
 from batchapi.batches import leases, request_results, service
 from batchapi.batches.billing import cost
@@ -215,3 +216,37 @@ def test_a_retry_keeps_the_originals_priority_and_cache_choice_and_the_rest_of_i
     with pytest.raises(Conflict) as refused:  # it spent its cap: a retry would spend more
         retry_batch(ctx, project, originals[1])
     assert refused.value.code == "max_cost_reached"
+
+
+def test_two_retries_at_once_of_a_capped_batch_share_its_remainder(any_jobs, project):
+    """Both start together and both pass the first look at the cap; the one that creates its batch
+    second finds the remainder given and is refused, its uploaded input deleted."""
+    ctx = any_jobs
+    f = upload_file(ctx, project, "in.jsonl", "batch", io.BytesIO(jsonl(
+        [request_line(cid, served_model_id(ctx.settings), "Say hello.", max_tokens=3) for cid in "ab"])))
+    original = service.create_batch(ctx, project, f.id, CHAT, "24h", max_cost=Decimal("2.00")).id
+    service.cancel_batch(ctx, project, original)
+    assert leases.settle_cancelled_validation(ctx, original) == BatchStatus.CANCELLED
+    start = threading.Barrier(2)
+    outcomes: list = []
+
+    def retry() -> None:
+        start.wait()
+        try:
+            outcomes.append(retry_batch(ctx, project, original))
+        except Conflict as exc:
+            outcomes.append(exc)
+
+    threads = [threading.Thread(target=retry) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    created = [o for o in outcomes if isinstance(o, Batch)]
+    refused = [o for o in outcomes if isinstance(o, Conflict)]
+    assert len(created) == 1 and len(refused) == 1, outcomes
+    assert created[0].max_cost == Decimal("2.00") and refused[0].code == "max_cost_reached"
+    with ctx.sessions() as session:
+        inputs = session.scalars(select(File.deleted_at).where(File.project_id == project,
+                                                               File.filename == f"{original}_retry.jsonl")).all()
+    assert len(inputs) == 2 and sum(deleted is None for deleted in inputs) == 1  # the refused retry's is deleted

@@ -59,8 +59,8 @@ a layer's weight is exact in bf16 (a bf16 checkpoint's are), ``pack_linears`` ma
 ``Bf16StoredLinear``: the weight kept in bf16 and widened to float32 as the C kernel multiplies
 (kernels/cpu/matmul.py), the same values in float32 arithmetic on half the bytes. A decode step
 reads every weight once, so there the step is bound by those bytes: on a 2-core AVX2 EPYC the C
-kernel ran Qwen3-0.6B's projections 1.2-3x faster than oneDNN's packed fp32 at 1-16 rows and as
-fast from 64 rows on (bench/kernels_cpu.py). Its every output is one multiply-add chain in a fixed
+kernel ran Qwen3-0.6B's layers 1.65-2.0x as fast as oneDNN's packed fp32 at 1 row, 1.26-1.52x at
+8-16 rows and as fast from 64 rows on (bench/kernels_cpu.py --op linear_bf16w). Its every output is one multiply-add chain in a fixed
 order, so a row has the same bits at any row count: ``make_invariant`` leaves these layers as they are.
 
 On CUDA the layers run batchapi.kernels.triton.matmul instead of cuBLAS: fixed tiles, no split-K.
