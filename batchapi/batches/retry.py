@@ -15,6 +15,7 @@ key gets the same batch back, across restarts too.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import tempfile
 import threading
@@ -64,24 +65,24 @@ def retry_batch(ctx: Context, project_id: str, bid: str, idempotency_key: str | 
         limit = messages.max_file_bytes() if original.endpoint == MESSAGES else None
         file = upload_file(ctx, project_id, f"{bid}_retry.jsonl", "batch", spool, max_bytes=limit)
     keep = original.output_expires_after  # its output files expire as the original's do
-    with _one_capped_retry_at_a_time(ctx, original):
-        try:
+    try:
+        with _one_capped_retry_at_a_time(ctx, original):
             budget = _unspent_or_refuse(ctx, original)  # again: another retry may have been given it meanwhile
-        except Conflict:
-            delete_file(ctx, project_id, file.id)
-            raise
-        batch = service.create_batch(ctx, project_id, file.id, original.endpoint, original.completion_window,
-                                     original.metadata_, idempotency_key, retry_of=bid,
-                                     output_expires_after={"anchor": "created_at", "seconds": keep} if keep else None,
-                                     result_cache=original.result_cache, priority=original.priority,
-                                     max_cost=budget)
+            batch = service.create_batch(ctx, project_id, file.id, original.endpoint, original.completion_window,
+                                         original.metadata_, idempotency_key, retry_of=bid,
+                                         output_expires_after={"anchor": "created_at", "seconds": keep} if keep
+                                         else None, result_cache=original.result_cache,
+                                         priority=original.priority, max_cost=budget)
+    except Exception:  # refused (the cap, a project limit, the model no longer served): no orphaned input
+        _delete_quietly(ctx, project_id, file.id)
+        raise
     if batch.input_file_id != file.id:  # the same key raced us and won: its batch, and no second file
         delete_file(ctx, project_id, file.id)
     log.info("batch %s retries %d requests of %s", batch.id, count, bid)
     return batch
 
 
-_capped_retries = threading.Lock()  # this process's retries of capped batches (SQLite takes no row lock)
+_capped_retries = [threading.Lock() for _ in range(64)]  # by original: this process's (SQLite locks no row)
 
 
 @contextmanager
@@ -92,9 +93,18 @@ def _one_capped_retry_at_a_time(ctx: Context, original: Batch) -> Iterator[None]
     if original.max_cost is None:
         yield
         return
-    with _capped_retries, ctx.sessions() as session:
+    local = _capped_retries[int(hashlib.sha256(original.id.encode()).hexdigest(), 16) % len(_capped_retries)]
+    with local, ctx.sessions() as session:
         session.execute(select(Batch.id).where(Batch.id == original.id).with_for_update())
         yield  # the session's end (a rollback: it wrote nothing) releases the row
+
+
+def _delete_quietly(ctx: Context, project_id: str, fid: str) -> None:
+    """Delete a retry's input that no batch took; a failure is logged, not raised over the refusal."""
+    try:
+        delete_file(ctx, project_id, fid)
+    except Exception:
+        log.exception("could not delete %s, the input of a refused retry", fid)
 
 
 def _unspent_or_refuse(ctx: Context, original: Batch) -> Decimal | None:

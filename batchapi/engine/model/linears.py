@@ -130,9 +130,11 @@ def can_pack(module: nn.Module) -> bool:
             and module.weight.dtype in (torch.bfloat16, torch.float32) and onednn.available(module.weight.dtype))
 
 
-def pack_linears(model: nn.Module, batch_hint: int, bf16_weights: bool = True) -> dict[str, int]:
+def pack_linears(model: nn.Module, batch_hint: int, bf16_weights: bool = False) -> dict[str, int]:
     """Replace every nn.Linear of ``model`` that can be in place: bf16-stored where ``bf16_weights``
-    and ``can_store_bf16``, else packed for oneDNN where ``can_pack``. Returns how many of each."""
+    and ``can_store_bf16`` (the engine's choice, ``EngineConfig.bf16_weights``; the embedding
+    encoders' large batches keep oneDNN), else packed for oneDNN where ``can_pack``. Returns how
+    many of each."""
     counts = {"bf16-stored": 0, "onednn": 0}
     targets = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children() if type(child) is nn.Linear]

@@ -17,8 +17,18 @@ from batchapi.kernels.cpu.build import load_matmul
 PANEL = 16  # outputs a panel: as in csrc/matmul.c
 
 
+_lib = None  # the loaded library, once: a step makes hundreds of calls
+
+
+def _library():
+    global _lib
+    if _lib is None:
+        _lib = load_matmul()
+    return _lib
+
+
 def available() -> bool:
-    return load_matmul() is not None
+    return _library() is not None
 
 
 def exact_in_bf16(weight: torch.Tensor) -> bool:
@@ -44,19 +54,27 @@ def unpack(packed: torch.Tensor, out_features: int) -> torch.Tensor:
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for float32 ``x`` [..., in] and ``packed = pack(weight)``."""
-    lib = load_matmul()
-    assert lib is not None, "linear() needs the library: callers check available() first"
-    in_features = packed.shape[1]
+    lib = _library()
+    panels, in_features, panel = packed.shape
+    if (lib is None or packed.dtype != torch.bfloat16 or not packed.is_contiguous() or panel != PANEL
+            or panels * PANEL < out_features or x.shape[-1] != in_features
+            or (bias is not None and bias.shape != (out_features,))):
+        raise ValueError(f"linear_bf16w cannot multiply x {tuple(x.shape)} by a packed weight {tuple(packed.shape)} "
+                         f"{packed.dtype} of {out_features} outputs (bias {None if bias is None else tuple(bias.shape)})")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, in_features)
-    if x2.stride(1) != 1 or x2.stride(0) < in_features or x2.dtype != torch.float32:
-        x2 = x2.contiguous().float()
     rows = x2.shape[0]
+    if x2.stride(1) != 1 or x2.dtype != torch.float32:
+        x2 = x2.contiguous().float()
+    row_stride = x2.stride(0) if rows > 1 else in_features  # a single row's stride is anything: unused
+    if row_stride < in_features:
+        x2, row_stride = x2.contiguous(), in_features
     out = torch.empty(rows, out_features, dtype=torch.float32)
     if bias is not None:
         bias = bias.detach().float().contiguous()
-    rc = lib.linear_bf16w(x2.data_ptr(), x2.stride(0), rows, packed.data_ptr(), out_features, in_features,
+    rc = lib.linear_bf16w(x2.data_ptr(), row_stride, rows, packed.data_ptr(), out_features, in_features,
                           bias.data_ptr() if bias is not None else None, out.data_ptr(), out_features,
                           torch.get_num_threads())
-    assert rc == 0, f"linear_bf16w refused [{rows}, {in_features}] x [{out_features}, {in_features}]"
+    if rc != 0:
+        raise RuntimeError(f"linear_bf16w refused [{rows}, {in_features}] x [{out_features}, {in_features}]")
     return out.view(*lead, out_features)

@@ -48,6 +48,19 @@ def test_threads_rows_strides_and_leading_dimensions_change_no_bit():
         torch.set_num_threads(threads)
 
 
+def test_a_weight_or_bias_of_another_shape_is_refused():
+    weight, b = layer(37, 19, True)
+    packed = matmul.pack(weight)
+    for bad in (lambda: matmul.linear(torch.randn(3, 18), packed, 37, b),  # another in_features
+                lambda: matmul.linear(torch.randn(3, 19), packed, 37, b[:36]),  # a short bias
+                lambda: matmul.linear(torch.randn(3, 19), packed, 49, None),  # more outputs than panels hold
+                lambda: matmul.linear(torch.randn(3, 19), packed.float(), 37, None)):
+        with pytest.raises(ValueError):
+            bad()
+    one = torch.randn(19, 1).T  # one row whose stride is 1: a row stride below in_features, unused
+    assert torch.equal(matmul.linear(one, packed, 37, b), matmul.linear(one.contiguous(), packed, 37, b))
+
+
 def test_pack_keeps_every_weight_and_only_bf16_exact_weights_qualify():
     weight, _ = layer(37, 19, False)
     assert matmul.pack(weight).shape == (3, 19, 16)  # 37 outputs in 3 panels of 16
@@ -68,5 +81,7 @@ def test_every_build_gives_the_same_bits(march, needs, tmp_path, monkeypatch):
     if not build_for(march, needs, build.MATMUL_SOURCE, tmp_path, monkeypatch):
         return  # this CPU cannot run that build: it was built, not run
     monkeypatch.setattr(build, "_state", {})
-    assert build.load_matmul() is not None
+    monkeypatch.setattr(matmul, "_lib", None)
+    portable = build.load_matmul()
+    assert portable is not None and matmul._library() is portable
     assert torch.equal(matmul.linear(x, packed, 200, b), native)
