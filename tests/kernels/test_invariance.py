@@ -20,6 +20,7 @@ from batchapi.engine.model.linears import (
     probe_input,
     probe_rows,
 )
+from batchapi.engine.platform import fastest_cpu_dtype
 from batchapi.kernels import CPU_OPS, TORCH_OPS, get_ops
 from batchapi.kernels.torch.attention import invariant_paged_attention
 from batchapi.kernels.torch.rope import build_rope_cache
@@ -139,9 +140,11 @@ def test_the_linear_layers_at_the_default_models_shapes_are_invariant(dtype, in_
 def test_the_projections_at_the_engines_step_size_are_invariant(in_features, out_features):
     """At the engine's 4096 rows a step, where oneDNN's AMX kernel in bf16 gives the largest call's
     sums at 1..32 rows and from about N rows on, so the probe splits the counts between: every
-    count 1..300 in three positions, and the counts around the one from which it runs one call."""
+    count 1..300 in three positions, and the counts around the one from which it runs one call. In
+    the dtype ``auto`` picks: bf16 where the CPU has it natively, else float32 (emulated bf16 at
+    4096 rows would take minutes, and is never picked there)."""
     max_rows = 4096
-    layer = invariant_linear(_linear(in_features, out_features, torch.bfloat16), max_rows)
+    layer = invariant_linear(_linear(in_features, out_features, fastest_cpu_dtype()), max_rows)
     if isinstance(layer, InvariantLinear) and layer.split_rows is not None:
         large = [layer.min_rows - 1, layer.min_rows, layer.min_rows + 1, 3001, max_rows - 1]
     else:  # another CPU: whatever the probe chose holds
