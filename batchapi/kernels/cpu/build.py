@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -93,28 +94,27 @@ def _open(source: Path, stays: str) -> ctypes.CDLL | None:
         return None
 
 
+def _once(name: str, loader: Callable[[], ctypes.CDLL | None]) -> ctypes.CDLL | None:
+    """``loader()``'s library, built and loaded on the first call in this process (None: it cannot be)."""
+    with _lock:
+        if name not in _state:
+            _state[name] = loader()
+        return _state[name]
+
+
 def load() -> ctypes.CDLL | None:
     """The decode attention library, building it on first use; None where it cannot be built."""
-    with _lock:
-        if "lib" not in _state:
-            _state["lib"] = _load()
-        return _state["lib"]
+    return _once("lib", _load)
 
 
 def load_elementwise() -> ctypes.CDLL | None:
     """The elementwise library, building it on first use; None where it cannot be built."""
-    with _lock:
-        if "elementwise" not in _state:
-            _state["elementwise"] = _load_elementwise()
-        return _state["elementwise"]
+    return _once("elementwise", _load_elementwise)
 
 
 def load_matmul() -> ctypes.CDLL | None:
     """The bf16-stored linear library, building it on first use; None where it cannot be built."""
-    with _lock:
-        if "matmul" not in _state:
-            _state["matmul"] = _load_matmul()
-        return _state["matmul"]
+    return _once("matmul", _load_matmul)
 
 
 def _load_matmul() -> ctypes.CDLL | None:
