@@ -116,14 +116,18 @@ def test_private_endpoints_are_refused(client, strict, url, refused):
     assert list(client.webhooks.list()) == []
 
 
-def test_a_public_endpoint_is_taken_and_cannot_be_moved_inside(client, strict):
-    created = client.webhooks.create(url="http://93.184.215.14/hooks", event_types=["batch.completed"],
-                                     name="public")
-    assert created.url == "http://93.184.215.14/hooks"
+def test_an_allowed_endpoint_is_taken_and_cannot_be_moved_inside(client, pg_server, strict, monkeypatch):
+    """An address the deployment allows is taken as a public one is (check_host's own test covers
+    public addresses; no test registers one); a move to any other private address is refused."""
+    ctx = pg_server.ctx
+    monkeypatch.setattr(ctx, "settings", ctx.settings.model_copy(update={"webhook_allowed_hosts": ["127.0.0.1/32"]}))
+    created = client.webhooks.create(url="http://127.0.0.1:9/hooks", event_types=["batch.completed"],
+                                     name="allowed")
+    assert created.url == "http://127.0.0.1:9/hooks"
     with pytest.raises(openai.BadRequestError) as error:
         client.webhooks.update(created.id, url="http://192.168.0.10/hooks")
     assert error.value.response.json()["error"]["code"] == "webhook_url_forbidden"
-    assert client.webhooks.retrieve(created.id).url == "http://93.184.215.14/hooks"
+    assert client.webhooks.retrieve(created.id).url == "http://127.0.0.1:9/hooks"
 
 
 def test_a_test_event_is_not_sent_to_an_endpoint_now_refused(client, pg_server, monkeypatch):
