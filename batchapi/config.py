@@ -57,7 +57,8 @@ class Settings(BaseSettings):
     gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
     enable_prefix_caching: bool = True
     batch_invariant: bool = True  # a request's tokens do not depend on its batch (docs/USAGE.md, "Reproducible results")
-    # CPU in float32: linear weights exact in bf16 kept in bf16, widened as they multiply (docs/OPERATIONS.md)
+    # CPU: bf16 linear weights in the C kernels, widened to float32 where the CPU computes in float32,
+    # by AVX512-BF16 where it has that and no AMX; false: oneDNN (docs/OPERATIONS.md)
     bf16_weights: bool = True
     cuda_graphs: bool = True  # CUDA: decode steps replayed from CUDA graphs (docs/BENCHMARKS.md, "Engine throughput")
     # the engine core in a child process of the worker (batchapi/engine/core.py), where no other

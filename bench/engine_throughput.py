@@ -49,7 +49,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from batchapi.engine import EngineConfig, GenerationRequest, LLMEngine, SamplingParams
-from batchapi.engine.model.linears import Bf16StoredLinear
+from batchapi.engine.model.linears import C_KERNELS, Bf16StoredLinear
 from batchapi.engine.model.moe import SparseMoE
 from batchapi.models.store import resolve_model
 
@@ -266,8 +266,9 @@ def _expert_rows(model, tokens: int) -> dict:
     return rows
 
 
-LINEARS = (torch.nn.Linear, Bf16StoredLinear)  # the model's linear layers, packed for oneDNN or bf16-stored
-MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", "batchapi::linear_bf16w")
+LINEARS = (torch.nn.Linear, *C_KERNELS)  # the model's linear layers: packed for oneDNN, or in a C kernel
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", "batchapi::linear_bf16w",
+              "batchapi::linear_bf16")
 
 
 def matmul_share(engine: LLMEngine, prompts, params) -> tuple[float, float]:
@@ -278,9 +279,10 @@ def matmul_share(engine: LLMEngine, prompts, params) -> tuple[float, float]:
     by the thread count (until December 2026 it was, which halved the share on two threads)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    stored = [m for m in engine.runner.model.modules() if isinstance(m, Bf16StoredLinear)]
+    stored = [m for m in engine.runner.model.modules() if isinstance(m, C_KERNELS)]
     for m in stored:  # a ctypes call: named for the profiler, as the aten ops are
-        m.forward = lambda x, f=m.forward: _recorded(record_function, f, x)
+        name = "batchapi::linear_bf16w" if isinstance(m, Bf16StoredLinear) else "batchapi::linear_bf16"
+        m.forward = lambda x, f=m.forward, name=name: _recorded(record_function, f, x, name)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         with Clock() as clock:
             run_engine(engine, prompts, params)
@@ -290,8 +292,8 @@ def matmul_share(engine: LLMEngine, prompts, params) -> tuple[float, float]:
     return spent / clock.wall, clock.wall
 
 
-def _recorded(record_function, forward, x):
-    with record_function("batchapi::linear_bf16w"):
+def _recorded(record_function, forward, x, name):
+    with record_function(name):
         return forward(x)
 
 
@@ -402,7 +404,8 @@ def measure(args, skip: set[str], model_dir: Path, label: str, dense_dir: Path |
           f"{cont.rate / roof:.0%} of it in output tokens, {cont.rows / cont.cpu / roof:.0%} in token rows "
           f"through the matmuls ({cont.rows}: decode steps and the prompt tokens past the prefix cache)")
 
-    if "weights" not in skip and engine.runner.linear_kinds.get("bf16-stored"):
+    if "weights" not in skip and (engine.runner.linear_kinds.get("bf16-stored")
+                                  or engine.runner.linear_kinds.get("avx512-bf16")):
         compare_weights(engine, config, prompts, greedy, cont)
     if "vllm" not in skip:
         compare_vllm(engine, args.vllm_python, model_dir, prompts, greedy, torch.get_num_threads(), args.max_num_seqs)
@@ -477,20 +480,22 @@ def measure(args, skip: set[str], model_dir: Path, label: str, dense_dir: Path |
 
 def compare_weights(engine: LLMEngine, config: EngineConfig, prompts, params, stored: Timed,
                     rounds: int = 2) -> None:
-    """The engine with its bf16 weights stored in bf16 (the default where it computes in float32)
-    against the same weights widened to float32 at load through oneDNN's packed matmul: best of
-    interleaved rounds, the first being the run above."""
-    widened = LLMEngine(replace(config, bf16_weights=False))
-    run_engine(widened, prompts[:8], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
-    best = {"bf16": stored}
+    """The engine with its bf16 weights in the C kernels (the default: stored in bf16 where it computes
+    in float32, by AVX512-BF16 where native) against oneDNN's packed layers (the weights widened to
+    float32 at load, or in bf16): best of interleaved rounds, the first being the run above."""
+    onednn_engine = LLMEngine(replace(config, bf16_weights=False))
+    run_engine(onednn_engine, prompts[:8], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    best = {"c": stored}
     for round_ in range(rounds):
-        runs = (("float32", widened),) if round_ == 0 else (("bf16", engine), ("float32", widened))
+        runs = (("onednn", onednn_engine),) if round_ == 0 else (("c", engine), ("onednn", onednn_engine))
         for name, eng in runs:
             timed = run_engine(eng, prompts, params)
             best[name] = timed if name not in best or timed.rate > best[name].rate else best[name]
-    print(f"weights stored in bf16: {best['bf16']}; widened to float32 at load (oneDNN): {best['float32']}; "
-          f"{best['bf16'].rate / best['float32'].rate:.2f}x (best of {rounds} interleaved rounds)")
-    widened.close()
+    c_kind = "stored in bf16" if engine.runner.linear_kinds.get("bf16-stored") else "in bf16 by AVX512-BF16"
+    other = "widened to float32 at load" if c_kind == "stored in bf16" else "in bf16"
+    print(f"weights {c_kind} (C kernel): {best['c']}; {other} (oneDNN): {best['onednn']}; "
+          f"{best['c'].rate / best['onednn'].rate:.2f}x (best of {rounds} interleaved rounds)")
+    onednn_engine.close()
 
 
 def compare_dense(engine: LLMEngine, config: EngineConfig, dense_dir: Path, prompts, max_tokens: int,
@@ -517,8 +522,8 @@ def compare_dense(engine: LLMEngine, config: EngineConfig, dense_dir: Path, prom
 
 
 def parameter_count(model) -> int:
-    """The model's parameters, bf16-stored linear weights included (kept packed, not as parameters)."""
-    stored = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, Bf16StoredLinear))
+    """The model's parameters, the C kernels' linear weights included (kept packed, not as parameters)."""
+    stored = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, C_KERNELS))
     return stored + sum(p.numel() for p in model.parameters())
 
 

@@ -25,8 +25,9 @@ class EngineConfig:
     num_threads: int | None = None  # CPU intra-op threads; None leaves torch's default
     # a request's tokens do not depend on the batch it runs in (engine/model/linears.py, README)
     batch_invariant: bool = True
-    # CPU in float32: linear weights exact in bf16 (a bf16 checkpoint's) stay bf16, half the bytes a
-    # decode step reads, widened to float32 as they multiply (engine/model/linears.py)
+    # CPU, bf16 linear weights in the C kernels (engine/model/linears.py): in float32, weights exact in
+    # bf16 (a bf16 checkpoint's) stay bf16, half the bytes a decode step reads, widened as they multiply;
+    # in bf16 on AVX512-BF16 without AMX, bf16 by VDPBF16PS; false: oneDNN's packed layers for both
     bf16_weights: bool = True
     # a step's detokenizing and stop-string search run while the next step computes (None: on CUDA,
     # where the forward runs on the device; on CPU the forward holds the cores and nothing overlaps)

@@ -11,7 +11,7 @@ def build_for(march: str, needs: set[str], source: Path, tmp_path: Path, monkeyp
     here, and False returned."""
     monkeypatch.setenv("BATCHAPI_NATIVE_DIR", str(tmp_path))
     monkeypatch.setattr(build, "CFLAGS", [f"-march={march}" if f == "-march=native" else f for f in build.CFLAGS])
-    if needs <= set(build._cpu_flags().split()):
+    if needs <= set(build.cpu_flags().split()):
         return True
     target = build.library_path(build._compiler(), source)
     build._build(build._compiler(), target, source)

@@ -68,6 +68,7 @@ On CUDA the layers run batchapi.kernels.triton.matmul instead of cuBLAS: fixed t
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -82,6 +83,7 @@ from torch import nn
 
 from batchapi.engine.model import onednn
 from batchapi.kernels.cpu import matmul
+from batchapi.kernels.cpu.build import cpu_flags
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +120,40 @@ class Bf16StoredLinear(nn.Module):
         return matmul.linear(x, self.packed_weight, self.out_features, self.bias)
 
 
+class Avx512Bf16Linear(nn.Module):
+    """A bf16 linear layer through the C kernel for AVX512-BF16 (kernels/cpu/matmul.py's
+    ``linear_bf16``), its weight packed in pairs; ``weight`` unpacks it on demand (for the probe and
+    tests, never on a step)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed_weight = matmul.pack_pairs(linear.weight)
+        self.bias = linear.bias
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return matmul.unpack_pairs(self.packed_weight, self.out_features, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return matmul.linear_bf16(x, self.packed_weight, self.out_features, self.in_features, self.bias)
+
+
+C_KERNELS = (Bf16StoredLinear, Avx512Bf16Linear)  # one fixed order of the sums per output: invariant as they are
+
+
+def can_run_avx512_bf16(module: nn.Module) -> bool:
+    """A bf16 CPU nn.Linear, where the C kernel built with AVX512-BF16 and the CPU has no AMX (whose
+    tiles oneDNN's kernel uses, about 3x the vector units' rate)."""
+    return (type(module) is nn.Linear and module.weight.device.type == "cpu"
+            and module.weight.dtype == torch.bfloat16 and matmul.native_bf16() and not _has_amx())
+
+
+@functools.cache
+def _has_amx() -> bool:
+    return "amx_bf16" in cpu_flags().split()
+
+
 def can_store_bf16(module: nn.Module) -> bool:
     """A float32 CPU nn.Linear whose weight bf16 holds exactly, where the C kernel built."""
     return (type(module) is nn.Linear and module.weight.device.type == "cpu"
@@ -131,17 +167,20 @@ def can_pack(module: nn.Module) -> bool:
 
 
 def pack_linears(model: nn.Module, batch_hint: int, bf16_weights: bool = False) -> dict[str, int]:
-    """Replace every nn.Linear of ``model`` that can be in place: bf16-stored where ``bf16_weights``
-    and ``can_store_bf16`` (the engine's choice, ``EngineConfig.bf16_weights``; the embedding
-    encoders' large batches keep oneDNN), else packed for oneDNN where ``can_pack``. Returns how
-    many of each."""
-    counts = {"bf16-stored": 0, "onednn": 0}
+    """Replace every nn.Linear of ``model`` that can be in place: where ``bf16_weights`` (the engine's
+    choice, ``EngineConfig.bf16_weights``; the embedding encoders' large batches keep oneDNN), a C
+    kernel: bf16-stored where ``can_store_bf16``, bf16 on AVX512-BF16 where ``can_run_avx512_bf16``;
+    else packed for oneDNN where ``can_pack``. Returns how many of each."""
+    counts = {"bf16-stored": 0, "avx512-bf16": 0, "onednn": 0}
     targets = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children() if type(child) is nn.Linear]
     for parent, name, child in targets:
         if bf16_weights and can_store_bf16(child):
             setattr(parent, name, Bf16StoredLinear(child))
             counts["bf16-stored"] += 1
+        elif bf16_weights and can_run_avx512_bf16(child):
+            setattr(parent, name, Avx512Bf16Linear(child))
+            counts["avx512-bf16"] += 1
         elif can_pack(child):
             setattr(parent, name, PackedLinear.from_linear(child, batch_hint))
             counts["onednn"] += 1
@@ -413,10 +452,10 @@ def make_invariant(model: nn.Module, device: torch.device, max_tokens: int,
     layers ``max_tokens``."""
     plan: dict[str, int | str] = {}
     targets = [(parent, name, child) for parent in model.modules()
-               for name, child in parent.named_children() if isinstance(child, nn.Linear | Bf16StoredLinear)]
+               for name, child in parent.named_children() if isinstance(child, (nn.Linear, *C_KERNELS))]
     for parent, name, child in targets:
         shape = f"{name}:{child.in_features}x{child.out_features}"
-        if isinstance(child, Bf16StoredLinear):  # one fixed order per output: invariant as it is
+        if isinstance(child, C_KERNELS):  # one fixed order per output: invariant as it is
             plan[shape] = 1
             continue
         if device.type == "cuda":

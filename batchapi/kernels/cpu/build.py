@@ -2,8 +2,8 @@
 
 Three libraries: paged_decode.c (decode attention, launched by attention.py), elementwise.c
 (the norms, rotary, SiLU-and-mul, the KV store, the argmax and the token bitmask, launched by
-elementwise.py) and matmul.c (linear layers with bf16-stored weights in fp32 arithmetic, launched
-by matmul.py). Each is built once per source and CPU (-march=native) into the cache directory
+elementwise.py) and matmul.c (linear layers with bf16 weights: bf16-stored in fp32 arithmetic, and
+bf16 on AVX512-BF16; launched by matmul.py). Each is built once per source and CPU (-march=native) into the cache directory
 (BATCHAPI_NATIVE_DIR, default ~/.cache/batchapi/native) and reused by every later process. Without
 a compiler, or if a build fails, its loader returns None and callers keep the pure-torch twins: the
 native kernels are a speed-up, never a requirement.
@@ -41,7 +41,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("BATCHAPI_NATIVE_DIR") or Path.home() / ".cache" / "batchapi" / "native")
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -56,7 +56,7 @@ def _compiler() -> str | None:
 def library_path(compiler: str, source: Path = SOURCE) -> Path:
     headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # what the sources include
     key = hashlib.sha256("\0".join([source.read_text(), *headers, compiler, " ".join(CFLAGS), platform.machine(),
-                                    _cpu_flags()]).encode()).hexdigest()[:16]
+                                    cpu_flags()]).encode()).hexdigest()[:16]
     return cache_dir() / f"{source.stem}-{key}.so"
 
 
@@ -113,7 +113,7 @@ def load_elementwise() -> ctypes.CDLL | None:
 
 
 def load_matmul() -> ctypes.CDLL | None:
-    """The bf16-stored linear library, building it on first use; None where it cannot be built."""
+    """The bf16 linear layers' library, building it on first use; None where it cannot be built."""
     return _once("matmul", _load_matmul)
 
 
@@ -123,6 +123,9 @@ def _load_matmul() -> ctypes.CDLL | None:
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         lib.linear_bf16w.restype = ctypes.c_int
         lib.linear_bf16w.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, ctypes.c_int]
+        lib.linear_bf16.restype = ctypes.c_int
+        lib.linear_bf16.argtypes = lib.linear_bf16w.argtypes
+        lib.linear_bf16_native.restype = ctypes.c_int
     return lib
 
 

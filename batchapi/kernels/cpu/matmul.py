@@ -1,10 +1,15 @@
-"""Linear layers with bf16-stored weights and fp32 arithmetic, in C (csrc/matmul.c).
+"""Linear layers with bf16 weights, in C (csrc/matmul.c): bf16-stored in fp32 arithmetic, and bf16
+on AVX512-BF16.
 
-Where the CPU has no native bf16 matmuls the engine computes in float32, and a decode step, which
+**bf16-stored** (``pack``, ``linear``): where the CPU has no native bf16 matmuls the engine computes in float32, and a decode step, which
 reads every weight once, is bound by the weights' bytes. A bf16 checkpoint's weights are exact in
 bf16, so ``pack`` keeps them so (half the bytes of float32) and ``linear`` widens each weight as it
 multiplies: the float32 layer's values, summed in one fixed order per output (csrc/matmul.c), so a
 row gets the same bits at any row count and batch invariance needs no padding or blocks.
+
+**bf16** (``pack_pairs``, ``linear_bf16``): where the CPU multiplies bf16 natively with AVX512-BF16,
+bf16 activations by bf16 weights packed in pairs for VDPBF16PS, each output one chain over the pairs
+in order (invariant as the above), rounded to bf16 as oneDNN's bf16 layers round.
 """
 
 from __future__ import annotations
@@ -77,4 +82,59 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
                           torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"linear_bf16w refused [{rows}, {in_features}] x [{out_features}, {in_features}]")
+    return out.view(*lead, out_features)
+
+
+def native_bf16() -> bool:
+    """Whether ``linear_bf16`` runs on AVX512-BF16 here (else it runs the same operations in plain C:
+    the same bits, far slower)."""
+    lib = _library()
+    return lib is not None and lib.linear_bf16_native() == 1
+
+
+def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> the layout csrc/matmul.c's ``linear_bf16`` reads: [panels, ceil(in / 2), 16] int32,
+    each the bf16 pair (w[n][2i], w[n][2i + 1]) in its low and high halves; zeros pad the last pair
+    (odd ``in``) and the last panel."""
+    out_features, in_features = weight.shape
+    w = F.pad(weight.detach().to(torch.bfloat16), (0, in_features % 2, 0, (-out_features) % PANEL))  # [N', K']
+    pairs = w.shape[1] // 2
+    # [P, 16, pairs, 2] -> [P, pairs, 16, 2]: per pair, the panel's 16 columns, each its two values
+    return w.view(-1, PANEL, pairs, 2).permute(0, 2, 1, 3).contiguous().view(torch.int32).view(-1, pairs, PANEL)
+
+
+def unpack_pairs(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """``pack_pairs``'s inverse: [out, in] bf16."""
+    panels, pairs, _ = packed.shape
+    w = packed.contiguous().view(torch.bfloat16).view(panels, pairs, PANEL, 2).permute(0, 2, 1, 3)
+    return w.reshape(panels * PANEL, pairs * 2)[:out_features, :in_features]
+
+
+def linear_bf16(x: torch.Tensor, packed: torch.Tensor, out_features: int, in_features: int,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` in bf16 for bf16 ``x`` [..., in] and ``packed = pack_pairs(weight)``
+    of ``weight`` [out_features, in_features], the bias added in fp32 before the output is rounded."""
+    lib = _library()
+    panels, pairs, panel = packed.shape
+    if (lib is None or packed.dtype != torch.int32 or not packed.is_contiguous() or panel != PANEL
+            or panels * PANEL < out_features or pairs != (in_features + 1) // 2 or x.shape[-1] != in_features
+            or x.dtype != torch.bfloat16
+            or (bias is not None and bias.shape != (out_features,))):
+        raise ValueError(f"linear_bf16 cannot multiply x {tuple(x.shape)} {x.dtype} by a packed weight "
+                         f"{tuple(packed.shape)} {packed.dtype} of {out_features} outputs "
+                         f"(bias {None if bias is None else tuple(bias.shape)})")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, in_features)
+    rows = x2.shape[0]
+    row_stride = x2.stride(0) if rows > 1 else in_features  # a single row's stride is anything: unused
+    if x2.stride(1) != 1 or row_stride < in_features:
+        x2, row_stride = x2.contiguous(), in_features
+    out = torch.empty(rows, out_features, dtype=torch.bfloat16)
+    if bias is not None:  # read a whole panel at a time
+        bias = F.pad(bias.detach().float(), (0, panels * PANEL - out_features)).contiguous()
+    rc = lib.linear_bf16(x2.data_ptr(), row_stride, rows, packed.data_ptr(), out_features, in_features,
+                         bias.data_ptr() if bias is not None else None, out.data_ptr(), out_features,
+                         torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"linear_bf16 refused [{rows}, {in_features}] x [{out_features}, {in_features}]")
     return out.view(*lead, out_features)

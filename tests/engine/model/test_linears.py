@@ -2,8 +2,10 @@ import pytest
 import torch
 from torch import nn
 
+from batchapi.engine.model import linears
 from batchapi.engine.model.linears import (
     BLOCK_ROWS,
+    Avx512Bf16Linear,
     Bf16StoredLinear,
     InvariantLinear,
     PackedLinear,
@@ -59,15 +61,43 @@ def test_a_float32_layer_whose_weights_bf16_holds_keeps_them_in_bf16(bf16_weight
     expected = exact(x)
     counts = pack_linears(model, batch_hint=8, bf16_weights=bf16_weights)
     if not bf16_weights:
-        assert counts == {"bf16-stored": 0, "onednn": 2}
+        assert counts == {"bf16-stored": 0, "avx512-bf16": 0, "onednn": 2}
         return
-    assert counts == {"bf16-stored": 1, "onednn": 1}
+    assert counts == {"bf16-stored": 1, "avx512-bf16": 0, "onednn": 1}
     stored = model["exact"]
     assert isinstance(stored, Bf16StoredLinear) and isinstance(model["rounded"], PackedLinear)
     assert stored.packed_weight.dtype == torch.bfloat16 and torch.equal(stored.weight, exact.weight)
     torch.testing.assert_close(stored(x), expected, rtol=1e-5, atol=1e-5)
     plan = make_invariant(model, torch.device("cpu"), max_tokens=64, max_logit_rows=64)
     assert model["exact"] is stored and plan["exact:96x160"] == 1
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_a_bf16_layer_runs_the_avx512_bf16_kernel_where_the_cpu_has_it_and_no_amx(monkeypatch, amx):
+    """Where the kernel is native and the CPU has no AMX (faked here on other CPUs: the kernel's plain-C
+    build gives the same bits): the bf16 layer in C, left as it is by batch invariance, its weight
+    kept once, packed; the embedding it is tied to keeps its own. With AMX, or the flag off: oneDNN."""
+    monkeypatch.setattr(linears.matmul, "native_bf16", lambda: True)
+    monkeypatch.setattr(linears, "_has_amx", lambda: amx)
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"head": _linear(True), "emb": nn.Embedding(160, 96)}).requires_grad_(False)
+    model["head"].weight = model["emb"].weight = nn.Parameter(torch.randn(160, 96).bfloat16(), requires_grad=False)
+    x = torch.randn(7, 96).bfloat16()
+    expected = model["head"](x)
+    counts = pack_linears(model, batch_hint=8, bf16_weights=True)
+    if amx:
+        assert counts["avx512-bf16"] == 0 and not isinstance(model["head"], Avx512Bf16Linear)
+        return
+    assert counts == {"bf16-stored": 0, "avx512-bf16": 1, "onednn": 0}
+    layer = model["head"]
+    assert isinstance(layer, Avx512Bf16Linear) and torch.equal(layer.weight, model["emb"].weight)
+    assert "weight" not in dict(layer.named_parameters())  # the packed copy is the layer's only one
+    torch.testing.assert_close(layer(x).float(), expected.float(), rtol=1e-2, atol=0.05)
+    assert torch.equal(layer(x[2:5]), layer(x)[2:5])
+    plan = make_invariant(model, torch.device("cpu"), max_tokens=64, max_logit_rows=64)
+    assert model["head"] is layer and plan["head:96x160"] == 1
+    off = nn.ModuleDict({"head": _linear(True)}).requires_grad_(False)
+    assert pack_linears(off, batch_hint=8, bf16_weights=False)["avx512-bf16"] == 0
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -73,11 +73,13 @@ def test_pack_keeps_every_weight_and_only_bf16_exact_weights_qualify():
 @pytest.mark.parametrize(("march", "needs"), [("x86-64", {"sse2"}), ("haswell", {"avx2", "fma"})])
 def test_every_build_gives_the_same_bits(march, needs, tmp_path, monkeypatch):
     """Plain C (fmaf) and AVX2 with FMA sum each output in one order: a worker of either kind gives a
-    row the bits of the native build."""
+    row the bits of the native build; the bf16 linear too (plain C there: the bits of AVX512-BF16)."""
     weight, b = layer(200, 257, True)
     packed = matmul.pack(weight)
     x = torch.randn(21, 257)
     native = matmul.linear(x, packed, 200, b)
+    pairs, x16, b16 = matmul.pack_pairs(weight), x.bfloat16(), b.bfloat16()
+    native16 = matmul.linear_bf16(x16, pairs, 200, 257, b16)
     if not build_for(march, needs, build.MATMUL_SOURCE, tmp_path, monkeypatch):
         return  # this CPU cannot run that build: it was built, not run
     monkeypatch.setattr(build, "_state", {})
@@ -85,3 +87,81 @@ def test_every_build_gives_the_same_bits(march, needs, tmp_path, monkeypatch):
     portable = build.load_matmul()
     assert portable is not None and matmul._library() is portable
     assert torch.equal(matmul.linear(x, packed, 200, b), native)
+    assert not matmul.native_bf16() and torch.equal(matmul.linear_bf16(x16, pairs, 200, 257, b16), native16)
+
+
+# the bf16 linear for AVX512-BF16 (linear_bf16): on a CPU without it, the plain-C build does the same
+# operations, so every test here runs everywhere and checks the bits AVX512-BF16 gives
+
+
+def flushed(t: torch.Tensor) -> torch.Tensor:
+    """Denormals read as zero, as VDPBF16PS reads its inputs and writes its sums."""
+    return torch.where(t.abs() < torch.finfo(torch.float32).tiny, torch.zeros_like(t), t)
+
+
+def dpbf16_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """What VDPBF16PS sums, one pair at a time: the odd element's product fused into the sum, then the
+    even one's, each rounded to float32 (a product of two bf16 is exact in float32, and the float64
+    sum of two float32 values rounds to float32 as a fused multiply-add does); + bias; bf16."""
+    xs, ws = flushed(x.float()).double(), flushed(weight.float()).double()
+    if xs.shape[1] % 2:
+        xs, ws = F.pad(xs, (0, 1)), F.pad(ws, (0, 1))
+    acc = torch.zeros(x.shape[0], weight.shape[0], dtype=torch.float32)
+    for i in range(0, xs.shape[1], 2):
+        for j in (i + 1, i):
+            acc = flushed((acc.double() + xs[:, j:j + 1] * ws[:, j]).float())
+    out = acc + bias.float() if bias is not None else acc
+    return flushed(out).bfloat16()
+
+
+def bf16_layer(out_features: int, in_features: int, bias: bool, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
+    b = torch.randn(out_features, generator=generator).bfloat16() if bias else None
+    return weight, b
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(("out_features", "in_features"), [*SHAPES, (100, 64)])  # ragged last group of panels
+def test_bf16_linear_sums_as_avx512_bf16_does_and_gives_the_same_bits_at_every_row_count(out_features, in_features,
+                                                                                       bias):
+    weight, b = bf16_layer(out_features, in_features, bias)
+    packed = matmul.pack_pairs(weight)
+    x = torch.randn(203, in_features).bfloat16()
+    x[5] *= 1e-38  # denormal products and sums: flushed
+    full = matmul.linear_bf16(x, packed, out_features, in_features, b)
+    assert torch.equal(full, dpbf16_reference(x, weight, b))
+    torch.testing.assert_close(full.float(), F.linear(x.float(), weight.float(), None if b is None else b.float()),
+                               rtol=1e-2, atol=0.1)
+    for rows in (1, 2, 7, 8, 9, 17, 96, 97, 202):
+        for start in (0, 203 - rows, rows // 3):
+            assert torch.equal(matmul.linear_bf16(x[start:start + rows], packed, out_features, in_features, b),
+                               full[start:start + rows]), (rows, start)
+
+
+def test_bf16_linear_threads_strides_and_leading_dimensions_change_no_bit():
+    weight, b = bf16_layer(200, 257, True)
+    packed = matmul.pack_pairs(weight)
+    x = torch.randn(64, 300).bfloat16()[:, 11:268]  # rows 300 apart, not contiguous
+    full = matmul.linear_bf16(x.contiguous(), packed, 200, 257, b)
+    assert torch.equal(matmul.linear_bf16(x, packed, 200, 257, b), full)
+    assert torch.equal(matmul.linear_bf16(x.contiguous().view(8, 8, 257), packed, 200, 257, b), full.view(8, 8, 200))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(matmul.linear_bf16(x, packed, 200, 257, b), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_bf16_linear_refuses_another_shape_or_dtype_and_packs_every_weight():
+    weight, b = bf16_layer(37, 19, True)
+    packed = matmul.pack_pairs(weight)
+    assert packed.shape == (3, 10, 16) and packed.dtype == torch.int32  # 3 panels of 16, 10 pairs (odd K)
+    assert torch.equal(matmul.unpack_pairs(packed, 37, 19), weight)
+    for bad in (lambda: matmul.linear_bf16(torch.randn(3, 20).bfloat16(), packed, 37, 19, b),  # another in_features
+                lambda: matmul.linear_bf16(torch.randn(3, 19).bfloat16(), packed, 37, 19, b[:36]),  # a short bias
+                lambda: matmul.linear_bf16(torch.randn(3, 19).bfloat16(), packed, 49, 19, None),  # past the panels
+                lambda: matmul.linear_bf16(torch.randn(3, 19), packed, 37, 19, b)):  # float32 activations
+        with pytest.raises(ValueError):
+            bad()
