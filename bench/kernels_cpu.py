@@ -9,6 +9,9 @@ Usage: .venv/bin/python bench/kernels_cpu.py [--batch 96] [--ctx 300] [--spread 
    or: .venv/bin/python bench/kernels_cpu.py --op linear_bf16w [--row-counts 1,8,16,64,256]
         (float32 linear layers of Qwen3-0.6B's shapes: bf16-stored weights in C, kernels/cpu/csrc/matmul.c,
         against oneDNN's packed float32 weights and F.linear, interleaved, GFLOP/s)
+   or: .venv/bin/python bench/kernels_cpu.py --op linear_bf16 [--row-counts 1,8,16,64,256]
+        (a SmolLM2-135M decode step's bf16 linear layers, weights from memory: the C kernel for
+        AVX512-BF16, kernels/cpu/csrc/matmul.c, against oneDNN's packed bf16 weights, interleaved)
 
 The figures, per CPU kind, are in docs/BENCHMARKS.md ("CPU kernels"). v_native is the C kernel the
 engine uses on CPU (kernels/cpu/csrc/paged_decode.c); v_library the torch path it falls back to.
@@ -301,11 +304,49 @@ def bench_linear(a):
                   f"oneDNN {o:8.2f} ms {flops / o:5.0f}   F.linear {m:8.2f} ms {flops / m:5.0f}   x{o / c:4.2f}")
 
 
+SMOLLM2_LAYER = {"qkv_proj": (960, 576), "o_proj": (576, 576), "gate_up_proj": (3072, 576),
+                 "down_proj": (576, 1536)}  # (out, in) of one of its 30 layers; lm_head 49152 x 576
+
+
+def bench_linear_bf16(a):
+    """Best ms of a decode step's linear layers, SmolLM2-135M's 30 layers and lm_head in turn (each
+    weight read from memory, as in a step, not from cache), bf16: the C kernel for AVX512-BF16
+    against oneDNN's packed bf16 layers, at each row count, the two taking turns."""
+    from batchapi.engine.model import onednn
+    from batchapi.kernels.cpu import matmul
+
+    if not matmul.native_bf16():
+        raise SystemExit("linear_bf16: this CPU (or this build) has no AVX512-BF16")
+    g = torch.Generator().manual_seed(0)
+    shapes = [*SMOLLM2_LAYER.values()] * 30 + [(49152, 576)]
+    weights = [torch.randn(shape, generator=g).bfloat16() for shape in shapes]
+    c_layers = [(matmul.pack_pairs(w), *w.shape) for w in weights]
+    onednn_layers = [onednn.pack(w, 256) for w in weights]
+    params = sum(w.numel() for w in weights)
+    print(f"bf16 linear layers of a SmolLM2-135M decode step ({params / 1e6:.1f}M weights, {len(shapes)} calls), "
+          f"threads={torch.get_num_threads()}; GFLOP/s and the C kernel's speed-up over oneDNN")
+    for rows in map(int, a.row_counts.split(",")):
+        xs = {k: torch.randn(rows, k, generator=g).bfloat16() for _, k in shapes}
+
+        def c_step(xs):
+            for packed, n, k in c_layers:
+                matmul.linear_bf16(xs[k], packed, n, k, None)
+
+        def onednn_step(xs):
+            for (_, k), packed in zip(shapes, onednn_layers, strict=True):
+                onednn.linear(xs[k], packed, None)
+
+        reps = max(3, min(a.reps, int(2e10 / (rows * params))))
+        (c, _), (o, _) = bench_interleaved([c_step, onednn_step], (xs,), reps).values()
+        flops = 2 * rows * params / 1e6  # per ms: GFLOP/s
+        print(f"{rows:4d} rows: C {c:7.2f} ms {flops / c:5.0f}   oneDNN {o:7.2f} ms {flops / o:5.0f}   x{o / c:4.2f}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--op", default="paged_attention", choices=["paged_attention", "apply_token_bitmask",
-                                                                "linear_bf16w"])
-    ap.add_argument("--row-counts", default="1,8,16,64,256", help="linear_bf16w: rows a call")
+                                                                "linear_bf16w", "linear_bf16"])
+    ap.add_argument("--row-counts", default="1,8,16,64,256", help="linear_bf16w, linear_bf16: rows a call")
     ap.add_argument("--rows", type=int, default=64, help="apply_token_bitmask: constrained rows")
     ap.add_argument("--vocab", type=int, default=49152, help="apply_token_bitmask: vocabulary size")
     ap.add_argument("--batch", type=int, default=96)
@@ -327,6 +368,8 @@ def main():
         return bench_bitmask(a)
     if a.op == "linear_bf16w":
         return bench_linear(a)
+    if a.op == "linear_bf16":
+        return bench_linear_bf16(a)
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     q, kc, vc, tables, lens = make_inputs(a.batch, a.ctx, a.hq, a.hkv, a.dim, 16, dtype, spread=a.spread)
     args = (q, kc, vc, tables, lens, a.dim**-0.5)
