@@ -63,6 +63,15 @@ kernel ran Qwen3-0.6B's layers 1.65-2.0x as fast as oneDNN's packed fp32 at 1 ro
 8-16 rows and as fast from 64 rows on (bench/kernels_cpu.py --op linear_bf16w). Its every output is one multiply-add chain in a fixed
 order, so a row has the same bits at any row count: ``make_invariant`` leaves these layers as they are.
 
+**bf16 on AVX512-BF16.** Where the engine computes in bf16 on a CPU with AVX512-BF16 and no AMX,
+``pack_linears`` makes a bf16 layer an ``Avx512Bf16Linear``: its weight packed in pairs for VDPBF16PS
+(kernels/cpu/matmul.py), each weight panel read from memory once a call and run against every row.
+oneDNN's bf16 kernel read a decode step's weights at about half the memory's rate at 1 row and ran
+48-96 rows at 270-340 GFLOP/s where cached weights ran at 380-430; the C kernel was 1.62x at 1 row,
+1.25x at 48, 1.12x at 96 and 0.97x at 256 on a 2-core EPYC Zen 4 (bench/kernels_cpu.py --op
+linear_bf16). One chain of VDPBF16PS per output, over the pairs in order: invariant as it is. With
+AMX, oneDNN's tiles run about 3x the vector units, so those CPUs keep oneDNN.
+
 On CUDA the layers run batchapi.kernels.triton.matmul instead of cuBLAS: fixed tiles, no split-K.
 """
 
