@@ -111,15 +111,23 @@ class PackedLinear(nn.Linear):
         return onednn.linear(x, self.packed_weight, self.bias)
 
 
-class Bf16StoredLinear(nn.Module):
+class CKernelLinear(nn.Module):
+    """A linear layer in one of kernels/cpu/matmul.py's C kernels, its weight kept only packed for it
+    (``pack``); each output one chain of sums in a fixed order, so invariant as it is."""
+
+    def __init__(self, linear: nn.Linear, pack: Callable[[torch.Tensor], torch.Tensor]):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed_weight = pack(linear.weight)
+        self.bias = linear.bias
+
+
+class Bf16StoredLinear(CKernelLinear):
     """A float32 linear layer whose weight, exact in bf16, is stored in bf16 (packed for the C kernel);
     ``weight`` widens it back on demand (for the probe and tests, never on a step)."""
 
     def __init__(self, linear: nn.Linear):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed_weight = matmul.pack(linear.weight)
-        self.bias = linear.bias
+        super().__init__(linear, matmul.pack)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -129,16 +137,13 @@ class Bf16StoredLinear(nn.Module):
         return matmul.linear(x, self.packed_weight, self.out_features, self.bias)
 
 
-class Avx512Bf16Linear(nn.Module):
+class Avx512Bf16Linear(CKernelLinear):
     """A bf16 linear layer through the C kernel for AVX512-BF16 (kernels/cpu/matmul.py's
     ``linear_bf16``), its weight packed in pairs; ``weight`` unpacks it on demand (for the probe and
     tests, never on a step)."""
 
     def __init__(self, linear: nn.Linear):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed_weight = matmul.pack_pairs(linear.weight)
-        self.bias = linear.bias
+        super().__init__(linear, matmul.pack_pairs)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -148,7 +153,7 @@ class Avx512Bf16Linear(nn.Module):
         return matmul.linear_bf16(x, self.packed_weight, self.out_features, self.in_features, self.bias)
 
 
-C_KERNELS = (Bf16StoredLinear, Avx512Bf16Linear)  # one fixed order of the sums per output: invariant as they are
+C_KERNELS = (Bf16StoredLinear, Avx512Bf16Linear)  # CKernelLinear's kinds, for isinstance
 
 
 def can_run_avx512_bf16(module: nn.Module) -> bool:

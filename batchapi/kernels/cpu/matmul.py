@@ -67,13 +67,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
         raise ValueError(f"linear_bf16w cannot multiply x {tuple(x.shape)} by a packed weight {tuple(packed.shape)} "
                          f"{packed.dtype} of {out_features} outputs (bias {None if bias is None else tuple(bias.shape)})")
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, in_features)
-    rows = x2.shape[0]
-    if x2.stride(1) != 1 or x2.dtype != torch.float32:
-        x2 = x2.contiguous().float()
-    row_stride = x2.stride(0) if rows > 1 else in_features  # a single row's stride is anything: unused
-    if row_stride < in_features:
-        x2, row_stride = x2.contiguous(), in_features
+    x2, rows, row_stride = _rows(x, in_features, torch.float32)
     out = torch.empty(rows, out_features, dtype=torch.float32)
     if bias is not None:
         bias = bias.detach().float().contiguous()
@@ -83,6 +77,18 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
     if rc != 0:
         raise RuntimeError(f"linear_bf16w refused [{rows}, {in_features}] x [{out_features}, {in_features}]")
     return out.view(*lead, out_features)
+
+
+def _rows(x: torch.Tensor, in_features: int, dtype: torch.dtype) -> tuple[torch.Tensor, int, int]:
+    """``x`` [..., in] as [rows, in] in ``dtype`` with unit column stride: (it, rows, its row stride)."""
+    x2 = x.reshape(-1, in_features)
+    rows = x2.shape[0]
+    if x2.stride(1) != 1 or x2.dtype != dtype:
+        x2 = x2.contiguous().to(dtype)
+    row_stride = x2.stride(0) if rows > 1 else in_features  # a single row's stride is anything: unused
+    if row_stride < in_features:
+        x2, row_stride = x2.contiguous(), in_features
+    return x2, rows, row_stride
 
 
 def native_bf16() -> bool:
@@ -124,11 +130,7 @@ def linear_bf16(x: torch.Tensor, packed: torch.Tensor, out_features: int, in_fea
                          f"{tuple(packed.shape)} {packed.dtype} of {out_features} outputs "
                          f"(bias {None if bias is None else tuple(bias.shape)})")
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, in_features)
-    rows = x2.shape[0]
-    row_stride = x2.stride(0) if rows > 1 else in_features  # a single row's stride is anything: unused
-    if x2.stride(1) != 1 or row_stride < in_features:
-        x2, row_stride = x2.contiguous(), in_features
+    x2, rows, row_stride = _rows(x, in_features, torch.bfloat16)
     out = torch.empty(rows, out_features, dtype=torch.bfloat16)
     if bias is not None:  # read a whole panel at a time
         bias = F.pad(bias.detach().float(), (0, panels * PANEL - out_features)).contiguous()

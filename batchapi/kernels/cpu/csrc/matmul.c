@@ -87,6 +87,19 @@ TILE_KERNEL(4)
 TILE_KERNEL(5)
 TILE_KERNEL(6)
 
+/* this OpenMP thread's contiguous share [first, last) of `total` units (all of them outside a team) */
+INLINE void thread_share(int64_t total, int64_t *first, int64_t *last) {
+    int t = 0, nt = 1;
+#ifdef _OPENMP
+    extern int omp_get_thread_num(void);
+    extern int omp_get_num_threads(void);
+    t = omp_get_thread_num();
+    nt = omp_get_num_threads();
+#endif
+    *first = total * t / nt;
+    *last = total * (t + 1) / nt;
+}
+
 typedef void (*tile_fn)(const float *, int64_t, const uint16_t *, int64_t, const float *, float *, int64_t, int);
 static const tile_fn TILES[MAX_TILE + 1] = {0, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6};
 
@@ -100,14 +113,8 @@ int linear_bf16w(const float *x, int64_t xs, int64_t m, const uint16_t *packed, 
     int parallel = threads > 1 && m * n * k >= (1 << 19) && panels > 1;
 #pragma omp parallel num_threads(threads) if (parallel)
     {
-        int t = 0, nt = 1;
-#ifdef _OPENMP
-        extern int omp_get_thread_num(void);
-        extern int omp_get_num_threads(void);
-        t = omp_get_thread_num();
-        nt = omp_get_num_threads();
-#endif
-        int64_t first = panels * t / nt, last = panels * (t + 1) / nt;
+        int64_t first, last;
+        thread_share(panels, &first, &last);
         for (int64_t m0 = 0; m0 < m; m0 += CHUNK_ROWS) {
             int64_t m1 = m0 + CHUNK_ROWS < m ? m0 + CHUNK_ROWS : m;
             for (int64_t p = first; p < last; p++) {
@@ -148,7 +155,8 @@ int linear_bf16w(const float *x, int64_t xs, int64_t m, const uint16_t *packed, 
  * and rounded to bf16, whatever the rows, the tile or the thread. The plain-C build does the same
  * operations one at a time (fmaf and explicit flushes): a CPU without AVX512-BF16 gets the bits too,
  * slowly (the tests use it; the engine picks oneDNN or fp32 there).
- * Tiles of up to 8 rows by 3 panels (24 of the 32 vector registers accumulate).
+ * Tiles of up to 8 rows by 3 panels (24 of the 32 vector registers accumulate); a group's first tile
+ * asks for the next group's weights (into L2), which the hardware prefetchers do not foresee.
  */
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define HAVE_AVX512BF16 1
@@ -173,7 +181,8 @@ INLINE uint16_t f32_to_bf16_daz(float f) { return f32_to_bf16(flush(f)); }
 #ifdef HAVE_AVX512BF16
 #define PAIR_TILE(MR, NP)                                                                                      \
     static void pair_tile_##MR##_##NP(const uint16_t *x, int64_t xs, const uint32_t *w, int64_t k,            \
-                                      int64_t pstride, const float *bias, uint16_t *y, int64_t ys, int cols) { \
+                                      int64_t pstride, const float *bias, uint16_t *y, int64_t ys, int cols,    \
+                                      const uint32_t *next) {                                                    \
         __m512 acc[MR][NP];                                                                                   \
         _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++)                                                  \
             _Pragma("GCC unroll 3") for (int p = 0; p < NP; p++) acc[r][p] = _mm512_setzero_ps();             \
@@ -183,6 +192,9 @@ INLINE uint16_t f32_to_bf16_daz(float f) { return f32_to_bf16(flush(f)); }
             __m512i wv[NP];                                                                                   \
             _Pragma("GCC unroll 3") for (int p = 0; p < NP; p++)                                              \
                 wv[p] = _mm512_loadu_si512((const void *)(w + p * pstride + i * PANEL));                      \
+            if (next) /* the next group's panels into L2 while this one computes: 1.05-1.1x at 8-48 rows */  \
+                _Pragma("GCC unroll 3") for (int p = 0; p < PAIR_TILE_PANELS; p++)                            \
+                    _mm_prefetch((const char *)(next + p * pstride + i * PANEL), _MM_HINT_T1);                \
             _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++) {                                            \
                 __m512i a = _mm512_set1_epi32((int32_t)pair_at(x + r * xs + 2 * i, half));                    \
                 _Pragma("GCC unroll 3") for (int p = 0; p < NP; p++)                                          \
@@ -203,8 +215,10 @@ INLINE uint16_t f32_to_bf16_daz(float f) { return f32_to_bf16(flush(f)); }
 #else
 #define PAIR_TILE(MR, NP)                                                                                      \
     static void pair_tile_##MR##_##NP(const uint16_t *x, int64_t xs, const uint32_t *w, int64_t k,            \
-                                      int64_t pstride, const float *bias, uint16_t *y, int64_t ys, int cols) { \
+                                      int64_t pstride, const float *bias, uint16_t *y, int64_t ys, int cols,    \
+                                      const uint32_t *next) {                                                    \
         float acc[MR][NP * PANEL];                                                                            \
+        (void)next;                                                                                           \
         memset(acc, 0, sizeof acc);                                                                           \
         int64_t pairs = (k + 1) / 2;                                                                          \
         for (int64_t i = 0; i < pairs; i++) {                                                                 \
@@ -234,7 +248,7 @@ PAIR_TILES(2)
 PAIR_TILES(3)
 
 typedef void (*pair_tile_fn)(const uint16_t *, int64_t, const uint32_t *, int64_t, int64_t, const float *,
-                             uint16_t *, int64_t, int);
+                             uint16_t *, int64_t, int, const uint32_t *);
 #define PAIR_ROW(NP) {0, pair_tile_1_##NP, pair_tile_2_##NP, pair_tile_3_##NP, pair_tile_4_##NP, pair_tile_5_##NP, \
     pair_tile_6_##NP, pair_tile_7_##NP, pair_tile_8_##NP}
 static const pair_tile_fn PAIR_TILES_BY[PAIR_TILE_PANELS + 1][PAIR_TILE_ROWS + 1] = {
@@ -259,24 +273,21 @@ int linear_bf16(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *packed
     int parallel = threads > 1 && m * n * k >= (1 << 19) && groups > 1;
 #pragma omp parallel num_threads(threads) if (parallel)
     {
-        int t = 0, nt = 1;
-#ifdef _OPENMP
-        extern int omp_get_thread_num(void);
-        extern int omp_get_num_threads(void);
-        t = omp_get_thread_num();
-        nt = omp_get_num_threads();
-#endif
-        int64_t first = groups * t / nt, last = groups * (t + 1) / nt;
+        int64_t first, last;
+        thread_share(groups, &first, &last);
         for (int64_t m0 = 0; m0 < m; m0 += CHUNK_ROWS) {
             int64_t m1 = m0 + CHUNK_ROWS < m ? m0 + CHUNK_ROWS : m;
             for (int64_t g = first; g < last; g++) {
                 int64_t p0 = g * PAIR_TILE_PANELS;
                 int np = (int)(panels - p0 < PAIR_TILE_PANELS ? panels - p0 : PAIR_TILE_PANELS);
                 int cols = (int)(n - p0 * PANEL);
+                /* the first row tile asks for the next group of this thread's, where that is a whole one */
+                int ahead = g + 1 < last && panels - p0 >= 2 * PAIR_TILE_PANELS;
                 for (int64_t r = m0; r < m1; r += PAIR_TILE_ROWS) {
                     int rows = (int)(m1 - r < PAIR_TILE_ROWS ? m1 - r : PAIR_TILE_ROWS);
+                    const uint32_t *next = r == m0 && ahead ? packed + (p0 + PAIR_TILE_PANELS) * pstride : NULL;
                     PAIR_TILES_BY[np][rows](x + r * xs, xs, packed + p0 * pstride, k, pstride,
-                                            bias ? bias + p0 * PANEL : NULL, y + r * ys + p0 * PANEL, ys, cols);
+                                            bias ? bias + p0 * PANEL : NULL, y + r * ys + p0 * PANEL, ys, cols, next);
                 }
             }
         }
