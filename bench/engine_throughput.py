@@ -49,7 +49,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from batchapi.engine import EngineConfig, GenerationRequest, LLMEngine, SamplingParams
-from batchapi.engine.model.linears import C_KERNELS, Bf16StoredLinear
+from batchapi.engine.model.linears import Bf16StoredLinear, CKernelLinear
 from batchapi.engine.model.moe import SparseMoE
 from batchapi.models.store import resolve_model
 
@@ -266,7 +266,7 @@ def _expert_rows(model, tokens: int) -> dict:
     return rows
 
 
-LINEARS = (torch.nn.Linear, *C_KERNELS)  # the model's linear layers: packed for oneDNN, or in a C kernel
+LINEARS = (torch.nn.Linear, CKernelLinear)  # the model's linear layers: packed for oneDNN, or in a C kernel
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", "batchapi::linear_bf16w",
               "batchapi::linear_bf16")
 
@@ -279,7 +279,7 @@ def matmul_share(engine: LLMEngine, prompts, params) -> tuple[float, float]:
     by the thread count (until December 2026 it was, which halved the share on two threads)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    stored = [m for m in engine.runner.model.modules() if isinstance(m, C_KERNELS)]
+    stored = [m for m in engine.runner.model.modules() if isinstance(m, CKernelLinear)]
     for m in stored:  # a ctypes call: named for the profiler, as the aten ops are
         name = "batchapi::linear_bf16w" if isinstance(m, Bf16StoredLinear) else "batchapi::linear_bf16"
         m.forward = lambda x, f=m.forward, name=name: _recorded(record_function, f, x, name)
@@ -523,7 +523,7 @@ def compare_dense(engine: LLMEngine, config: EngineConfig, dense_dir: Path, prom
 
 def parameter_count(model) -> int:
     """The model's parameters, the C kernels' linear weights included (kept packed, not as parameters)."""
-    stored = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, C_KERNELS))
+    stored = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, CKernelLinear))
     return stored + sum(p.numel() for p in model.parameters())
 
 

@@ -144,16 +144,15 @@ class Avx512Bf16Linear(CKernelLinear):
 
     def __init__(self, linear: nn.Linear):
         super().__init__(linear, matmul.pack_pairs)
+        # the kernel's form of the bias (float32, whole panels), made once rather than on every call
+        self.panel_bias = None if self.bias is None else matmul.panel_bias(self.bias, self.out_features)
 
     @property
     def weight(self) -> torch.Tensor:
         return matmul.unpack_pairs(self.packed_weight, self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return matmul.linear_bf16(x, self.packed_weight, self.out_features, self.in_features, self.bias)
-
-
-C_KERNELS = (Bf16StoredLinear, Avx512Bf16Linear)  # CKernelLinear's kinds, for isinstance
+        return matmul.linear_bf16(x, self.packed_weight, self.out_features, self.in_features, self.panel_bias)
 
 
 def can_run_avx512_bf16(module: nn.Module) -> bool:
@@ -466,10 +465,10 @@ def make_invariant(model: nn.Module, device: torch.device, max_tokens: int,
     layers ``max_tokens``."""
     plan: dict[str, int | str] = {}
     targets = [(parent, name, child) for parent in model.modules()
-               for name, child in parent.named_children() if isinstance(child, (nn.Linear, *C_KERNELS))]
+               for name, child in parent.named_children() if isinstance(child, nn.Linear | CKernelLinear)]
     for parent, name, child in targets:
         shape = f"{name}:{child.in_features}x{child.out_features}"
-        if isinstance(child, C_KERNELS):  # one fixed order per output: invariant as it is
+        if isinstance(child, CKernelLinear):  # one fixed order per output: invariant as it is
             plan[shape] = 1
             continue
         if device.type == "cuda":

@@ -91,6 +91,10 @@ def _rows(x: torch.Tensor, in_features: int, dtype: torch.dtype) -> tuple[torch.
     return x2, rows, row_stride
 
 
+def _panel_form(bias: torch.Tensor, panels: int) -> bool:
+    return bias.shape == (panels * PANEL,) and bias.dtype == torch.float32 and bias.is_contiguous()
+
+
 def native_bf16() -> bool:
     """Whether ``linear_bf16`` runs on AVX512-BF16 here (else it runs the same operations in plain C:
     the same bits, far slower)."""
@@ -116,24 +120,30 @@ def unpack_pairs(packed: torch.Tensor, out_features: int, in_features: int) -> t
     return w.reshape(panels * PANEL, pairs * 2)[:out_features, :in_features]
 
 
+def panel_bias(bias: torch.Tensor, out_features: int) -> torch.Tensor:
+    """A bias [out_features] as ``linear_bf16`` reads it: float32, zeros up to whole panels."""
+    return F.pad(bias.detach().float(), (0, (-out_features) % PANEL)).contiguous()
+
+
 def linear_bf16(x: torch.Tensor, packed: torch.Tensor, out_features: int, in_features: int,
                 bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` in bf16 for bf16 ``x`` [..., in] and ``packed = pack_pairs(weight)``
-    of ``weight`` [out_features, in_features], the bias added in fp32 before the output is rounded."""
+    of ``weight`` [out_features, in_features], the bias added in fp32 before the output is rounded.
+    ``bias`` is [out_features], or ``panel_bias``'s form of it (a layer makes that once)."""
     lib = _library()
     panels, pairs, panel = packed.shape
     if (lib is None or packed.dtype != torch.int32 or not packed.is_contiguous() or panel != PANEL
             or panels * PANEL < out_features or pairs != (in_features + 1) // 2 or x.shape[-1] != in_features
             or x.dtype != torch.bfloat16
-            or (bias is not None and bias.shape != (out_features,))):
+            or (bias is not None and bias.shape != (out_features,) and not _panel_form(bias, panels))):
         raise ValueError(f"linear_bf16 cannot multiply x {tuple(x.shape)} {x.dtype} by a packed weight "
                          f"{tuple(packed.shape)} {packed.dtype} of {out_features} outputs "
                          f"(bias {None if bias is None else tuple(bias.shape)})")
     lead = x.shape[:-1]
     x2, rows, row_stride = _rows(x, in_features, torch.bfloat16)
     out = torch.empty(rows, out_features, dtype=torch.bfloat16)
-    if bias is not None:  # read a whole panel at a time
-        bias = F.pad(bias.detach().float(), (0, panels * PANEL - out_features)).contiguous()
+    if bias is not None and not _panel_form(bias, panels):  # read a whole panel at a time
+        bias = panel_bias(bias, out_features)
     rc = lib.linear_bf16(x2.data_ptr(), row_stride, rows, packed.data_ptr(), out_features, in_features,
                          bias.data_ptr() if bias is not None else None, out.data_ptr(), out_features,
                          torch.get_num_threads())

@@ -145,6 +145,7 @@ def test_bf16_linear_threads_strides_and_leading_dimensions_change_no_bit():
     x = torch.randn(64, 300).bfloat16()[:, 11:268]  # rows 300 apart, not contiguous
     full = matmul.linear_bf16(x.contiguous(), packed, 200, 257, b)
     assert torch.equal(matmul.linear_bf16(x, packed, 200, 257, b), full)
+    assert torch.equal(matmul.linear_bf16(x, packed, 200, 257, matmul.panel_bias(b, 200)), full)  # made once, at load
     assert torch.equal(matmul.linear_bf16(x.contiguous().view(8, 8, 257), packed, 200, 257, b), full.view(8, 8, 200))
     threads = torch.get_num_threads()
     try:
