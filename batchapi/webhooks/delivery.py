@@ -15,6 +15,7 @@ import functools
 import logging
 import ssl
 import time
+from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -59,16 +60,20 @@ def retry_wait(settings: Settings, attempts: int) -> int:
 
 def deliver_due(sessions: sessionmaker[Session], settings: Settings) -> int:
     """Send what is due, a round of ``SENDERS`` posts at a time, for about ``ROUND_SECONDS``;
-    returns how many were delivered."""
+    returns how many were delivered. Each delivery is tried at most once a call: one that failed
+    waits out its backoff even where the wait ends within the call (waits are whole seconds, so the
+    first one of a second can end a moment after the attempt)."""
     due = _due(sessions, SENDERS)
     if not due:  # the common case: no client, no threads
         return 0
     delivered = 0
+    tried: set[str] = set()
     started = time.monotonic()
     with _client(settings) as client, ThreadPoolExecutor(SENDERS) as pool:
         while due:
+            tried.update(due)
             delivered += sum(pool.map(lambda d: deliver_one(sessions, settings, client, d), due))
-            due = _due(sessions, SENDERS) if time.monotonic() - started < ROUND_SECONDS else []
+            due = _due(sessions, SENDERS, tried) if time.monotonic() - started < ROUND_SECONDS else []
     return delivered
 
 
@@ -79,13 +84,14 @@ def _client(settings: Settings) -> httpx.Client:
                         headers={"user-agent": USER_AGENT}, limits=httpx.Limits(max_keepalive_connections=0))
 
 
-def _due(sessions: sessionmaker[Session], limit: int) -> list[str]:
+def _due(sessions: sessionmaker[Session], limit: int, tried: Collection[str] = ()) -> list[str]:
     t = now()
     with sessions() as session:
         return list(session.scalars(
             select(WebhookDelivery.id).where(
                 WebhookDelivery.status == DeliveryStatus.PENDING, WebhookDelivery.next_attempt_at <= t,
                 or_(WebhookDelivery.lease_expires_at.is_(None), WebhookDelivery.lease_expires_at < t),
+                WebhookDelivery.id.not_in(tried),
             ).order_by(WebhookDelivery.next_attempt_at).limit(limit)
         ))
 

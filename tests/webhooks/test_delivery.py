@@ -119,6 +119,22 @@ def test_the_event_is_written_with_the_end_or_not_at_all(pg_jobs, settings):
     assert [d.event_type for d in deliveries(pg_jobs, batch_id)] == ["batch.expired"]
 
 
+def test_a_sweep_tries_a_delivery_once_even_when_its_wait_ends_within_the_sweep(pg_jobs, settings):
+    # a wait under a second rounds to none: the failed delivery is due again at once, and a sweep
+    # that listed what is due again within its round would post it again and again
+    batch_id, _ = make_batch(pg_jobs, 0)
+    quick = settings.model_copy(update={"webhook_retry_seconds": 0.4})
+    with Receiver(statuses=[500, 500, 500]) as receiver:
+        register(pg_jobs, project_of(pg_jobs, batch_id), receiver.url)
+        end(pg_jobs, batch_id)
+        assert deliver_due(pg_jobs.sessions, quick) == 0
+        assert [r.status for r in receiver.received] == [500]
+        [row] = deliveries(pg_jobs, batch_id)
+        assert (row.status, row.attempts, row.next_attempt_at) == ("pending", 1, row.last_attempt_at)
+        assert deliver_due(pg_jobs.sessions, quick) == 0  # the next sweep tries it again
+        assert [r.status for r in receiver.received] == [500, 500]
+
+
 def test_a_failing_receiver_is_retried_with_backoff_until_it_answers(pg_jobs, settings):
     batch_id, _ = make_batch(pg_jobs, 0)
     with Receiver(statuses=[500, 503]) as receiver:
