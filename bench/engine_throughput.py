@@ -49,7 +49,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from batchapi.engine import EngineConfig, GenerationRequest, LLMEngine, SamplingParams
-from batchapi.engine.model.linears import Bf16StoredLinear, CKernelLinear
+from batchapi.engine.model.linears import AmxBf16Linear, Bf16StoredLinear, CKernelLinear
 from batchapi.engine.model.moe import SparseMoE
 from batchapi.models.store import resolve_model
 
@@ -268,7 +268,7 @@ def _expert_rows(model, tokens: int) -> dict:
 
 LINEARS = (torch.nn.Linear, CKernelLinear)  # the model's linear layers: packed for oneDNN, or in a C kernel
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", "batchapi::linear_bf16w",
-              "batchapi::linear_bf16")
+              "batchapi::linear_bf16", "batchapi::linear_amx")
 
 
 def matmul_share(engine: LLMEngine, prompts, params) -> tuple[float, float]:
@@ -281,7 +281,8 @@ def matmul_share(engine: LLMEngine, prompts, params) -> tuple[float, float]:
 
     stored = [m for m in engine.runner.model.modules() if isinstance(m, CKernelLinear)]
     for m in stored:  # a ctypes call: named for the profiler, as the aten ops are
-        name = "batchapi::linear_bf16w" if isinstance(m, Bf16StoredLinear) else "batchapi::linear_bf16"
+        name = ("batchapi::linear_bf16w" if isinstance(m, Bf16StoredLinear)
+                else "batchapi::linear_amx" if isinstance(m, AmxBf16Linear) else "batchapi::linear_bf16")
         m.forward = lambda x, f=m.forward, name=name: _recorded(record_function, f, x, name)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         with Clock() as clock:
@@ -404,8 +405,8 @@ def measure(args, skip: set[str], model_dir: Path, label: str, dense_dir: Path |
           f"{cont.rate / roof:.0%} of it in output tokens, {cont.rows / cont.cpu / roof:.0%} in token rows "
           f"through the matmuls ({cont.rows}: decode steps and the prompt tokens past the prefix cache)")
 
-    if "weights" not in skip and (engine.runner.linear_kinds.get("bf16-stored")
-                                  or engine.runner.linear_kinds.get("avx512-bf16")):
+    if "weights" not in skip and any(engine.runner.linear_kinds.get(kind)
+                                     for kind in ("bf16-stored", "avx512-bf16", "amx-bf16")):
         compare_weights(engine, config, prompts, greedy, cont)
     if "vllm" not in skip:
         compare_vllm(engine, args.vllm_python, model_dir, prompts, greedy, torch.get_num_threads(), args.max_num_seqs)
@@ -491,7 +492,9 @@ def compare_weights(engine: LLMEngine, config: EngineConfig, prompts, params, st
         for name, eng in runs:
             timed = run_engine(eng, prompts, params)
             best[name] = timed if name not in best or timed.rate > best[name].rate else best[name]
-    c_kind = "stored in bf16" if engine.runner.linear_kinds.get("bf16-stored") else "in bf16 by AVX512-BF16"
+    kinds = engine.runner.linear_kinds
+    c_kind = ("stored in bf16" if kinds.get("bf16-stored") else "in bf16 on AMX tiles" if kinds.get("amx-bf16")
+              else "in bf16 by AVX512-BF16")
     other = "widened to float32 at load" if c_kind == "stored in bf16" else "in bf16"
     print(f"weights {c_kind} (C kernel): {best['c']}; {other} (oneDNN): {best['onednn']}; "
           f"{best['c'].rate / best['onednn'].rate:.2f}x (best of {rounds} interleaved rounds)")

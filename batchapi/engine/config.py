@@ -27,7 +27,7 @@ class EngineConfig:
     batch_invariant: bool = True
     # CPU, bf16 linear weights in the C kernels (engine/model/linears.py): in float32, weights exact in
     # bf16 (a bf16 checkpoint's) stay bf16, half the bytes a decode step reads, widened as they multiply;
-    # in bf16 on AVX512-BF16 without AMX, bf16 by VDPBF16PS; false: oneDNN's packed layers for both
+    # in bf16, by AMX tiles (TDPBF16PS) or on AVX512-BF16 without AMX by VDPBF16PS; false: oneDNN's packed layers
     bf16_weights: bool = True
     # a step's detokenizing and stop-string search run while the next step computes (None: on CUDA,
     # where the forward runs on the device; on CPU the forward holds the cores and nothing overlaps)

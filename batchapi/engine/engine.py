@@ -128,7 +128,7 @@ class LLMEngine:
         self.requests: dict[str, _RequestState] = {}
         kinds = self.runner.linear_kinds  # the linear layers in a C kernel sum in an order of their own
         kernels = (self.runner.ops.name + ("+bf16-weights" if kinds.get("bf16-stored") else "")
-                   + ("+avx512-bf16" if kinds.get("avx512-bf16") else ""))
+                   + ("+avx512-bf16" if kinds.get("avx512-bf16") else "") + ("+amx-bf16" if kinds.get("amx-bf16") else ""))
         self.system_fingerprint = system_fingerprint(config, str(self.runner.dtype), kernels)
         self._grammars = None  # grammar.GrammarCompiler, made for the first constrained request
         self.overlap_text = config.device.startswith("cuda") if config.overlap_text is None else config.overlap_text

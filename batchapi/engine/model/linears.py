@@ -69,8 +69,15 @@ order, so a row has the same bits at any row count: ``make_invariant`` leaves th
 oneDNN's bf16 kernel read a decode step's weights at about half the memory's rate at 1 row and ran
 48-96 rows at 270-340 GFLOP/s where cached weights ran at 380-430; the C kernel was 1.62x at 1 row,
 1.25x at 48, 1.12x at 96 and 0.97x at 256 on a 2-core EPYC Zen 4 (bench/kernels_cpu.py --op
-linear_bf16). One chain of VDPBF16PS per output, over the pairs in order: invariant as it is. With
-AMX, oneDNN's tiles run about 3x the vector units, so those CPUs keep oneDNN.
+linear_bf16). One chain of VDPBF16PS per output, over the pairs in order: invariant as it is.
+
+**bf16 on AMX.** With AMX the vector units run at a third of the tiles' rate, and oneDNN's AMX kernel
+gives a row other bits at 33..575 rows than at 1..32 (above), so batch invariance ran its calls in
+32-row pieces: 0.69x of not invariant on a 96-prompt run (Xeon, family 6 model 167). There
+``pack_linears`` makes a bf16 layer whose K is whole 32-element chunks an ``AmxBf16Linear``: the
+same pair-packed weight as AMX tiles (``linear_amx``), one chain of TDPBF16PS per output over K in
+order, so one call a step and invariant as it is; 1.1x oneDNN at 1 row, 1.2-1.4x at 32-96 rows,
+0.84x at 256 (one call of oneDNN's, which invariance could not make).
 
 On CUDA the layers run batchapi.kernels.triton.matmul instead of cuBLAS: fixed tiles, no split-K.
 """
@@ -155,6 +162,21 @@ class Avx512Bf16Linear(CKernelLinear):
         return matmul.linear_bf16(x, self.packed_weight, self.out_features, self.in_features, self.panel_bias)
 
 
+class AmxBf16Linear(Avx512Bf16Linear):
+    """A bf16 linear layer through the C kernel on AMX tiles (kernels/cpu/matmul.py's ``linear_amx``),
+    its weight packed in pairs as for AVX512-BF16."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return matmul.linear_amx(x, self.packed_weight, self.out_features, self.in_features, self.panel_bias)
+
+
+def can_run_amx(module: nn.Module) -> bool:
+    """A bf16 CPU nn.Linear of whole 32-element chunks of K, where the C kernel built with AMX-BF16
+    and the OS grants the tiles."""
+    return (type(module) is nn.Linear and module.weight.device.type == "cpu"
+            and module.weight.dtype == torch.bfloat16 and module.in_features % 32 == 0 and matmul.native_amx())
+
+
 def can_run_avx512_bf16(module: nn.Module) -> bool:
     """A bf16 CPU nn.Linear, where the C kernel built with AVX512-BF16 and the CPU has no AMX (whose
     tiles oneDNN's kernel uses, about 3x the vector units' rate)."""
@@ -182,15 +204,19 @@ def can_pack(module: nn.Module) -> bool:
 def pack_linears(model: nn.Module, batch_hint: int, bf16_weights: bool = False) -> dict[str, int]:
     """Replace every nn.Linear of ``model`` that can be in place: where ``bf16_weights`` (the engine's
     choice, ``EngineConfig.bf16_weights``; the embedding encoders' large batches keep oneDNN), a C
-    kernel: bf16-stored where ``can_store_bf16``, bf16 on AVX512-BF16 where ``can_run_avx512_bf16``;
-    else packed for oneDNN where ``can_pack``. Returns how many of each."""
-    counts = {"bf16-stored": 0, "avx512-bf16": 0, "onednn": 0}
+    kernel: bf16-stored where ``can_store_bf16``, bf16 on AMX tiles where ``can_run_amx``, bf16 on
+    AVX512-BF16 where ``can_run_avx512_bf16``; else packed for oneDNN where ``can_pack``. Returns how
+    many of each."""
+    counts = {"bf16-stored": 0, "amx-bf16": 0, "avx512-bf16": 0, "onednn": 0}
     targets = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children() if type(child) is nn.Linear]
     for parent, name, child in targets:
         if bf16_weights and can_store_bf16(child):
             setattr(parent, name, Bf16StoredLinear(child))
             counts["bf16-stored"] += 1
+        elif bf16_weights and can_run_amx(child):
+            setattr(parent, name, AmxBf16Linear(child))
+            counts["amx-bf16"] += 1
         elif bf16_weights and can_run_avx512_bf16(child):
             setattr(parent, name, Avx512Bf16Linear(child))
             counts["avx512-bf16"] += 1

@@ -126,6 +126,9 @@ def _load_matmul() -> ctypes.CDLL | None:
         lib.linear_bf16.restype = ctypes.c_int
         lib.linear_bf16.argtypes = lib.linear_bf16w.argtypes
         lib.linear_bf16_native.restype = ctypes.c_int
+        lib.linear_amx.restype = ctypes.c_int
+        lib.linear_amx.argtypes = lib.linear_bf16w.argtypes
+        lib.linear_amx_native.restype = ctypes.c_int
     return lib
 
 

@@ -10,6 +10,11 @@ row gets the same bits at any row count and batch invariance needs no padding or
 **bf16** (``pack_pairs``, ``linear_bf16``): where the CPU multiplies bf16 natively with AVX512-BF16,
 bf16 activations by bf16 weights packed in pairs for VDPBF16PS, each output one chain over the pairs
 in order (invariant as the above), rounded to bf16 as oneDNN's bf16 layers round.
+
+**AMX** (``linear_amx``): the same packed weights as AMX tiles (a panel's 16 pairs are one B tile as
+they lie), 32 rows by 2 panels a tile step, each output one chain of TDPBF16PS over K in order: one
+call a step at AMX's rate and invariant as it is, where oneDNN's AMX kernel changes its sums between
+row counts (batch invariance then ran its calls in 32-row pieces).
 """
 
 from __future__ import annotations
@@ -95,6 +100,12 @@ def _panel_form(bias: torch.Tensor, panels: int) -> bool:
     return bias.shape == (panels * PANEL,) and bias.dtype == torch.float32 and bias.is_contiguous()
 
 
+def native_amx() -> bool:
+    """Whether ``linear_amx`` runs here: the kernel built with AMX-BF16 and the OS grants the tiles."""
+    lib = _library()
+    return lib is not None and lib.linear_amx_native() == 1
+
+
 def native_bf16() -> bool:
     """Whether ``linear_bf16`` runs on AVX512-BF16 here (else it runs the same operations in plain C:
     the same bits, far slower)."""
@@ -130,13 +141,28 @@ def linear_bf16(x: torch.Tensor, packed: torch.Tensor, out_features: int, in_fea
     """``F.linear(x, weight, bias)`` in bf16 for bf16 ``x`` [..., in] and ``packed = pack_pairs(weight)``
     of ``weight`` [out_features, in_features], the bias added in fp32 before the output is rounded.
     ``bias`` is [out_features], or ``panel_bias``'s form of it (a layer makes that once)."""
+    return _pairs_call("linear_bf16", x, packed, out_features, in_features, bias)
+
+
+def linear_amx(x: torch.Tensor, packed: torch.Tensor, out_features: int, in_features: int,
+               bias: torch.Tensor | None) -> torch.Tensor:
+    """``linear_bf16`` on AMX tiles, the same arguments (``in_features`` a multiple of 32): each
+    output one chain of tile dot products over K in order, so a row's bits do not depend on the
+    call's other rows (they may differ from ``linear_bf16``'s). Only where ``native_amx()``."""
+    if in_features % 32:
+        raise ValueError(f"linear_amx needs in_features a multiple of 32, not {in_features}")
+    return _pairs_call("linear_amx", x, packed, out_features, in_features, bias)
+
+
+def _pairs_call(kernel: str, x: torch.Tensor, packed: torch.Tensor, out_features: int, in_features: int,
+                bias: torch.Tensor | None) -> torch.Tensor:
     lib = _library()
     panels, pairs, panel = packed.shape
     if (lib is None or packed.dtype != torch.int32 or not packed.is_contiguous() or panel != PANEL
             or panels * PANEL < out_features or pairs != (in_features + 1) // 2 or x.shape[-1] != in_features
             or x.dtype != torch.bfloat16
             or (bias is not None and bias.shape != (out_features,) and not _panel_form(bias, panels))):
-        raise ValueError(f"linear_bf16 cannot multiply x {tuple(x.shape)} {x.dtype} by a packed weight "
+        raise ValueError(f"{kernel} cannot multiply x {tuple(x.shape)} {x.dtype} by a packed weight "
                          f"{tuple(packed.shape)} {packed.dtype} of {out_features} outputs "
                          f"(bias {None if bias is None else tuple(bias.shape)})")
     lead = x.shape[:-1]
@@ -144,9 +170,9 @@ def linear_bf16(x: torch.Tensor, packed: torch.Tensor, out_features: int, in_fea
     out = torch.empty(rows, out_features, dtype=torch.bfloat16)
     if bias is not None and not _panel_form(bias, panels):  # read a whole panel at a time
         bias = panel_bias(bias, out_features)
-    rc = lib.linear_bf16(x2.data_ptr(), row_stride, rows, packed.data_ptr(), out_features, in_features,
-                         bias.data_ptr() if bias is not None else None, out.data_ptr(), out_features,
-                         torch.get_num_threads())
+    rc = getattr(lib, kernel)(x2.data_ptr(), row_stride, rows, packed.data_ptr(), out_features, in_features,
+                              bias.data_ptr() if bias is not None else None, out.data_ptr(), out_features,
+                              torch.get_num_threads())
     if rc != 0:
-        raise RuntimeError(f"linear_bf16 refused [{rows}, {in_features}] x [{out_features}, {in_features}]")
+        raise RuntimeError(f"{kernel} refused [{rows}, {in_features}] x [{out_features}, {in_features}]")
     return out.view(*lead, out_features)

@@ -3,8 +3,10 @@ import torch
 from torch import nn
 
 from batchapi.engine.model import linears
+from batchapi.kernels.cpu import matmul
 from batchapi.engine.model.linears import (
     BLOCK_ROWS,
+    AmxBf16Linear,
     Avx512Bf16Linear,
     Bf16StoredLinear,
     InvariantLinear,
@@ -19,9 +21,9 @@ from batchapi.engine.model.linears import (
 )
 
 
-def _linear(bias: bool, dtype=torch.bfloat16) -> nn.Linear:
+def _linear(bias: bool, dtype=torch.bfloat16, in_features: int = 96) -> nn.Linear:
     torch.manual_seed(0)
-    return nn.Linear(96, 160, bias=bias).to(dtype).requires_grad_(False)
+    return nn.Linear(in_features, 160, bias=bias).to(dtype).requires_grad_(False)
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -61,9 +63,9 @@ def test_a_float32_layer_whose_weights_bf16_holds_keeps_them_in_bf16(bf16_weight
     expected = exact(x)
     counts = pack_linears(model, batch_hint=8, bf16_weights=bf16_weights)
     if not bf16_weights:
-        assert counts == {"bf16-stored": 0, "avx512-bf16": 0, "onednn": 2}
+        assert counts == {"bf16-stored": 0, "amx-bf16": 0, "avx512-bf16": 0, "onednn": 2}
         return
-    assert counts == {"bf16-stored": 1, "avx512-bf16": 0, "onednn": 1}
+    assert counts == {"bf16-stored": 1, "amx-bf16": 0, "avx512-bf16": 0, "onednn": 1}
     stored = model["exact"]
     assert isinstance(stored, Bf16StoredLinear) and isinstance(model["rounded"], PackedLinear)
     assert stored.packed_weight.dtype == torch.bfloat16 and torch.equal(stored.weight, exact.weight)
@@ -76,8 +78,10 @@ def test_a_float32_layer_whose_weights_bf16_holds_keeps_them_in_bf16(bf16_weight
 def test_a_bf16_layer_runs_the_avx512_bf16_kernel_where_the_cpu_has_it_and_no_amx(monkeypatch, amx):
     """Where the kernel is native and the CPU has no AMX (faked here on other CPUs: the kernel's plain-C
     build gives the same bits): the bf16 layer in C, left as it is by batch invariance, its weight
-    kept once, packed; the embedding it is tied to keeps its own. With AMX, or the flag off: oneDNN."""
+    kept once, packed; the embedding it is tied to keeps its own. With AMX (and no AMX build of the
+    kernel), or the flag off: oneDNN."""
     monkeypatch.setattr(linears.matmul, "native_bf16", lambda: True)
+    monkeypatch.setattr(linears.matmul, "native_amx", lambda: False)
     monkeypatch.setattr(linears, "_has_amx", lambda: amx)
     torch.manual_seed(0)
     model = nn.ModuleDict({"head": _linear(True), "emb": nn.Embedding(160, 96)}).requires_grad_(False)
@@ -88,7 +92,7 @@ def test_a_bf16_layer_runs_the_avx512_bf16_kernel_where_the_cpu_has_it_and_no_am
     if amx:
         assert counts["avx512-bf16"] == 0 and not isinstance(model["head"], Avx512Bf16Linear)
         return
-    assert counts == {"bf16-stored": 0, "avx512-bf16": 1, "onednn": 0}
+    assert counts == {"bf16-stored": 0, "amx-bf16": 0, "avx512-bf16": 1, "onednn": 0}
     layer = model["head"]
     assert isinstance(layer, Avx512Bf16Linear) and torch.equal(layer.weight, model["emb"].weight)
     assert "weight" not in dict(layer.named_parameters())  # the packed copy is the layer's only one
@@ -98,6 +102,33 @@ def test_a_bf16_layer_runs_the_avx512_bf16_kernel_where_the_cpu_has_it_and_no_am
     assert model["head"] is layer and plan["head:96x160"] == 1
     off = nn.ModuleDict({"head": _linear(True)}).requires_grad_(False)
     assert pack_linears(off, batch_hint=8, bf16_weights=False)["avx512-bf16"] == 0
+
+
+def test_a_bf16_layer_runs_on_amx_tiles_where_the_kernel_has_them():
+    """Where the kernel built with AMX and the OS grants the tiles: the bf16 layer on them, one call
+    at any row count (batch invariance leaves it as it is), its weight kept once, packed. Elsewhere
+    the kernel refuses and no layer is made one."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"head": _linear(True, torch.bfloat16, 96), "odd": _linear(True, torch.bfloat16, 80)})
+    model.requires_grad_(False)
+    x = torch.randn(40, 96).bfloat16()
+    expected = model["head"](x)
+    counts = pack_linears(model, batch_hint=8, bf16_weights=True)
+    if not matmul.native_amx():
+        assert counts["amx-bf16"] == 0 and not isinstance(model["head"], AmxBf16Linear)
+        with pytest.raises(RuntimeError, match="refused"):
+            matmul.linear_amx(x, matmul.pack_pairs(expected.new_zeros(16, 96)), 16, 96, None)
+        return
+    assert counts["amx-bf16"] == 1 and isinstance(model["head"], AmxBf16Linear)
+    assert not isinstance(model["odd"], AmxBf16Linear)  # K = 80 is not whole 32-element chunks
+    layer = model["head"]
+    assert "weight" not in dict(layer.named_parameters())
+    torch.testing.assert_close(layer(x).float(), expected.float(), rtol=1e-2, atol=0.05)
+    full = layer(x)
+    for start, rows in ((0, 1), (3, 5), (7, 32), (1, 33)):
+        assert torch.equal(layer(x[start : start + rows]), full[start : start + rows])
+    plan = make_invariant(model, torch.device("cpu"), max_tokens=64, max_logit_rows=64)
+    assert model["head"] is layer and plan["head:96x160"] == 1
 
 
 @pytest.mark.parametrize("bias", [False, True])

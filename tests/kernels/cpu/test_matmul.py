@@ -166,3 +166,40 @@ def test_bf16_linear_refuses_another_shape_or_dtype_and_packs_every_weight():
                 lambda: matmul.linear_bf16(torch.randn(3, 19), packed, 37, 19, b)):  # float32 activations
         with pytest.raises(ValueError):
             bad()
+
+
+@pytest.mark.parametrize(("out_features", "in_features", "bias"), [(100, 64, True), (960, 576, False), (17, 32, True)])
+def test_amx_linear_gives_f_linears_values_and_the_same_bits_at_every_row_count_offset_and_thread_count(
+        out_features, in_features, bias):
+    """Where the kernel has AMX tiles (else it refuses): ragged panel groups (100: 7 panels) and
+    tails of rows under a tile's 32, against F.linear; a row's bits at any count, offset or thread
+    count, with the bias in either form."""
+    weight, b = bf16_layer(out_features, in_features, bias)
+    packed = matmul.pack_pairs(weight)
+    x = torch.randn(203, in_features).bfloat16()
+    if not matmul.native_amx():
+        with pytest.raises(RuntimeError, match="refused"):
+            matmul.linear_amx(x, packed, out_features, in_features, b)
+        return
+    full = matmul.linear_amx(x, packed, out_features, in_features, b)
+    torch.testing.assert_close(full.float(), F.linear(x.float(), weight.float(), None if b is None else b.float()),
+                               rtol=1e-2, atol=0.1)
+    for rows in (1, 2, 15, 16, 17, 31, 32, 33, 64, 96, 202):
+        for start in (0, 203 - rows, rows // 3):
+            assert torch.equal(matmul.linear_amx(x[start:start + rows], packed, out_features, in_features, b),
+                               full[start:start + rows]), (rows, start)
+    if b is not None:
+        assert torch.equal(matmul.linear_amx(x, packed, out_features, in_features,
+                                             matmul.panel_bias(b, out_features)), full)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(matmul.linear_amx(x, packed, out_features, in_features, b), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_amx_linear_refuses_k_in_part_chunks():
+    weight, _ = bf16_layer(32, 48, False)  # 48: one and a half chunks of 32
+    with pytest.raises(ValueError, match="multiple of 32"):
+        matmul.linear_amx(torch.randn(3, 48).bfloat16(), matmul.pack_pairs(weight), 32, 48, None)

@@ -17,8 +17,10 @@
  * Rows are taken in tiles of up to 6 (12 accumulators of 8 outputs), panels split between the
  * threads, rows in chunks of CHUNK_ROWS so a chunk's activations stay in cache across panels.
  */
+#define _GNU_SOURCE /* syscall(), for AMX's permission */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "common.h"
@@ -293,4 +295,131 @@ int linear_bf16(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *packed
         }
     }
     return 0;
+}
+
+/* The same layer on AMX tiles (TDPBF16PS), the same pair-packed weight: a packed panel's 16 pairs
+ * [16][16] are one B tile as they lie (a row of 64 bytes a pair index), 16 rows of x at 32 K
+ * elements an A tile. Tiles of 32 rows by 2 panels (four 16x16 fp32 accumulator tiles, two A, two B:
+ * all eight tile registers); every row of a call against a group of two panels before the next, so
+ * each weight is read from memory once a call; groups split between the threads. K must be a
+ * multiple of 32 (no tail tile). Batch invariant by construction: each output is the chain of
+ * TDPBF16PS over K in chunks of 32 in order from a zero tile, + bias in fp32, rounded to bf16; a
+ * tile's rows are computed independently of each other, and the last rows of a call (under 32) run
+ * in a tile whose other rows are zeros, so a row's bits depend on nothing but its own values.
+ * Linux hands a process AMX's tile state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM). */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(HAVE_AVX512BF16)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
+#define AMX_ROWS 32
+
+static int amx_permitted(void) {
+    static int state = 0; /* 0 unasked, 1 granted, -1 refused */
+    if (state == 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0 ? 1 : -1;
+    return state == 1;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+static void amx_configure(void) {
+    TileConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.colsb[t] = 64;
+        c.rows[t] = 16;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* rows [0, 32) of x (stride xs) against panels p0 and p1 (p1 == p0: one panel), rows < `rows` stored */
+static void amx_tile(const uint16_t *x, int64_t xs, const uint32_t *b0, const uint32_t *b1, int64_t k,
+                     const float *bias, uint16_t *y, int64_t ys, int rows, int cols) {
+    float acc[AMX_ROWS][2 * PANEL] __attribute__((aligned(64)));
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t kc = 0; kc < k; kc += 32) {
+        _tile_loadd(4, x + kc, xs * 2);
+        _tile_loadd(5, x + 16 * xs + kc, xs * 2);
+        _tile_loadd(6, b0 + kc / 2 * PANEL, 64);
+        _tile_loadd(7, b1 + kc / 2 * PANEL, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, &acc[0][0], sizeof acc[0]);
+    _tile_stored(1, &acc[0][PANEL], sizeof acc[0]);
+    _tile_stored(2, &acc[16][0], sizeof acc[0]);
+    _tile_stored(3, &acc[16][PANEL], sizeof acc[0]);
+    for (int r = 0; r < rows; r++)
+        for (int p = 0; p < 2; p++) {
+            int c = cols - p * PANEL;
+            if (c <= 0) break;
+            __m512 v = _mm512_load_ps(&acc[r][p * PANEL]);
+            if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + p * PANEL));
+            __m256i out = (__m256i)_mm512_cvtneps_pbh(v);
+            _mm256_mask_storeu_epi16(y + r * ys + p * PANEL, (__mmask16)(c >= PANEL ? 0xffff : (1u << c) - 1), out);
+        }
+}
+#endif
+
+/* 1 where this build and the kernel may use AMX tiles (built for them, and the OS grants them) */
+int linear_amx_native(void) {
+#ifdef HAVE_AMX
+    return amx_permitted();
+#else
+    return 0;
+#endif
+}
+
+/* linear_bf16 on AMX tiles (arguments alike); -1 where the build or the OS has no AMX, or K % 32 */
+int linear_amx(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *packed, int64_t n, int64_t k,
+               const float *bias, uint16_t *y, int64_t ys, int threads) {
+#ifdef HAVE_AMX
+    if (m < 0 || n < 0 || k < 0 || xs < k || ys < n || k % 32 || !amx_permitted()) return -1;
+    int64_t panels = (n + PANEL - 1) / PANEL, pstride = k / 2 * PANEL, groups = (panels + 1) / 2;
+    int64_t whole = m / AMX_ROWS * AMX_ROWS;
+    int parallel = threads > 1 && m * n * k >= (1 << 19) && groups > 1;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (parallel) reduction(| : failed)
+    {
+        int64_t first, last;
+        thread_share(groups, &first, &last);
+        /* the last rows (under 32) in a zeroed tile of their own, copied once for all groups */
+        uint16_t *tail = NULL;
+        if (whole < m && first < last) {
+            tail = calloc((size_t)AMX_ROWS * k, sizeof *tail);
+            if (tail == NULL) failed = 1;
+            else
+                for (int64_t r = whole; r < m; r++) memcpy(tail + (r - whole) * k, x + r * xs, (size_t)k * 2);
+        }
+        if (!failed && first < last) {
+            amx_configure();
+            for (int64_t g = first; g < last; g++) {
+                int64_t p0 = 2 * g, p1 = p0 + 1 < panels ? p0 + 1 : p0;
+                int cols = (int)(n - p0 * PANEL < 2 * PANEL ? n - p0 * PANEL : 2 * PANEL);
+                if (p1 == p0 && cols > PANEL) cols = PANEL;
+                const uint32_t *b0 = packed + p0 * pstride, *b1 = packed + p1 * pstride;
+                const float *gb = bias ? bias + p0 * PANEL : NULL;
+                for (int64_t r = 0; r < whole; r += AMX_ROWS)
+                    amx_tile(x + r * xs, xs, b0, b1, k, gb, y + r * ys + p0 * PANEL, ys, AMX_ROWS, cols);
+                if (tail)
+                    amx_tile(tail, k, b0, b1, k, gb, y + whole * ys + p0 * PANEL, ys, (int)(m - whole), cols);
+            }
+            _tile_release();
+        }
+        free(tail);
+    }
+    return failed ? -1 : 0;
+#else
+    (void)x, (void)xs, (void)m, (void)packed, (void)n, (void)k, (void)bias, (void)y, (void)ys, (void)threads;
+    return -1;
+#endif
 }
