@@ -11,7 +11,8 @@ Usage: .venv/bin/python bench/kernels_cpu.py [--batch 96] [--ctx 300] [--spread 
         against oneDNN's packed float32 weights and F.linear, interleaved, GFLOP/s)
    or: .venv/bin/python bench/kernels_cpu.py --op linear_bf16 [--row-counts 1,8,16,64,256]
         (a SmolLM2-135M decode step's bf16 linear layers, weights from memory: the C kernel for
-        AVX512-BF16, kernels/cpu/csrc/matmul.c, against oneDNN's packed bf16 weights, interleaved)
+        AVX512-BF16 and, with AMX, the one on AMX tiles, kernels/cpu/csrc/matmul.c, against oneDNN's
+        packed bf16 weights, interleaved)
 
 The figures, per CPU kind, are in docs/BENCHMARKS.md ("CPU kernels"). v_native is the C kernel the
 engine uses on CPU (kernels/cpu/csrc/paged_decode.c); v_library the torch path it falls back to.
@@ -310,8 +311,9 @@ SMOLLM2_LAYER = {"qkv_proj": (960, 576), "o_proj": (576, 576), "gate_up_proj": (
 
 def bench_linear_bf16(a):
     """Best ms of a decode step's linear layers, SmolLM2-135M's 30 layers and lm_head in turn (each
-    weight read from memory, as in a step, not from cache), bf16: the C kernel for AVX512-BF16
-    against oneDNN's packed bf16 layers, at each row count, the two taking turns."""
+    weight read from memory, as in a step, not from cache), bf16: the C kernel for AVX512-BF16 and,
+    where the CPU has AMX, the C kernel on AMX tiles, against oneDNN's packed bf16 layers, at each
+    row count, taking turns."""
     from batchapi.engine.model import onednn
     from batchapi.kernels.cpu import matmul
 
@@ -323,23 +325,27 @@ def bench_linear_bf16(a):
     c_layers = [(matmul.pack_pairs(w), *w.shape) for w in weights]
     onednn_layers = [onednn.pack(w, 256) for w in weights]
     params = sum(w.numel() for w in weights)
+    kernels = {"C": matmul.linear_bf16, **({"AMX": matmul.linear_amx} if matmul.native_amx() else {})}
     print(f"bf16 linear layers of a SmolLM2-135M decode step ({params / 1e6:.1f}M weights, {len(shapes)} calls), "
-          f"threads={torch.get_num_threads()}; GFLOP/s and the C kernel's speed-up over oneDNN")
+          f"threads={torch.get_num_threads()}; GFLOP/s and each C kernel's speed-up over oneDNN")
     for rows in map(int, a.row_counts.split(",")):
         xs = {k: torch.randn(rows, k, generator=g).bfloat16() for _, k in shapes}
 
-        def c_step(xs):
+        def c_step(xs, kernel):
             for packed, n, k in c_layers:
-                matmul.linear_bf16(xs[k], packed, n, k, None)
+                kernel(xs[k], packed, n, k, None)
 
         def onednn_step(xs):
             for (_, k), packed in zip(shapes, onednn_layers, strict=True):
                 onednn.linear(xs[k], packed, None)
 
+        steps = [lambda xs, kernel=kernel: c_step(xs, kernel) for kernel in kernels.values()]
         reps = max(3, min(a.reps, int(2e10 / (rows * params))))
-        (c, _), (o, _) = bench_interleaved([c_step, onednn_step], (xs,), reps).values()
+        *mine, (o, _) = bench_interleaved([*steps, onednn_step], (xs,), reps).values()
         flops = 2 * rows * params / 1e6  # per ms: GFLOP/s
-        print(f"{rows:4d} rows: C {c:7.2f} ms {flops / c:5.0f}   oneDNN {o:7.2f} ms {flops / o:5.0f}   x{o / c:4.2f}")
+        print(f"{rows:4d} rows: " + "   ".join(f"{name} {c:7.2f} ms {flops / c:5.0f} x{o / c:4.2f}"
+                                             for name, (c, _) in zip(kernels, mine, strict=True))
+              + f"   oneDNN {o:7.2f} ms {flops / o:5.0f}")
 
 
 def main():
