@@ -31,6 +31,10 @@ from batchapi.engine.thinking import ThinkingState
 
 log = logging.getLogger(__name__)
 
+# pack_linears' kinds of C-kernel layer, as system_fingerprint's kernels string names them: their
+# sums run in an order of their own
+C_KERNEL_TAGS = (("bf16-stored", "bf16-weights"), ("avx512-bf16", "avx512-bf16"), ("amx-bf16", "amx-bf16"))
+
 # with nothing to run but grammars compiling, a step waits up to this long for one to finish
 GRAMMAR_WAIT_SECONDS = 0.01
 
@@ -127,8 +131,7 @@ class LLMEngine:
                                    self.max_model_len, self.runner.scores)
         self.requests: dict[str, _RequestState] = {}
         kinds = self.runner.linear_kinds  # the linear layers in a C kernel sum in an order of their own
-        kernels = (self.runner.ops.name + ("+bf16-weights" if kinds.get("bf16-stored") else "")
-                   + ("+avx512-bf16" if kinds.get("avx512-bf16") else "") + ("+amx-bf16" if kinds.get("amx-bf16") else ""))
+        kernels = self.runner.ops.name + "".join(f"+{tag}" for kind, tag in C_KERNEL_TAGS if kinds.get(kind))
         self.system_fingerprint = system_fingerprint(config, str(self.runner.dtype), kernels)
         self._grammars = None  # grammar.GrammarCompiler, made for the first constrained request
         self.overlap_text = config.device.startswith("cuda") if config.overlap_text is None else config.overlap_text

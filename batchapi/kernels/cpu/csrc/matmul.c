@@ -304,14 +304,29 @@ int linear_bf16(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *packed
  * each weight is read from memory once a call; groups split between the threads. K must be a
  * multiple of 32 (no tail tile). Batch invariant by construction: each output is the chain of
  * TDPBF16PS over K in chunks of 32 in order from a zero tile, + bias in fp32, rounded to bf16; a
- * tile's rows are computed independently of each other, and the last rows of a call (under 32) run
- * in a tile whose other rows are zeros, so a row's bits depend on nothing but its own values.
+ * tile's rows are computed independently of each other (a row's sums never read another row), so
+ * the last rows of a call (under 32) run in a thread's buffer of 32 rows whose other rows are left
+ * from earlier calls and never stored, and a row's bits depend on nothing but its own values.
  * Linux hands a process AMX's tile state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM). */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(HAVE_AVX512BF16)
 #include <sys/syscall.h>
 #include <unistd.h>
 #define HAVE_AMX 1
 #define AMX_ROWS 32
+
+/* this thread's buffer of AMX_ROWS rows of at least k elements, kept across calls (NULL: no memory) */
+static uint16_t *amx_tail_rows(int64_t k) {
+    static _Thread_local uint16_t *rows = NULL;
+    static _Thread_local int64_t held = 0;
+    if (held < k) {
+        uint16_t *grown = calloc((size_t)AMX_ROWS * k, sizeof *grown);
+        if (grown == NULL) return NULL;
+        free(rows);
+        rows = grown;
+        held = k;
+    }
+    return rows;
+}
 
 static int amx_permitted(void) {
     static int state = 0; /* 0 unasked, 1 granted, -1 refused */
@@ -392,10 +407,10 @@ int linear_amx(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *packed,
     {
         int64_t first, last;
         thread_share(groups, &first, &last);
-        /* the last rows (under 32) in a zeroed tile of their own, copied once for all groups */
+        /* the last rows (under 32) in a tile of their own, copied once for all groups */
         uint16_t *tail = NULL;
         if (whole < m && first < last) {
-            tail = calloc((size_t)AMX_ROWS * k, sizeof *tail);
+            tail = amx_tail_rows(k);
             if (tail == NULL) failed = 1;
             else
                 for (int64_t r = whole; r < m; r++) memcpy(tail + (r - whole) * k, x + r * xs, (size_t)k * 2);
@@ -415,7 +430,6 @@ int linear_amx(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *packed,
             }
             _tile_release();
         }
-        free(tail);
     }
     return failed ? -1 : 0;
 #else
