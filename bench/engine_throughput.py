@@ -9,7 +9,9 @@ Prints output tokens/s for (1) this engine with continuous batching, then vLLM's
 the same prompts (wall time, in its own venv: bench/vllm_peer.py; skipped without
 --vllm-python), the decode step's time at batch 1, 8, 64 and 256, end-to-end lines (the same
 chat prompts as batch lines through `run_batch`, its engine core in a child process and on a
-thread, beside the bare engine and vLLM's `LLM.chat`, at each of --e2e-prompts), the matmul share of the engine's wall time (torch.profiler) and the engine's time
+thread, beside the bare engine and vLLM's `LLM.chat`, at each of --e2e-prompts, each with its
+matmul floor: the model's matmuls alone at that run's step shapes, which bounds the tok/s of any
+engine doing the model's arithmetic at these kernels' rate), the matmul share of the engine's wall time (torch.profiler) and the engine's time
 by part (linear layers, attention, the other kernels, sampling, the rest), (2) HF `generate` with
 static batches (best of --hf-batch-sizes), (3) this engine forced to static batches of HF's
 best size (static batching as HF does it: a batch runs until its longest request is done, see
@@ -265,6 +267,53 @@ def _expert_rows(model, tokens: int) -> dict:
         rows |= {m: share for m in moe.experts.modules() if isinstance(m, LINEARS)}
     return rows
 
+
+
+def matmul_floor(engine: LLMEngine, prompts, params, repeats: int = 2) -> tuple[Timed, float, float, float]:
+    """One continuous run of ``prompts``, then the model's matmuls alone at that run's step shapes:
+    each step's token rows through every linear layer but the lm_head, and its sampled rows through
+    the lm_head, timed with the same layers on random inputs (best of ``repeats`` at each shape).
+    Returns (the run, the floor's seconds, the lm_head's share of them, their GFLOP/s). Any engine that runs the model's own
+    arithmetic at these kernels' rate needs at least the floor: tokens / floor bounds its tok/s."""
+    model = engine.runner.model
+    shapes: list[tuple[int, int]] = []  # (token rows, sampled rows) of each forward
+
+    def recording(input_ids, positions, meta, logit_rows, *rest, forward=model.forward):
+        shapes.append((input_ids.numel(), len(logit_rows)))
+        return forward(input_ids, positions, meta, logit_rows, *rest)
+
+    model.forward = recording
+    try:
+        run = run_engine(engine, prompts, params)
+    finally:
+        del model.forward
+    body = [m for m in model.modules() if isinstance(m, LINEARS) and m is not model.lm_head]
+    seconds, flops = {}, 0
+
+    def timed(layers, rows: int) -> float:
+        if (id(layers), rows) not in seconds:
+            share = _expert_rows(model, rows)
+            inputs = [torch.randn(share.get(m, rows), m.in_features, dtype=engine.runner.dtype) for m in layers]
+            best = float("inf")
+            with torch.inference_mode():
+                for _ in range(repeats + 1):  # the first warms the shape
+                    start = time.perf_counter()
+                    for a, m in zip(inputs, layers, strict=True):
+                        m(a)
+                    best = min(best, time.perf_counter() - start)
+            seconds[id(layers), rows] = best
+        return seconds[id(layers), rows]
+
+    head = [model.lm_head]
+    total = in_head = 0.0
+    for tokens, sampled in shapes:
+        in_head += timed(head, sampled)
+        total += timed(body, tokens)
+        share = _expert_rows(model, tokens)
+        flops += sum(2 * share.get(m, tokens) * m.in_features * m.out_features for m in body)
+        flops += 2 * sampled * model.lm_head.in_features * model.lm_head.out_features
+    total += in_head
+    return run, total, in_head / total, flops / total / 1e9
 
 LINEARS = (torch.nn.Linear, CKernelLinear)  # the model's linear layers: packed for oneDNN, or in a C kernel
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", "batchapi::linear_bf16w",
@@ -678,6 +727,13 @@ def compare_end_to_end(engine: LLMEngine, config: EngineConfig, args, count: int
         theirs = peer["tokens"] / peer["wall"]
         print(f"  vLLM {peer['version']} LLM.chat end to end: {theirs:.1f} tok/s wall; batchapi end to end / vLLM "
               f"{rates['process'] / theirs:.2f}x")
+    run, floor, head, gflops = matmul_floor(engine, prompts, greedy)
+    bound = run.tokens / floor
+    print(f"  the model's matmuls alone at this run's {run.steps} step shapes: {floor:.2f} s at {gflops:.0f} GFLOP/s "
+          f"(the lm_head {head:.0%} of it), "
+          f"{run.wall / floor:.2f}x less than the bare engine's {run.wall:.2f} s: at most {bound:.0f} tok/s for any "
+          f"engine running the model's arithmetic at these kernels' rate"
+          + (f", {bound / theirs:.2f}x vLLM's LLM.chat" if args.vllm_python else ""))
 
 
 def first_difference(a, b, path: str = "") -> str:
