@@ -13,7 +13,7 @@ a validator that dies leaves it to run out, and the sweeper hands the batch to a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from sqlalchemy import or_, select, update
 
@@ -63,6 +63,9 @@ class Outcome:
     output_tokens: int = 0
     reason: str | None = None  # batch_cancelled / batch_expired / shard_failed when cut short
     unrun: int = 0  # of the failed: never run because a cancel or expiry cut the shard short
+    # seq -> the usage a request answered without running (a copy of another of the shard) had:
+    # counted as saved where its row is not stored yet (a stored row counted it when written)
+    saved: dict[int, tuple[int, int, int]] = field(default_factory=dict)
 
 
 def _runnable_batches(t: int):
@@ -260,10 +263,13 @@ def complete(ctx: Context, claimed: Claimed, owner: str, outcome: Outcome, outpu
         )
         if cache_entries:
             result_cache.store(session, ctx.settings, claimed.batch_id, cache_entries)
+        written = request_results.stored_seqs(session, claimed.id) if outcome.saved else set()
+        saved = [usage for seq, usage in outcome.saved.items() if seq not in written]
         if not claimed.closing:
             request_results.forget(session, claimed.id)
         # the batch's row last, just before the commit: the batch's other writers wait on it
-        request_results.add_counts(session, claimed.batch_id, rest, unrun=total.unrun, model=claimed.model)
+        request_results.add_counts(session, claimed.batch_id, rest, unrun=total.unrun, model=claimed.model,
+                                   saved=saved)
         return True
 
 

@@ -191,6 +191,11 @@ def counted(session: Session, shard_id: str) -> Counted:
     return Counted(*(int(v) for v in row))
 
 
+def stored_seqs(session: Session, shard_id: str) -> set[int]:
+    """The seqs of the shard's rows."""
+    return set(session.scalars(select(RequestResult.seq).where(RequestResult.shard_id == shard_id)))
+
+
 def forget(session: Session, shard_id: str) -> None:
     """The shard's rows are in its result objects now."""
     session.execute(delete(RequestResult).where(RequestResult.shard_id == shard_id))

@@ -214,7 +214,7 @@ class ShardRunner:
         work = ShardWork(claimed, lines, earlier)
         front, codec = self._backend(work)
         fingerprint = getattr(front, "system_fingerprint", None) if self.settings.result_cache else None
-        requests = self._from_cache(work, work.requests(codec, fingerprint))
+        requests = work.coalesce(self._from_cache(work, work.requests(codec, fingerprint)))
         work.expect([r.request_id for r in requests])
         with self._lock:
             dead = self.engine_dead.is_set()

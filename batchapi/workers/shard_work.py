@@ -5,7 +5,10 @@ lost lease) at any moment. A lock orders the two, so a request either finished b
 close (its result is kept) or is reported with the close's reason, never both. Each kept
 result waits in ``unsaved`` until the result writer makes it durable (``take_unsaved``); the
 requests an earlier attempt already made durable (``earlier``) are not run again, nor are those
-answered from the result cache (``cached``: they are made durable before the rest runs).
+answered from the result cache (``cached``: they are made durable before the rest runs). A request
+identical to an earlier one of the same shard (the same result cache key) does not run either: it
+is answered with that request's result when it comes (``coalesce``), as the cache would answer it
+in a later batch, and made durable with it.
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ class ShardWork:
     lock: threading.Lock = field(default_factory=threading.Lock)
     keys: dict[int, str] = field(default_factory=dict)  # seq -> result cache key, of deterministic requests
     entries: dict[str, result_cache.Entry] = field(default_factory=dict)  # by ``render``: for the result cache
+    copies: dict[int, int] = field(default_factory=dict)  # seq -> the seq of the identical request that runs
+    followers: dict[int, list[int]] = field(default_factory=dict)  # that seq -> the seqs answered with it
 
     def request_id(self, seq: int) -> str:
         # the attempt keeps ids unique when this worker runs the shard again before old aborts land
@@ -106,9 +111,26 @@ class ShardWork:
                                      saved=(entry.input_tokens, entry.cached_tokens, entry.output_tokens))
         return rows
 
+    def coalesce(self, requests: list) -> list:
+        """The requests to run: of each group with one result cache key, the first; the others
+        are answered with its result when it comes (``copies``)."""
+        first: dict[str, int] = {}
+        out = []
+        for request in requests:
+            seq = self.seq_of(request.request_id)
+            cache_key = self.keys.get(seq)
+            leader = first.setdefault(cache_key, seq) if cache_key is not None else seq
+            if leader == seq:
+                out.append(request)
+            else:
+                self.copies[seq] = leader
+                self.followers.setdefault(leader, []).append(seq)
+        return out
+
     def expect(self, request_ids: list[str]) -> None:
-        """Await ``request_ids``; every other line not finished earlier is finished now (refused)."""
-        running = {self.seq_of(rid) for rid in request_ids}
+        """Await ``request_ids``; every other line not finished earlier (nor a copy of one of
+        them) is finished now (refused)."""
+        running = {self.seq_of(rid) for rid in request_ids} | set(self.copies)
         with self.lock:
             self.pending.update(request_ids)
             self.unsaved.extend(seq for seq in range(len(self.lines)) if seq not in self.earlier and seq not in running)
@@ -122,8 +144,9 @@ class ShardWork:
                 return False
             self.pending.discard(result.request_id)
             seq = self.seq_of(result.request_id)
-            self.results[seq] = result
-            self.unsaved.append(seq)
+            for answered in (seq, *self.followers.get(seq, ())):  # durable together: one group of rows
+                self.results[answered] = result
+                self.unsaved.append(answered)
             if self.pending:
                 return False
             self.done.set()
@@ -158,28 +181,45 @@ class ShardWork:
         """The result rows of finished requests (rendered once: ``render`` reuses them)."""
         rows = []
         for seq in seqs:
-            row = self._render(codec, seq, ErrorCode.SHARD_FAILED)
+            row = self.finished.get(seq) or self._render(codec, seq, ErrorCode.SHARD_FAILED)
             self.finished[seq] = row
             rows.append(row)
         return rows
 
     def _render(self, codec: LineCodec, seq: int, not_run: ErrorCode) -> Finished:
         result = self.results.get(seq)
+        if result is not None and seq in self.copies:
+            return self._copy(codec, seq, not_run)
         rendered, ok = codec.line(self.lines[seq], result, not_run)
         if not ok:
             return Finished(seq, False, rendered)
         return Finished(seq, True, rendered, result.prompt_tokens, result.cached_tokens, result.completion_tokens)
+
+    def _copy(self, codec: LineCodec, seq: int, not_run: ErrorCode) -> Finished:
+        """A copy's row: its first's response body (ids and usage included) under its own
+        custom_id, charged nothing, its usage saved, as the result cache answers; or the
+        first's error, under its own custom_id."""
+        leader = self.copies[seq]
+        row = self.finished.get(leader)
+        if row is None:  # rendered once: the copies and the first carry the same body
+            row = self.finished[leader] = self._render(codec, leader, not_run)
+        if not row.succeeded:
+            return Finished(seq, False, codec.line(self.lines[seq], self.results[seq], not_run)[0])
+        body = json.loads(row.line)["response"]["body"]
+        return Finished(seq, True, wire.succeeded(self.lines[seq].custom_id, body),
+                        saved=(row.input_tokens, row.cached_tokens, row.output_tokens))
 
     def render(self, codec: LineCodec) -> Rendered:
         """The output and error lines in input order: earlier attempts' rows, this attempt's
         results, and the reason for the rest."""
         output, errors = [], []
         completed = failed = unrun = input_tokens = cached = output_tokens = 0
+        saved = {}
         not_run = self.reason or ErrorCode.SHARD_FAILED
         for seq, line in enumerate(self.lines):
             row = self.earlier.get(seq) or self.finished.get(seq)
             if row is None:
-                row = self._render(codec, seq, not_run)
+                row = self.finished[seq] = self._render(codec, seq, not_run)  # once: its copies carry its body
                 never_ran = seq not in self.results and line.error is None and line.body is not None
                 unrun += never_ran and self.reason in CUT_OFF
             if not row.succeeded:
@@ -187,7 +227,9 @@ class ShardWork:
                 failed += 1
                 continue
             output.append(row.line)
-            if seq in self.results and seq in self.keys:  # run by this attempt: an entry for the cache
+            if row.saved is not None:
+                saved[seq] = row.saved
+            if seq in self.results and seq in self.keys and seq not in self.copies:  # run by this attempt: an entry
                 body = json.loads(row.line)["response"]["body"]
                 self.entries[self.keys[seq]] = result_cache.Entry(
                     json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode(), row.input_tokens,
@@ -196,5 +238,5 @@ class ShardWork:
             input_tokens += row.input_tokens
             cached += row.cached_tokens
             output_tokens += row.output_tokens
-        outcome = Outcome(completed, failed, input_tokens, cached, output_tokens, self.reason, unrun)
+        outcome = Outcome(completed, failed, input_tokens, cached, output_tokens, self.reason, unrun, saved)
         return Rendered(b"".join(output), b"".join(errors), outcome)

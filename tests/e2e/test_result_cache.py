@@ -1,6 +1,7 @@
 """The result cache, through the openai SDK against a live server on PostgreSQL and SeaweedFS with
 the embedded worker: a greedy or seeded request run again in a later batch of the same project is
-answered from the first run's result (the same response body, no engine work, charged nothing),
+answered from the first run's result (the same response body, no engine work, charged nothing), as
+is a copy of one within the same shard,
 a sampled request without a seed runs again, another project's batch and a batch created with
 ``result_cache: false`` run everything, and an output file deleted or expired ends its entries."""
 
@@ -92,6 +93,36 @@ def test_a_rerun_is_answered_from_the_cache_and_charged_nothing(server):
     assert len(keys) == 3 and set(result_cache.lookup(server.ctx, third["id"], keys)) == keys
     off = dataclasses.replace(server.ctx, settings=server.ctx.settings.model_copy(update={"result_cache": False}))
     assert result_cache.lookup(off, third["id"], keys) == {}
+
+
+def test_identical_requests_of_a_shard_run_once(server):
+    """Copies of a greedy or seeded request within one shard run once: each copy's line carries the
+    first's response body under its own custom_id, charged nothing and counted as cached, and the
+    cache keeps the usage the first had; sampled copies without a seed each run."""
+    model = server.app.state.model.id
+    key = new_key(server, "cache-copies")
+    copies = [request_line("a-1", model, "Say hello.", max_tokens=5, temperature=0),
+              request_line("b-1", model, "Count to three.", max_tokens=5, temperature=1.0, seed=7),
+              request_line("a-2", model, "Say hello.", max_tokens=5, temperature=0),
+              request_line("b-2", model, "Count to three.", max_tokens=5, temperature=1.0, seed=7)]  # one shard of 4
+    shown, out, spent = run(server, key, copies)
+    a, b = out["a-1"]["response"]["body"], out["b-1"]["response"]["body"]
+    assert out["a-2"]["response"]["body"] == a and out["b-2"]["response"]["body"] == b
+    assert out["a-2"]["id"] != out["a-1"]["id"] and out["b-2"]["id"] != out["b-1"]["id"]
+    ran = [a["usage"], b["usage"]]
+    assert spent == sum(u["prompt_tokens"] for u in ran)  # the engine saw each once
+    assert shown["usage"]["input_tokens"] == spent
+    assert shown["usage"]["output_tokens"] == sum(u["completion_tokens"] for u in ran)
+    assert shown["cost"]["cached_requests"] == 2 and float(shown["cost"]["cached_amount"]) > 0
+    assert shown["request_counts"] == {"total": 4, "completed": 4, "failed": 0}
+    with server.ctx.sessions() as session:  # the entries keep the usage of the requests that ran
+        kept = session.scalars(select(ResultCacheEntry.output_tokens).where(ResultCacheEntry.batch_id == shown["id"]))
+        assert sorted(kept) == sorted(u["completion_tokens"] for u in ran)
+
+    sampled = [request_line(f"s-{i}", model, "Tell a story.", max_tokens=5, temperature=1.0) for i in (1, 2)]
+    shown, out, spent = run(server, key, sampled)
+    assert spent == sum(r["response"]["body"]["usage"]["prompt_tokens"] for r in out.values())
+    assert "cached_requests" not in shown["cost"]
 
 
 def entries_of(server, batch_id: str) -> int:

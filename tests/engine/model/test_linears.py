@@ -3,7 +3,6 @@ import torch
 from torch import nn
 
 from batchapi.engine.model import linears
-from batchapi.kernels.cpu import matmul
 from batchapi.engine.model.linears import (
     BLOCK_ROWS,
     AmxBf16Linear,
@@ -19,6 +18,7 @@ from batchapi.engine.model.linears import (
     probe_input,
     probe_row_counts,
 )
+from batchapi.kernels.cpu import matmul
 
 
 def _linear(bias: bool, dtype=torch.bfloat16, in_features: int = 96) -> nn.Linear:
