@@ -80,6 +80,16 @@ def _live(t: int):
     )
 
 
+def enabled(ctx: Context, batch_id: str) -> bool:
+    """Whether batch ``batch_id`` has the cache: on for the deployment and the batch, and of one
+    model (a batch of several keeps its cost per model)."""
+    if not ctx.settings.result_cache:
+        return False
+    with ctx.sessions() as session:
+        return session.scalar(select(Batch.id).where(Batch.id == batch_id, Batch.result_cache.is_(True),
+                                                     Batch.per_model.is_(None))) is not None
+
+
 def lookup(ctx: Context, batch_id: str, keys: set[str]) -> dict[str, Entry]:
     """The entries for ``keys`` of batch ``batch_id``'s project, from other batches; none when the
     cache is off for the batch or the deployment. One indexed query."""

@@ -214,7 +214,7 @@ class ShardRunner:
         work = ShardWork(claimed, lines, earlier)
         front, codec = self._backend(work)
         fingerprint = getattr(front, "system_fingerprint", None) if self.settings.result_cache else None
-        requests = work.coalesce(self._from_cache(work, work.requests(codec, fingerprint)))
+        requests = self._from_cache(work, work.requests(codec, fingerprint))
         work.expect([r.request_id for r in requests])
         with self._lock:
             dead = self.engine_dead.is_set()
@@ -237,24 +237,28 @@ class ShardRunner:
         return work
 
     def _from_cache(self, work: ShardWork, requests: list) -> list:
-        """Answer the requests the result cache has (one query), durable at once like any finished
-        request; returns the rest, to run. The database away: everything runs."""
-        try:
-            hits = result_cache.lookup(self.ctx, work.shard.batch_id, set(work.keys.values()))
-            rows = work.cached(hits)
-            if not rows:
-                return requests
-            shard = work.shard
-            group = request_results.Group(shard.id, shard.batch_id, shard.attempts, list(rows.values()), shard.model)
-            if shard.id not in request_results.record(self.ctx, [group], self.owner):
-                return requests  # no longer ours: whatever we do is not written
-        except Exception:  # noqa: BLE001 - the cache only saves work: without it, everything runs
-            log.warning("could not use the result cache for shard %s; running its requests", work.shard.id,
-                        exc_info=True)
+        """Where the shard's batch has the result cache: answer the requests it has (one query),
+        durable at once like any finished request, and run one of each group of copies among the
+        rest (``ShardWork.coalesce``); returns what to run. The database away: everything runs."""
+        if not work.keys:
             return requests
-        work.earlier.update(rows)
-        log.info("shard %s: %d requests answered from the result cache", shard.id, len(rows))
-        return [r for r in requests if work.seq_of(r.request_id) not in rows]
+        shard = work.shard
+        try:
+            if not result_cache.enabled(self.ctx, shard.batch_id):
+                return requests
+            rows = work.cached(result_cache.lookup(self.ctx, shard.batch_id, set(work.keys.values())))
+            if rows:
+                group = request_results.Group(shard.id, shard.batch_id, shard.attempts, list(rows.values()),
+                                              shard.model)
+                if shard.id not in request_results.record(self.ctx, [group], self.owner):
+                    return requests  # no longer ours: whatever we do is not written
+        except Exception:  # noqa: BLE001 - the cache only saves work: without it, everything runs
+            log.warning("could not use the result cache for shard %s; running its requests", shard.id, exc_info=True)
+            return requests
+        if rows:
+            work.earlier.update(rows)
+            log.info("shard %s: %d requests answered from the result cache", shard.id, len(rows))
+        return work.coalesce([r for r in requests if work.seq_of(r.request_id) not in rows])
 
     def _on_done(self, work: ShardWork, request_id: str, future: Future) -> None:
         """Engine thread: keep it short. A future, not the front's callback, so that a request

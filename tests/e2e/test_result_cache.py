@@ -149,8 +149,11 @@ def test_a_batch_with_the_cache_off_runs_every_request(server):
     model = server.app.state.model.id
     key = new_key(server, "cache-off")
     run(server, key, lines(model, "", sampled=False))
-    off, _, spent = run(server, key, lines(model, "", sampled=False), result_cache=False)
-    assert spent > 0 and "cached_requests" not in off["cost"]
+    copies = lines(model, "", sampled=False) + lines(model, "copy-", sampled=False)[:1]  # one shard of 4
+    off, out, spent = run(server, key, copies, result_cache=False)
+    assert "cached_requests" not in off["cost"]
+    assert spent == sum(r["response"]["body"]["usage"]["prompt_tokens"] for r in out.values())  # the copy ran too
+    assert out["copy-greedy-1"]["response"]["body"]["id"] != out["greedy-1"]["response"]["body"]["id"]
     # a batch with the cache off leaves no entries either
     assert entries_of(server, off["id"]) == 0
 
