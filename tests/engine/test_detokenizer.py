@@ -1,4 +1,6 @@
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -245,3 +247,12 @@ def test_load_tokenizer_gives_autotokenizers_tokenizer(smollm2_dir, tmp_path):
     # and a directory with the tokenizer alone
     (bare / "config.json").unlink()
     _same_tokenizer(load_tokenizer(bare), AutoTokenizer.from_pretrained(bare))
+
+
+def test_the_generic_tokenizer_loads_without_transformers_model_index(smollm2_dir):
+    """tokenizer_config.json naming the generic class: loaded without importing transformers.models,
+    the index of every model family (1.3 s of each start of an engine core and of its parent)."""
+    code = ("import sys; from batchapi.engine.detokenizer import load_tokenizer; "
+            f"load_tokenizer({str(smollm2_dir)!r}); print('transformers.models' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert done.stdout.split()[-1] == "False"
