@@ -23,8 +23,8 @@ TRIM_AFTER = 1024
 REPLACEMENT_CHAR = "\ufffd"
 
 
-# the class tokenizer_config.json names when the tokenizer is tokenizer.json alone (transformers' own
-# save of a fast tokenizer, and every model `batchapi models pull` writes)
+# the class tokenizer_config.json names for a tokenizer that is tokenizer.json alone: what transformers
+# writes when it saves one, as `batchapi models pull` does for a GGUF's
 GENERIC_TOKENIZER = "TokenizersBackend"
 
 
