@@ -258,7 +258,11 @@ class ShardRunner:
         if rows:
             work.earlier.update(rows)
             log.info("shard %s: %d requests answered from the result cache", shard.id, len(rows))
-        return work.coalesce([r for r in requests if work.seq_of(r.request_id) not in rows])
+        requests = work.coalesce([r for r in requests if work.seq_of(r.request_id) not in rows])
+        if work.copies:
+            log.info("shard %s: %d copies of other requests of it wait on their first's result", shard.id,
+                     len(work.copies))
+        return requests
 
     def _on_done(self, work: ShardWork, request_id: str, future: Future) -> None:
         """Engine thread: keep it short. A future, not the front's callback, so that a request
