@@ -157,7 +157,7 @@ def _load_elementwise() -> ctypes.CDLL | None:
         "store_kvcache": [ptr, i64, ptr, i64, ptr, ptr, ptr, i32, i64, i64, i64, i64],
         "rotary_store": [ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, ptr, ptr, ptr, i32, i64, ptr, ptr, i64, i64, i32,
                          i64, i64, i32, i32],
-        "argmax_rows": [ptr, i64, i64, i64, i32, ptr],
+        "argmax_rows": [ptr, i64, i64, i64, i32, ptr, i32],
         "apply_token_bitmask": [ptr, i64, i64, i64, ptr, i64, ptr, i64, i32, i32],
     }
     for name, argtypes in signatures.items():

@@ -191,7 +191,8 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
             or x.shape[1] == 0 or x.stride(1) != 1):
         return twin.argmax(x)
     out = torch.empty(x.shape[0], dtype=torch.int64)
-    lib.argmax_rows(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], x.dtype is torch.bfloat16, out.data_ptr())
+    lib.argmax_rows(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], x.dtype is torch.bfloat16, out.data_ptr(),
+                    torch.get_num_threads())
     return out
 
 

@@ -300,6 +300,25 @@ def test_argmax_in_c_and_without_it_is_torchs(dtype, in_c, monkeypatch):
     assert elementwise.argmax(x).tolist() == x.argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_of_a_steps_logits_in_threads_is_torchs(dtype):
+    """Rows enough for the threads to share them (a step's logits), ties in every vector of 16, and
+    zeros of both signs tied for the largest."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randint(-40, 40, (48, 4099), generator=g).to(dtype) / 8
+    x[7] = -1.0
+    x[7, 70], x[7, 30] = 0.0, -0.0
+    x[9, 4098] = 6.0
+    x[11, 4097] = float("nan")
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            assert elementwise.argmax(x).tolist() == x.argmax(-1).tolist()
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_argmax_hands_what_c_does_not_take_to_the_twin(monkeypatch):
     monkeypatch.setattr(elementwise, "load_elementwise", _Untouchable)
     for x in (torch.randn(3, 64).half(), torch.randn(64, 3).t(), torch.zeros(0, 64)):  # fp16, column stride, no rows

@@ -21,6 +21,7 @@
 #define MAX_ROTARY_DIM 512 /* a row's cos and sin, converted, live on the stack */
 #define PARALLEL_MIN 16384  /* elements: below this a second thread costs more to wake than it saves */
 #define BITMASK_PARALLEL_MIN (1LL << 19) /* logits of apply_token_bitmask: ~20 us of work in one thread */
+#define ARGMAX_PARALLEL_MIN (1LL << 18) /* logits of argmax_rows: ~30 us of work in one thread */
 
 INLINE float element(const void *p, int64_t i, int bf16) {
     return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
@@ -423,10 +424,38 @@ int rotary_store(const void *q, int64_t q_stride, int64_t hq, void *q_out, const
 
 /* out[r] = the index of row r's largest value, the first of ties, as torch.argmax picks it; a NaN
  * counts as the largest (the first NaN wins). Rows of fp32 or bf16, `stride` elements apart. */
-int argmax_rows(const void *x, int64_t stride, int64_t rows, int64_t cols, int bf16, int64_t *out) {
+int argmax_rows(const void *x, int64_t stride, int64_t rows, int64_t cols, int bf16, int64_t *out, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows > 1 && rows * cols >= ARGMAX_PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++) {
         float best = -INFINITY;
         int nan = 0;
+#ifndef VEC_PORTABLE
+        if (bf16) { /* 64 values a step in two pairs of running maxima (a bf16 is the high half of its fp32) */
+            const uint16_t *row = (const uint16_t *)x + r * stride;
+            const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+            __m512 m[4] = {_mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY),
+                           _mm512_set1_ps(-INFINITY)};
+            __mmask16 unordered = 0;
+            int64_t i = 0;
+            for (; i + 64 <= cols; i += 64) {
+                for (int h = 0; h < 2; h++) {
+                    const __m512i w = _mm512_loadu_si512(row + i + 32 * h);
+                    const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+                    const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(w, high));
+                    unordered |= _mm512_cmp_ps_mask(even, odd, _CMP_UNORD_Q);
+                    m[2 * h] = _mm512_max_ps(m[2 * h], even);
+                    m[2 * h + 1] = _mm512_max_ps(m[2 * h + 1], odd);
+                }
+            }
+            best = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m[0], m[1]), _mm512_max_ps(m[2], m[3])));
+            nan = unordered != 0;
+            for (; i < cols; i++) {
+                const float v = bf16_to_f32(row[i]);
+                best = v > best ? v : best;
+                nan |= v != v;
+            }
+        } else
+#endif
         if (bf16) {
             const uint16_t *row = (const uint16_t *)x + r * stride;
 #pragma omp simd reduction(max : best) reduction(| : nan)
@@ -444,8 +473,20 @@ int argmax_rows(const void *x, int64_t stride, int64_t rows, int64_t cols, int b
                 nan |= v != v;
             }
         }
-        int64_t at = 0;
-        for (int64_t i = 0; i < cols; i++) { /* the first index holding it: a short scan, usually */
+        int64_t at = 0, i = 0;
+#ifndef VEC_PORTABLE
+        if (!nan) { /* the first index holding it, 16 at a time */
+            const __m512 b = _mm512_set1_ps(best);
+            for (; i + 16 <= cols; i += 16) {
+                const __m512 v = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                            _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + r * stride + i))), 16))
+                                      : _mm512_loadu_ps((const float *)x + r * stride + i);
+                const __mmask16 hit = _mm512_cmp_ps_mask(v, b, _CMP_EQ_OQ);
+                if (hit) break;
+            }
+        }
+#endif
+        for (; i < cols; i++) { /* the first index holding it (from the vector holding it, above) */
             const float v = element(x, r * stride + i, bf16);
             if (nan ? v != v : v == best) {
                 at = i;

@@ -351,15 +351,20 @@ static void amx_configure(void) {
     _tile_loadconfig(&c);
 }
 
-/* rows [0, 32) of x (stride xs) against panels p0 and p1 (p1 == p0: one panel), rows < `rows` stored */
+/* rows [0, 32) of x (stride xs) against panels p0 and p1 (p1 == p0: one panel), rows < `rows` stored;
+ * meanwhile the `ahead` lines (of 64 bytes) from `next` are asked for into L2, spread over the K steps */
 static void amx_tile(const uint16_t *x, int64_t xs, const uint32_t *b0, const uint32_t *b1, int64_t k,
-                     const float *bias, uint16_t *y, int64_t ys, int rows, int cols) {
+                     const float *bias, uint16_t *y, int64_t ys, int rows, int cols, const char *next,
+                     int64_t ahead) {
     float acc[AMX_ROWS][2 * PANEL] __attribute__((aligned(64)));
+    const int64_t per_step = (ahead + k / 32 - 1) / (k / 32);
+    int64_t asked = 0;
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t kc = 0; kc < k; kc += 32) {
+        for (int64_t i = 0; i < per_step && asked < ahead; i++, asked++) _mm_prefetch(next + asked * 64, _MM_HINT_T1);
         _tile_loadd(4, x + kc, xs * 2);
         _tile_loadd(5, x + 16 * xs + kc, xs * 2);
         _tile_loadd(6, b0 + kc / 2 * PANEL, 64);
@@ -423,10 +428,24 @@ int linear_amx(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *packed,
                 if (p1 == p0 && cols > PANEL) cols = PANEL;
                 const uint32_t *b0 = packed + p0 * pstride, *b1 = packed + p1 * pstride;
                 const float *gb = bias ? bias + p0 * PANEL : NULL;
-                for (int64_t r = 0; r < whole; r += AMX_ROWS)
-                    amx_tile(x + r * xs, xs, b0, b1, k, gb, y + r * ys + p0 * PANEL, ys, AMX_ROWS, cols);
-                if (tail)
-                    amx_tile(tail, k, b0, b1, k, gb, y + whole * ys + p0 * PANEL, ys, (int)(m - whole), cols);
+                /* the thread's next group of panels, asked for while this one runs (blocks of weights
+                 * lie where the hardware prefetchers do not look past a page), its lines shared out
+                 * over this group's row tiles */
+                const int64_t tiles = whole / AMX_ROWS + (tail != NULL), next_p0 = p0 + 2;
+                const int64_t lines = g + 1 < last ? (next_p0 + 1 < panels ? 2 : 1) * pstride * 4 / 64 : 0;
+                const int64_t share = (lines + tiles - 1) / tiles;
+                const char *next = lines ? (const char *)(packed + next_p0 * pstride) : (const char *)b0;
+                int64_t from = 0;
+                for (int64_t r = 0; r < whole; r += AMX_ROWS, from += share) {
+                    const int64_t n = from < lines ? (lines - from < share ? lines - from : share) : 0;
+                    amx_tile(x + r * xs, xs, b0, b1, k, gb, y + r * ys + p0 * PANEL, ys, AMX_ROWS, cols,
+                             n ? next + from * 64 : next, n);
+                }
+                if (tail) {
+                    const int64_t n = from < lines ? lines - from : 0;
+                    amx_tile(tail, k, b0, b1, k, gb, y + whole * ys + p0 * PANEL, ys, (int)(m - whole), cols,
+                             n ? next + from * 64 : next, n);
+                }
             }
             _tile_release();
         }
