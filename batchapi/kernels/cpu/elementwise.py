@@ -184,8 +184,9 @@ def store_kvcache(
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(-1) of [B, V] logits (same index: the first of ties, the first NaN). In C for fp32 or
-    bf16 CPU rows with a unit column stride: one pass over the row in its own dtype, where torch
-    converts bf16 logits or scans them several times slower; the twin takes the rest."""
+    bf16 CPU rows with a unit column stride: the row's largest value in vectors of its own dtype,
+    then its first index from the vector of 16 that holds it, the rows shared by the threads (torch
+    converts bf16 logits or scans them several times slower); the twin takes the rest."""
     lib = load_elementwise()
     if (lib is None or x.dim() != 2 or x.dtype not in DTYPES or not x.is_cpu or x.shape[0] == 0
             or x.shape[1] == 0 or x.stride(1) != 1):

@@ -357,7 +357,7 @@ static void amx_tile(const uint16_t *x, int64_t xs, const uint32_t *b0, const ui
                      const float *bias, uint16_t *y, int64_t ys, int rows, int cols, const char *next,
                      int64_t ahead) {
     float acc[AMX_ROWS][2 * PANEL] __attribute__((aligned(64)));
-    const int64_t per_step = (ahead + k / 32 - 1) / (k / 32);
+    const int64_t steps = k / 32, per_step = steps ? (ahead + steps - 1) / steps : 0;
     int64_t asked = 0;
     _tile_zero(0);
     _tile_zero(1);
@@ -433,7 +433,7 @@ int linear_amx(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *packed,
                  * over this group's row tiles */
                 const int64_t tiles = whole / AMX_ROWS + (tail != NULL), next_p0 = p0 + 2;
                 const int64_t lines = g + 1 < last ? (next_p0 + 1 < panels ? 2 : 1) * pstride * 4 / 64 : 0;
-                const int64_t share = (lines + tiles - 1) / tiles;
+                const int64_t share = tiles ? (lines + tiles - 1) / tiles : 0; /* no rows: no tiles */
                 const char *next = lines ? (const char *)(packed + next_p0 * pstride) : (const char *)b0;
                 int64_t from = 0;
                 for (int64_t r = 0; r < whole; r += AMX_ROWS, from += share) {
