@@ -225,15 +225,22 @@ def materialize(model: nn.Module, device: torch.device) -> nn.Module:
     return model
 
 
+PAGE = 4096
+
+
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zeroed tensor. On the CPU its memory comes from calloc (through numpy), whose large
     blocks are fresh pages of the OS, zero until first written: a pool of gigabytes costs nothing
     at start, and only the blocks a run touches are ever faulted in (``torch.zeros`` writes every
-    byte first: half a second a 2 GiB pool)."""
+    byte first: half a second a 2 GiB pool). It starts on a page: calloc's pointer lies 16 bytes
+    past one, which put every KV row across one more cache line than it fills, and every 64-byte
+    load of the attention kernel across two (7-9% of its time, bench/kernels_cpu.py's shapes)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     count = math.prod(shape) * dtype.itemsize
-    return torch.from_numpy(np.zeros(count, dtype=np.uint8)).view(dtype).view(shape)
+    raw = np.zeros(count + PAGE, dtype=np.uint8)
+    start = -raw.ctypes.data % PAGE
+    return torch.from_numpy(raw[start:start + count]).view(dtype).view(shape)
 
 
 class StepInputs:

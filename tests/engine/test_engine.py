@@ -65,6 +65,16 @@ def tokenize(model_dir, texts):
     return [tok(t)["input_ids"] for t in texts]
 
 
+def test_the_kv_pool_starts_on_a_page_and_zero(tiny_llama_dir):
+    """Each layer's KV cache is zero and starts on a page boundary (calloc's own pointer lies 16 bytes
+    past one: every row across one more cache line than it fills)."""
+    engine = engine_for(tiny_llama_dir)
+    for layer in engine.runner.model.layers:
+        for cache in (layer.self_attn.k_cache, layer.self_attn.v_cache):
+            assert cache.data_ptr() % 4096 == 0
+            assert not cache.any()
+
+
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_qwen3_moe_dir",
                                      "tiny_mixtral_dir", "tiny_gemma2_dir", "tiny_gemma3_dir"])
 def test_greedy_parity_with_hf_on_tiny_models(fixture, request):
