@@ -437,14 +437,14 @@ int linear_amx(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *packed,
                 const char *next = lines ? (const char *)(packed + next_p0 * pstride) : (const char *)b0;
                 int64_t from = 0;
                 for (int64_t r = 0; r < whole; r += AMX_ROWS, from += share) {
-                    const int64_t n = from < lines ? (lines - from < share ? lines - from : share) : 0;
+                    const int64_t asks = from < lines ? (lines - from < share ? lines - from : share) : 0;
                     amx_tile(x + r * xs, xs, b0, b1, k, gb, y + r * ys + p0 * PANEL, ys, AMX_ROWS, cols,
-                             n ? next + from * 64 : next, n);
+                             asks ? next + from * 64 : next, asks);
                 }
                 if (tail) {
-                    const int64_t n = from < lines ? lines - from : 0;
+                    const int64_t asks = from < lines ? lines - from : 0;
                     amx_tile(tail, k, b0, b1, k, gb, y + whole * ys + p0 * PANEL, ys, (int)(m - whole), cols,
-                             n ? next + from * 64 : next, n);
+                             asks ? next + from * 64 : next, asks);
                 }
             }
             _tile_release();
