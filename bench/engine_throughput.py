@@ -278,15 +278,15 @@ def matmul_floor(engine: LLMEngine, prompts, params, repeats: int = 2) -> tuple[
     model = engine.runner.model
     shapes: list[tuple[int, int]] = []  # (token rows, sampled rows) of each forward
 
-    def recording(input_ids, positions, meta, logit_rows, *rest, forward=model.forward):
-        shapes.append((input_ids.numel(), len(logit_rows)))
-        return forward(input_ids, positions, meta, logit_rows, *rest)
+    def recording(input_ids, positions, meta, rows, final_hidden=model.final_hidden):
+        shapes.append((input_ids.numel(), len(rows)))  # forward and greedy both come through here
+        return final_hidden(input_ids, positions, meta, rows)
 
-    model.forward = recording
+    model.final_hidden = recording
     try:
         run = run_engine(engine, prompts, params)
     finally:
-        del model.forward
+        del model.final_hidden
     body = [m for m in model.modules() if isinstance(m, LINEARS) and m is not model.lm_head]
     seconds, flops = {}, 0
 
@@ -333,11 +333,15 @@ def matmul_share(engine: LLMEngine, prompts, params) -> tuple[float, float]:
         name = ("batchapi::linear_bf16w" if isinstance(m, Bf16StoredLinear)
                 else "batchapi::linear_amx" if isinstance(m, AmxBf16Linear) else "batchapi::linear_bf16")
         m.forward = lambda x, f=m.forward, name=name: _recorded(record_function, f, x, name)
+        if hasattr(m, "argmax"):  # a greedy step's lm_head
+            m.argmax = lambda x, f=m.argmax, name=name: _recorded(record_function, f, x, name)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         with Clock() as clock:
             run_engine(engine, prompts, params)
     for m in stored:
         del m.forward
+        if "argmax" in m.__dict__:
+            del m.argmax
     spent = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in MATMUL_OPS) / 1e6
     return spent / clock.wall, clock.wall
 
@@ -382,6 +386,8 @@ def step_breakdown(engine: LLMEngine, prompts, params, run=None) -> str:
                 object.__setattr__(ops, op, timed(part, saved_ops[op]))
         for m in linears:
             m.forward = timed("linear layers", saved_forward[m])
+            if hasattr(m, "argmax"):  # a greedy step's lm_head (CausalLM.greedy)
+                m.argmax = timed("linear layers", m.argmax)
         sampler = type("TimedSampler", (), {})()
         sampler.choose = timed("sampling", saved_sampler.choose)
         sampler.outputs = timed("sampling", saved_sampler.outputs)
@@ -393,6 +399,8 @@ def step_breakdown(engine: LLMEngine, prompts, params, run=None) -> str:
             object.__setattr__(ops, op, fn)
         for m, fn in saved_forward.items():
             m.forward = fn
+            if "argmax" in m.__dict__:
+                del m.argmax
         runner.sampler = saved_sampler
     parts = [(name, spent.get(name, 0.0)) for name in ("linear layers", *STEP_PARTS, "sampling")]
     parts.append(("the rest", clock.wall - sum(t for _, t in parts)))

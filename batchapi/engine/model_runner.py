@@ -142,6 +142,13 @@ class ModelRunner:
         and this returns at once; ``result()`` waits for the tokens. On CPU it is done on return."""
         input_ids, positions, meta, logit_rows = self._prepare(batch)
         scored = self.scorer.plan(batch.seqs, batch.num_new_tokens, self.inputs.cu_seqlens)
+        rows = sample_rows(batch)
+        sample_rows_ = [SampleRow(seq.params, OutputTokens(seq.token_ids, seq.num_prompt_tokens), index,
+                                  _matcher(seq, index), _forced(seq, index)) for seq, index in rows]
+        if (scored is None and self.graphs is None and len(rows) == len(logit_rows) and self.model.greedy_in_lm_head
+                and Sampler.argmax_only(sample_rows_)):  # greedy tokens from the lm_head itself: no logits written
+            token_ids = self.model.greedy(input_ids, positions, meta, logit_rows)
+            return LaunchedStep(self.sampler, rows, None, sample_rows_, Sampler.with_forced(token_ids, sample_rows_))
         if scored is not None:  # prompt logprobs: the forward keeps those positions' hidden states too
             logits, hidden = self.model(input_ids, positions, meta, logit_rows, scored[0])
             self.scorer.finish(hidden, scored[1])
@@ -149,12 +156,9 @@ class ModelRunner:
             logits = self.graphs.run(input_ids, positions, meta)  # [S, V]
         else:
             logits = self.model(input_ids, positions, meta, logit_rows)  # [S, V]
-        rows = sample_rows(batch)
         if len(rows) != logits.shape[0]:  # n > 1: a finished prompt is sampled once per child
             repeat = torch.tensor([1 + seq.num_forks for seq, _ in _sampled(batch)], device=logits.device)
             logits = logits.repeat_interleave(repeat, dim=0, output_size=len(rows))  # the size given: no read-back
-        sample_rows_ = [SampleRow(seq.params, OutputTokens(seq.token_ids, seq.num_prompt_tokens), index,
-                                  _matcher(seq, index), _forced(seq, index)) for seq, index in rows]
         return LaunchedStep(self.sampler, rows, logits, sample_rows_, self.sampler.choose(logits, sample_rows_))
 
 

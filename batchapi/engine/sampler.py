@@ -98,7 +98,19 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (
             f"logits {tuple(logits.shape)} do not match {len(rows)} rows"
         )
-        token_ids = self._pick(logits, rows)
+        return self.with_forced(self._pick(logits, rows), rows)
+
+    @staticmethod
+    def argmax_only(rows: list[SampleRow]) -> bool:
+        """Whether the rows' tokens are the logits' argmax and nothing else reads the logits: greedy,
+        nothing modifying them (bias, penalties, a grammar), no logprobs. The model may then take the
+        argmax in its lm_head and write no logits (CausalLM.greedy)."""
+        return all(r.params.greedy and not _modifies_logits(r.params) and r.matcher is None
+                   and not r.params.logprobs for r in rows)
+
+    @staticmethod
+    def with_forced(token_ids: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """token_ids with each row's forced token (a thinking marker) in its place."""
         forced = [(i, r.forced) for i, r in enumerate(rows) if r.forced is not None]
         if forced:  # its logprob stays the model's own: outputs() reads it from the raw logits
             at, tokens = zip(*forced, strict=True)

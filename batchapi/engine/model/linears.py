@@ -170,6 +170,10 @@ class AmxBf16Linear(Avx512Bf16Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return matmul.linear_amx(x, self.packed_weight, self.out_features, self.in_features, self.panel_bias)
 
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward(x).argmax(-1)``, the outputs never written (a greedy step's lm_head)."""
+        return matmul.linear_amx_argmax(x, self.packed_weight, self.out_features, self.in_features, self.panel_bias)
+
 
 def can_run_amx(module: nn.Module) -> bool:
     """A bf16 CPU nn.Linear of whole 32-element chunks of K, where the C kernel built with AMX-BF16

@@ -64,19 +64,36 @@ class CausalLM(nn.Module):
         model's dtype (the sampler works in fp32 where it needs to; greedy needs no copy). With
         ``hidden_rows`` [R] (prompt logprobs): (logits, their final normed hidden states [R, H]),
         which ``logits`` turns into logits a few rows at a time."""
+        rows = logit_rows if hidden_rows is None else torch.cat([logit_rows, hidden_rows])
+        x = self.final_hidden(input_ids, positions, meta, rows)  # [S (+ R), H]
+        if hidden_rows is None:
+            return self.logits(x)  # [S, V]
+        return self.logits(x[: len(logit_rows)]), x[len(logit_rows):]
+
+    @property
+    def greedy_in_lm_head(self) -> bool:
+        """Whether ``greedy`` runs: the lm_head takes its argmax without writing logits (on AMX), and
+        no soft cap lies between them."""
+        return hasattr(self.lm_head, "argmax") and not self.final_softcap
+
+    def greedy(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+               logit_rows: torch.Tensor) -> torch.Tensor:
+        """``forward(...).argmax(-1)`` -> [S] int64, the logits never written (``greedy_in_lm_head``)."""
+        return self.lm_head.argmax(self.final_hidden(input_ids, positions, meta, logit_rows))
+
+    def final_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                     rows: torch.Tensor) -> torch.Tensor:
+        """The final normed hidden states [len(rows), H] of the tokens ``rows`` index."""
         x, residual = self.embed_tokens(input_ids), None  # [T, H]
         if self.embed_scale is not None:
             x = x * self.embed_scale
         ropes = (self.cos_sin, self.cos_sin_local)  # [max_pos, D] each: global, local layers
         for layer in self.layers:  # each module's forward called straight: a step makes ~400 such calls
             x, residual = layer.forward(x, residual, positions, ropes, meta)
-        rows = logit_rows if hidden_rows is None else torch.cat([logit_rows, hidden_rows])
         x = x.index_select(0, rows)  # [S, H]: only the tokens that get sampled (and scored)
         residual = residual.index_select(0, rows)
         x, _ = self.ops.fused_add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
-        if hidden_rows is None:
-            return self.logits(x)  # [S, V]
-        return self.logits(x[: len(logit_rows)]), x[len(logit_rows):]
+        return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final normed hidden states [S, H] -> logits [S, V]."""

@@ -154,8 +154,26 @@ def linear_amx(x: torch.Tensor, packed: torch.Tensor, out_features: int, in_feat
     return _pairs_call("linear_amx", x, packed, out_features, in_features, bias)
 
 
-def _pairs_call(kernel: str, x: torch.Tensor, packed: torch.Tensor, out_features: int, in_features: int,
-                bias: torch.Tensor | None) -> torch.Tensor:
+def linear_amx_argmax(x: torch.Tensor, packed: torch.Tensor, out_features: int, in_features: int,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+    """``linear_amx(...).argmax(-1)`` without the outputs written: [..., in] -> int64 [...], the index
+    torch's argmax gives on ``linear_amx``'s bf16 outputs (the first of ties, the first NaN). A greedy
+    step's lm_head: its logits are never stored or read back."""
+    if in_features % 32:
+        raise ValueError(f"linear_amx_argmax needs in_features a multiple of 32, not {in_features}")
+    lib, x2, rows, row_stride, bias = _pairs_args("linear_amx_argmax", x, packed, out_features, in_features, bias)
+    chosen = torch.empty(rows, dtype=torch.int64)
+    rc = lib.linear_amx_argmax(x2.data_ptr(), row_stride, rows, packed.data_ptr(), out_features, in_features,
+                               bias.data_ptr() if bias is not None else None, chosen.data_ptr(),
+                               torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"linear_amx_argmax refused [{rows}, {in_features}] x [{out_features}, {in_features}]")
+    return chosen.view(x.shape[:-1])
+
+
+def _pairs_args(kernel: str, x: torch.Tensor, packed: torch.Tensor, out_features: int, in_features: int,
+                bias: torch.Tensor | None):
+    """The library and the C kernel's forms of x (rows, their stride) and of the bias, checked."""
     lib = _library()
     panels, pairs, panel = packed.shape
     if (lib is None or packed.dtype != torch.int32 or not packed.is_contiguous() or panel != PANEL
@@ -165,14 +183,19 @@ def _pairs_call(kernel: str, x: torch.Tensor, packed: torch.Tensor, out_features
         raise ValueError(f"{kernel} cannot multiply x {tuple(x.shape)} {x.dtype} by a packed weight "
                          f"{tuple(packed.shape)} {packed.dtype} of {out_features} outputs "
                          f"(bias {None if bias is None else tuple(bias.shape)})")
-    lead = x.shape[:-1]
     x2, rows, row_stride = _rows(x, in_features, torch.bfloat16)
-    out = torch.empty(rows, out_features, dtype=torch.bfloat16)
     if bias is not None and not _panel_form(bias, panels):  # read a whole panel at a time
         bias = panel_bias(bias, out_features)
+    return lib, x2, rows, row_stride, bias
+
+
+def _pairs_call(kernel: str, x: torch.Tensor, packed: torch.Tensor, out_features: int, in_features: int,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    lib, x2, rows, row_stride, bias = _pairs_args(kernel, x, packed, out_features, in_features, bias)
+    out = torch.empty(rows, out_features, dtype=torch.bfloat16)
     rc = getattr(lib, kernel)(x2.data_ptr(), row_stride, rows, packed.data_ptr(), out_features, in_features,
                               bias.data_ptr() if bias is not None else None, out.data_ptr(), out_features,
                               torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"{kernel} refused [{rows}, {in_features}] x [{out_features}, {in_features}]")
-    return out.view(*lead, out_features)
+    return out.view(*x.shape[:-1], out_features)

@@ -199,6 +199,36 @@ def test_amx_linear_gives_f_linears_values_and_the_same_bits_at_every_row_count_
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_amx_argmax_is_the_argmax_of_the_amx_linears_outputs(bias):
+    """Where the kernel has AMX tiles (else it refuses): the index torch's argmax gives on
+    linear_amx's bf16 outputs, with ties across panels and thread shares (small integer weights), a
+    NaN row, a row of zeros, ragged panel groups (100 outputs) and a lm_head's width, at row counts
+    about a tile's 32 and none, on 1 and 2 threads."""
+    g = torch.Generator().manual_seed(3)
+    cases = [(torch.randint(-2, 3, (100, 64), generator=g).bfloat16(), torch.randint(-2, 3, (90, 64), generator=g)),
+             (torch.randn(4099, 96, generator=g).bfloat16(), torch.randn(90, 96, generator=g))]
+    for weight, x in cases:
+        out_features, in_features = weight.shape
+        b = torch.randint(-2, 3, (out_features,), generator=g).bfloat16() if bias else None
+        packed, x = matmul.pack_pairs(weight), x.bfloat16()
+        x[3], x[5] = float("nan"), 0.0
+        if not matmul.native_amx():
+            with pytest.raises(RuntimeError, match="refused"):
+                matmul.linear_amx_argmax(x, packed, out_features, in_features, b)
+            return
+        threads = torch.get_num_threads()
+        try:
+            for n in (1, 2):
+                torch.set_num_threads(n)
+                for rows in (0, 1, 31, 32, 33, 90):
+                    expected = matmul.linear_amx(x[:rows], packed, out_features, in_features, b).argmax(-1)
+                    assert torch.equal(matmul.linear_amx_argmax(x[:rows], packed, out_features, in_features, b),
+                                       expected), (out_features, rows, n)
+        finally:
+            torch.set_num_threads(threads)
+
+
 def test_amx_linear_refuses_k_in_part_chunks():
     weight, _ = bf16_layer(32, 48, False)  # 48: one and a half chunks of 32
     with pytest.raises(ValueError, match="multiple of 32"):

@@ -351,11 +351,47 @@ static void amx_configure(void) {
     _tile_loadconfig(&c);
 }
 
-/* rows [0, 32) of x (stride xs) against panels p0 and p1 (p1 == p0: one panel), rows < `rows` stored;
- * meanwhile the `ahead` lines (of 64 bytes) from `next` are asked for into L2, spread over the K steps */
+/* A thread's running greedy choice for each row of a call (linear_amx_argmax): the largest output
+ * so far as its bf16 value, its column (the first of ties), and the first NaN's column (-1: none) */
+typedef struct {
+    float *value;
+    int64_t *column, *nan;
+} Best;
+
+/* the tile's rows' outputs (bf16, as linear_amx stores them) folded into `best` at the tile's first
+ * row, `col0` the group's first column: a row's largest value moves only when a later column's is
+ * strictly larger, so the first of ties stays */
+INLINE void fold_best(float (*acc)[2 * PANEL], const float *bias, int rows, int cols, int64_t col0, Best best) {
+    const __mmask16 live0 = (__mmask16)(cols >= PANEL ? 0xffff : (1u << cols) - 1);
+    const __mmask16 live1 = (__mmask16)(cols >= 2 * PANEL ? 0xffff : cols > PANEL ? (1u << (cols - PANEL)) - 1 : 0);
+    const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
+    for (int r = 0; r < rows; r++) {
+        __m512 v0 = _mm512_load_ps(&acc[r][0]), v1 = _mm512_load_ps(&acc[r][PANEL]);
+        if (bias) v0 = _mm512_add_ps(v0, _mm512_loadu_ps(bias)), v1 = _mm512_add_ps(v1, _mm512_loadu_ps(bias + PANEL));
+        v0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v0)), 16));
+        v1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v1)), 16));
+        const __mmask16 nan0 = _mm512_mask_cmp_ps_mask(live0, v0, v0, _CMP_UNORD_Q);
+        const __mmask16 nan1 = _mm512_mask_cmp_ps_mask(live1, v1, v1, _CMP_UNORD_Q);
+        if ((nan0 | nan1) && best.nan[r] < 0)
+            best.nan[r] = col0 + (nan0 ? __builtin_ctz(nan0) : PANEL + __builtin_ctz(nan1));
+        v0 = _mm512_mask_blend_ps(live0 & (__mmask16)~nan0, minus_inf, v0);
+        v1 = _mm512_mask_blend_ps(live1 & (__mmask16)~nan1, minus_inf, v1);
+        const float top = _mm512_reduce_max_ps(_mm512_max_ps(v0, v1));
+        if (top > best.value[r]) {
+            const __mmask16 at0 = _mm512_cmp_ps_mask(v0, _mm512_set1_ps(top), _CMP_EQ_OQ);
+            const __mmask16 at1 = _mm512_cmp_ps_mask(v1, _mm512_set1_ps(top), _CMP_EQ_OQ);
+            best.value[r] = top;
+            best.column[r] = col0 + (at0 ? __builtin_ctz(at0) : PANEL + __builtin_ctz(at1));
+        }
+    }
+}
+
+/* rows [0, 32) of x (stride xs) against panels p0 and p1 (p1 == p0: one panel), rows < `rows` stored
+ * in y, or with best.value set folded into it instead (col0: the group's first column); meanwhile the
+ * `ahead` lines (of 64 bytes) from `next` are asked for into L2, spread over the K steps */
 static void amx_tile(const uint16_t *x, int64_t xs, const uint32_t *b0, const uint32_t *b1, int64_t k,
                      const float *bias, uint16_t *y, int64_t ys, int rows, int cols, const char *next,
-                     int64_t ahead) {
+                     int64_t ahead, Best best, int64_t col0) {
     float acc[AMX_ROWS][2 * PANEL] __attribute__((aligned(64)));
     const int64_t steps = k / 32, per_step = steps ? (ahead + steps - 1) / steps : 0;
     int64_t asked = 0;
@@ -378,6 +414,10 @@ static void amx_tile(const uint16_t *x, int64_t xs, const uint32_t *b0, const ui
     _tile_stored(1, &acc[0][PANEL], sizeof acc[0]);
     _tile_stored(2, &acc[16][0], sizeof acc[0]);
     _tile_stored(3, &acc[16][PANEL], sizeof acc[0]);
+    if (best.value) {
+        fold_best(acc, bias, rows, cols, col0, best);
+        return;
+    }
     for (int r = 0; r < rows; r++)
         for (int p = 0; p < 2; p++) {
             int c = cols - p * PANEL;
@@ -399,19 +439,38 @@ int linear_amx_native(void) {
 #endif
 }
 
-/* linear_bf16 on AMX tiles (arguments alike); -1 where the build or the OS has no AMX, or K % 32 */
-int linear_amx(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *packed, int64_t n, int64_t k,
-               const float *bias, uint16_t *y, int64_t ys, int threads) {
 #ifdef HAVE_AMX
-    if (m < 0 || n < 0 || k < 0 || xs < k || ys < n || k % 32 || !amx_permitted()) return -1;
+/* linear_amx's work: outputs into y, or (chosen != NULL) each row's greedy choice into chosen[m] */
+static int amx_linear(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *packed, int64_t n, int64_t k,
+                      const float *bias, uint16_t *y, int64_t ys, int threads, int64_t *chosen) {
+    if (m < 0 || n < 0 || k < 0 || xs < k || (!chosen && ys < n) || k % 32 || !amx_permitted()) return -1;
     int64_t panels = (n + PANEL - 1) / PANEL, pstride = k / 2 * PANEL, groups = (panels + 1) / 2;
     int64_t whole = m / AMX_ROWS * AMX_ROWS;
     int parallel = threads > 1 && m * n * k >= (1 << 19) && groups > 1;
-    int failed = 0;
-#pragma omp parallel num_threads(threads) if (parallel) reduction(| : failed)
+    int failed = 0, team = parallel ? threads : 1;
+    /* the choice: each thread's best of its groups for every row, merged in the threads' order below */
+    float *values = NULL;
+    int64_t *columns = NULL;
+    if (chosen) {
+        values = malloc((size_t)(team * m + 1) * sizeof *values);
+        columns = malloc((size_t)(2 * team * m + 1) * sizeof *columns);
+        if (!values || !columns) {
+            free(values), free(columns);
+            return -1;
+        }
+        for (int64_t i = 0; i < team * m; i++) values[i] = -INFINITY, columns[i] = 0, columns[team * m + i] = -1;
+    }
+#pragma omp parallel num_threads(team) if (parallel) reduction(| : failed)
     {
         int64_t first, last;
         thread_share(groups, &first, &last);
+        int t = 0;
+#ifdef _OPENMP
+        extern int omp_get_thread_num(void);
+        t = omp_get_thread_num();
+#endif
+        Best mine = {NULL, NULL, NULL};
+        if (chosen) mine = (Best){values + t * m, columns + t * m, columns + team * m + t * m};
         /* the last rows (under 32) in a tile of their own, copied once for all groups */
         uint16_t *tail = NULL;
         if (whole < m && first < last) {
@@ -438,21 +497,59 @@ int linear_amx(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *packed,
                 int64_t from = 0;
                 for (int64_t r = 0; r < whole; r += AMX_ROWS, from += share) {
                     const int64_t asks = from < lines ? (lines - from < share ? lines - from : share) : 0;
-                    amx_tile(x + r * xs, xs, b0, b1, k, gb, y + r * ys + p0 * PANEL, ys, AMX_ROWS, cols,
-                             asks ? next + from * 64 : next, asks);
+                    const Best at = chosen ? (Best){mine.value + r, mine.column + r, mine.nan + r} : mine;
+                    amx_tile(x + r * xs, xs, b0, b1, k, gb, chosen ? NULL : y + r * ys + p0 * PANEL, ys, AMX_ROWS,
+                             cols, asks ? next + from * 64 : next, asks, at, p0 * PANEL);
                 }
                 if (tail) {
                     const int64_t asks = from < lines ? lines - from : 0;
-                    amx_tile(tail, k, b0, b1, k, gb, y + whole * ys + p0 * PANEL, ys, (int)(m - whole), cols,
-                             asks ? next + from * 64 : next, asks);
+                    const Best at = chosen ? (Best){mine.value + whole, mine.column + whole, mine.nan + whole} : mine;
+                    amx_tile(tail, k, b0, b1, k, gb, chosen ? NULL : y + whole * ys + p0 * PANEL, ys, (int)(m - whole),
+                             cols, asks ? next + from * 64 : next, asks, at, p0 * PANEL);
                 }
             }
             _tile_release();
         }
     }
+    if (chosen) { /* thread t's groups lie before thread t + 1's: the first NaN, else the first largest */
+        for (int64_t r = 0; r < m; r++) {
+            float top = -INFINITY;
+            int64_t column = 0, nan = -1;
+            for (int t = 0; t < team; t++) {
+                const int64_t i = t * m + r;
+                if (nan < 0 && columns[team * m + i] >= 0) nan = columns[team * m + i];
+                if (values[i] > top) top = values[i], column = columns[i];
+            }
+            chosen[r] = nan >= 0 ? nan : column;
+        }
+        free(values), free(columns);
+    }
     return failed ? -1 : 0;
+}
+#endif
+
+/* linear_bf16 on AMX tiles (arguments alike); -1 where the build or the OS has no AMX, or K % 32 */
+int linear_amx(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *packed, int64_t n, int64_t k,
+               const float *bias, uint16_t *y, int64_t ys, int threads) {
+#ifdef HAVE_AMX
+    return amx_linear(x, xs, m, packed, n, k, bias, y, ys, threads, NULL);
 #else
     (void)x, (void)xs, (void)m, (void)packed, (void)n, (void)k, (void)bias, (void)y, (void)ys, (void)threads;
+    return -1;
+#endif
+}
+
+/* argmax of linear_amx's bf16 outputs for each row, into chosen[m] (int64), without writing them: the
+ * index torch.argmax gives on them (the first of ties; the first NaN where there is one). A greedy
+ * step's lm_head: at 256 rows SmolLM2's 49,152 logits a row are 25 MB written and read back. */
+int linear_amx_argmax(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *packed, int64_t n, int64_t k,
+                      const float *bias, int64_t *chosen, int threads) {
+#ifdef HAVE_AMX
+    if (m == 0 && k % 32 == 0 && amx_permitted()) return 0; /* nothing to choose (chosen may be NULL) */
+    if (chosen == NULL) return -1;
+    return amx_linear(x, xs, m, packed, n, k, bias, NULL, 0, threads, chosen);
+#else
+    (void)x, (void)xs, (void)m, (void)packed, (void)n, (void)k, (void)bias, (void)chosen, (void)threads;
     return -1;
 #endif
 }
