@@ -13,6 +13,9 @@ Usage: .venv/bin/python bench/kernels_cpu.py [--batch 96] [--ctx 300] [--spread 
         (a SmolLM2-135M decode step's bf16 linear layers, weights from memory: the C kernel for
         AVX512-BF16 and, with AMX, the one on AMX tiles, kernels/cpu/csrc/matmul.c, against oneDNN's
         packed bf16 weights, interleaved)
+   or: .venv/bin/python bench/kernels_cpu.py --op lm_head_argmax [--row-counts 1,8,64,256]
+        (a greedy step's lm_head, SmolLM2-135M's 49,152 x 576, its weights from memory: the C
+        kernel's logits then the engine's argmax, against the kernel's argmax folded in, each C kernel)
 
 The figures, per CPU kind, are in docs/BENCHMARKS.md ("CPU kernels"). v_native is the C kernel the
 engine uses on CPU (kernels/cpu/csrc/paged_decode.c); v_library the torch path it falls back to.
@@ -348,11 +351,47 @@ def bench_linear_bf16(a):
               + f"   oneDNN {o:7.2f} ms {flops / o:5.0f}")
 
 
+def bench_lm_head_argmax(a):
+    """Best ms of a greedy step's lm_head and argmax: the logits written then the engine's argmax
+    (kernels/cpu/elementwise.py) against the kernel's argmax folded into its epilogue, for each C
+    kernel here; a 512 MB sweep before each call, so that the weights come from memory as in a step.
+    Checks the two give the same tokens."""
+    from batchapi.kernels.cpu import elementwise, matmul
+
+    if not matmul.native_bf16():
+        raise SystemExit("lm_head_argmax: this CPU (or this build) has no AVX512-BF16")
+    g = torch.Generator().manual_seed(0)
+    out_features, in_features = 49152, 576
+    packed = matmul.pack_pairs(torch.randn(out_features, in_features, generator=g).bfloat16())
+    kernels = {"C": (matmul.linear_bf16, matmul.linear_bf16_argmax)}
+    if matmul.native_amx():
+        kernels["AMX"] = (matmul.linear_amx, matmul.linear_amx_argmax)
+    sweep = torch.ones(128 << 20)  # 512 MB: past any cache here
+    print(f"lm_head {out_features}x{in_features} and greedy argmax, threads={torch.get_num_threads()}; best ms "
+          "of logits-then-argmax, of the argmax in the kernel, and the speed-up")
+    for rows in map(int, a.row_counts.split(",")):
+        x = torch.randn(rows, in_features, generator=g).bfloat16()
+        for name, (linear, argmax) in kernels.items():
+            def written(x, linear=linear):
+                sweep.add_(1.0)
+                return elementwise.argmax(linear(x, packed, out_features, in_features, None))
+
+            def folded(x, argmax=argmax):
+                sweep.add_(1.0)
+                return argmax(x, packed, out_features, in_features, None)
+
+            assert torch.equal(written(x), folded(x)), (name, rows)
+            timings = bench_interleaved([written, folded, lambda x: sweep.add_(1.0)], (x,), a.reps)
+            (w, _), (f, _), (s, _) = timings.values()
+            print(f"{rows:4d} rows {name:3s}: logits + argmax {w - s:7.2f} ms   folded {f - s:7.2f} ms   "
+                  f"x{(w - s) / (f - s):4.2f}   (sweep {s:.2f} ms taken off)")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--op", default="paged_attention", choices=["paged_attention", "apply_token_bitmask",
-                                                                "linear_bf16w", "linear_bf16"])
-    ap.add_argument("--row-counts", default="1,8,16,64,256", help="linear_bf16w, linear_bf16: rows a call")
+                                                                "linear_bf16w", "linear_bf16", "lm_head_argmax"])
+    ap.add_argument("--row-counts", default="1,8,16,64,256", help="linear_bf16w, linear_bf16, lm_head_argmax: rows")
     ap.add_argument("--rows", type=int, default=64, help="apply_token_bitmask: constrained rows")
     ap.add_argument("--vocab", type=int, default=49152, help="apply_token_bitmask: vocabulary size")
     ap.add_argument("--batch", type=int, default=96)
@@ -376,6 +415,8 @@ def main():
         return bench_linear(a)
     if a.op == "linear_bf16":
         return bench_linear_bf16(a)
+    if a.op == "lm_head_argmax":
+        return bench_lm_head_argmax(a)
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     q, kc, vc, tables, lens = make_inputs(a.batch, a.ctx, a.hq, a.hkv, a.dim, 16, dtype, spread=a.spread)
     args = (q, kc, vc, tables, lens, a.dim**-0.5)

@@ -66,21 +66,22 @@ def tokenize(model_dir, texts):
 
 
 def test_greedy_tokens_from_the_lm_head_are_those_of_the_logits(smollm2_dir, monkeypatch):
-    """SmolLM2 in bf16: where the lm_head runs on AMX tiles, greedy steps take their tokens from it
-    without writing logits (CausalLM.greedy); the tokens are those of the logits' argmax, and a row
-    that asks for logprobs still gets them (that step writes logits)."""
+    """SmolLM2 in bf16: where the lm_head runs in a C kernel (AVX512-BF16 or AMX tiles), greedy steps
+    take their tokens from it without writing logits (CausalLM.greedy); the tokens are those of the
+    logits' argmax, and a row that asks for logprobs still gets them (that step writes logits)."""
     from batchapi.engine.model.llama import CausalLM
     from batchapi.kernels.cpu import matmul
 
     prompts = tokenize(smollm2_dir, PROMPTS[:3])
     engine = engine_for(smollm2_dir, dtype="bfloat16", kv_cache_bytes=64 << 20)
-    assert engine.runner.model.greedy_in_lm_head == matmul.native_amx()
+    in_kernel = matmul.native_amx() or matmul.native_bf16()
+    assert engine.runner.model.greedy_in_lm_head == in_kernel
     calls = []
     greedy_steps = CausalLM.greedy
     monkeypatch.setattr(CausalLM, "greedy", lambda self, *a: calls.append(1) or greedy_steps(self, *a))
     fused = [r.outputs[0].token_ids for r in run(engine, prompts, greedy(12))]
     with_logprobs = run(engine, prompts, greedy(12, logprobs=True))
-    assert bool(calls) == matmul.native_amx()
+    assert bool(calls) == in_kernel
     monkeypatch.setattr(CausalLM, "greedy_in_lm_head", property(lambda self: False))
     assert [r.outputs[0].token_ids for r in run(engine, prompts, greedy(12))] == fused
     assert [r.outputs[0].token_ids for r in with_logprobs] == fused

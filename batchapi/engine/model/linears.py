@@ -162,6 +162,10 @@ class Avx512Bf16Linear(CKernelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return matmul.linear_bf16(x, self.packed_weight, self.out_features, self.in_features, self.panel_bias)
 
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward(x).argmax(-1)``, the outputs never written (a greedy step's lm_head)."""
+        return matmul.linear_bf16_argmax(x, self.packed_weight, self.out_features, self.in_features, self.panel_bias)
+
 
 class AmxBf16Linear(Avx512Bf16Linear):
     """A bf16 linear layer through the C kernel on AMX tiles (kernels/cpu/matmul.py's ``linear_amx``),
@@ -171,7 +175,6 @@ class AmxBf16Linear(Avx512Bf16Linear):
         return matmul.linear_amx(x, self.packed_weight, self.out_features, self.in_features, self.panel_bias)
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
-        """``forward(x).argmax(-1)``, the outputs never written (a greedy step's lm_head)."""
         return matmul.linear_amx_argmax(x, self.packed_weight, self.out_features, self.in_features, self.panel_bias)
 
 

@@ -128,8 +128,9 @@ def _load_matmul() -> ctypes.CDLL | None:
         lib.linear_bf16_native.restype = ctypes.c_int
         lib.linear_amx.restype = ctypes.c_int
         lib.linear_amx.argtypes = lib.linear_bf16w.argtypes
-        lib.linear_amx_argmax.restype = ctypes.c_int
-        lib.linear_amx_argmax.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, ctypes.c_int]
+        for argmax in (lib.linear_bf16_argmax, lib.linear_amx_argmax):
+            argmax.restype = ctypes.c_int
+            argmax.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, ctypes.c_int]
         lib.linear_amx_native.restype = ctypes.c_int
     return lib
 

@@ -15,6 +15,11 @@ in order (invariant as the above), rounded to bf16 as oneDNN's bf16 layers round
 they lie), 32 rows by 2 panels a tile step, each output one chain of TDPBF16PS over K in order: one
 call a step at AMX's rate and invariant as it is, where oneDNN's AMX kernel changes its sums between
 row counts (batch invariance then ran its calls in 32-row pieces).
+
+**Greedy argmax** (``linear_bf16_argmax``, ``linear_amx_argmax``): either kernel's outputs folded,
+as each tile finishes, into each row's largest and its first column, never written: the index
+torch's argmax gives on the outputs. A greedy step's lm_head, whose logits are the largest output
+of the step (25 MB at 256 rows of SmolLM2), written only to be read back once.
 """
 
 from __future__ import annotations
@@ -154,20 +159,31 @@ def linear_amx(x: torch.Tensor, packed: torch.Tensor, out_features: int, in_feat
     return _pairs_call("linear_amx", x, packed, out_features, in_features, bias)
 
 
+def linear_bf16_argmax(x: torch.Tensor, packed: torch.Tensor, out_features: int, in_features: int,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+    """``linear_bf16(...).argmax(-1)`` without the outputs written: [..., in] -> int64 [...], the index
+    torch's argmax gives on ``linear_bf16``'s bf16 outputs (the first of ties, the first NaN). A greedy
+    step's lm_head: its logits are never stored or read back."""
+    return _pairs_argmax("linear_bf16_argmax", x, packed, out_features, in_features, bias)
+
+
 def linear_amx_argmax(x: torch.Tensor, packed: torch.Tensor, out_features: int, in_features: int,
                       bias: torch.Tensor | None) -> torch.Tensor:
-    """``linear_amx(...).argmax(-1)`` without the outputs written: [..., in] -> int64 [...], the index
-    torch's argmax gives on ``linear_amx``'s bf16 outputs (the first of ties, the first NaN). A greedy
-    step's lm_head: its logits are never stored or read back."""
+    """``linear_bf16_argmax`` of ``linear_amx``'s outputs (``in_features`` a multiple of 32)."""
     if in_features % 32:
         raise ValueError(f"linear_amx_argmax needs in_features a multiple of 32, not {in_features}")
-    lib, x2, rows, row_stride, bias = _pairs_args("linear_amx_argmax", x, packed, out_features, in_features, bias)
+    return _pairs_argmax("linear_amx_argmax", x, packed, out_features, in_features, bias)
+
+
+def _pairs_argmax(kernel: str, x: torch.Tensor, packed: torch.Tensor, out_features: int, in_features: int,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    lib, x2, rows, row_stride, bias = _pairs_args(kernel, x, packed, out_features, in_features, bias)
     chosen = torch.empty(rows, dtype=torch.int64)
-    rc = lib.linear_amx_argmax(x2.data_ptr(), row_stride, rows, packed.data_ptr(), out_features, in_features,
-                               bias.data_ptr() if bias is not None else None, chosen.data_ptr(),
-                               torch.get_num_threads())
+    rc = getattr(lib, kernel)(x2.data_ptr(), row_stride, rows, packed.data_ptr(), out_features, in_features,
+                              bias.data_ptr() if bias is not None else None, chosen.data_ptr(),
+                              torch.get_num_threads())
     if rc != 0:
-        raise RuntimeError(f"linear_amx_argmax refused [{rows}, {in_features}] x [{out_features}, {in_features}]")
+        raise RuntimeError(f"{kernel} refused [{rows}, {in_features}] x [{out_features}, {in_features}]")
     return chosen.view(x.shape[:-1])
 
 

@@ -73,13 +73,21 @@ def test_pack_keeps_every_weight_and_only_bf16_exact_weights_qualify():
 @pytest.mark.parametrize(("march", "needs"), [("x86-64", {"sse2"}), ("haswell", {"avx2", "fma"})])
 def test_every_build_gives_the_same_bits(march, needs, tmp_path, monkeypatch):
     """Plain C (fmaf) and AVX2 with FMA sum each output in one order: a worker of either kind gives a
-    row the bits of the native build; the bf16 linear too (plain C there: the bits of AVX512-BF16)."""
+    row the bits of the native build; the bf16 linear and its argmax too (plain C there: the bits of
+    AVX512-BF16)."""
     weight, b = layer(200, 257, True)
     packed = matmul.pack(weight)
     x = torch.randn(21, 257)
     native = matmul.linear(x, packed, 200, b)
     pairs, x16, b16 = matmul.pack_pairs(weight), x.bfloat16(), b.bfloat16()
     native16 = matmul.linear_bf16(x16, pairs, 200, 257, b16)
+    # the argmax: ties (small integers), then a NaN in column 37 (a NaN weight)
+    small = torch.randint(-2, 3, (100, 64), generator=torch.Generator().manual_seed(1)).bfloat16()
+    small_x = small[:21].flip(1).contiguous()
+    with_nan = small.clone()
+    with_nan[37, 5] = float("nan")
+    argmax_cases = [(matmul.pack_pairs(w), matmul.linear_bf16(small_x, matmul.pack_pairs(w), 100, 64, None).argmax(-1))
+                    for w in (small, with_nan)]
     if not build_for(march, needs, build.MATMUL_SOURCE, tmp_path, monkeypatch):
         return  # this CPU cannot run that build: it was built, not run
     monkeypatch.setattr(build, "_state", {})
@@ -87,6 +95,8 @@ def test_every_build_gives_the_same_bits(march, needs, tmp_path, monkeypatch):
     portable = build.load_matmul()
     assert portable is not None and matmul._library() is portable
     assert torch.equal(matmul.linear(x, packed, 200, b), native)
+    for packed16, chosen in argmax_cases:
+        assert torch.equal(matmul.linear_bf16_argmax(small_x, packed16, 100, 64, None), chosen)
     assert not matmul.native_bf16() and torch.equal(matmul.linear_bf16(x16, pairs, 200, 257, b16), native16)
 
 
@@ -200,11 +210,13 @@ def test_amx_linear_gives_f_linears_values_and_the_same_bits_at_every_row_count_
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_amx_argmax_is_the_argmax_of_the_amx_linears_outputs(bias):
-    """Where the kernel has AMX tiles (else it refuses): the index torch's argmax gives on
-    linear_amx's bf16 outputs, with ties across panels and thread shares (small integer weights), a
-    NaN row, a row of zeros, ragged panel groups (100 outputs) and a lm_head's width, at row counts
-    about a tile's 32 and none, on 1 and 2 threads."""
+@pytest.mark.parametrize(("linear", "argmax", "native"), [
+    (matmul.linear_bf16, matmul.linear_bf16_argmax, lambda: True),  # AVX512-BF16, else the same sums in plain C
+    (matmul.linear_amx, matmul.linear_amx_argmax, matmul.native_amx)])  # where there are AMX tiles, else refused
+def test_argmax_is_the_argmax_of_the_linears_outputs(linear, argmax, native, bias):
+    """The index torch's argmax gives on the kernel's bf16 outputs, with ties across panels and thread
+    shares (small integer weights), a NaN row, a row of zeros, ragged panel groups (100 outputs) and a
+    lm_head's width, at row counts about a tile's (8 rows, AMX's 32) and none, on 1 and 2 threads."""
     g = torch.Generator().manual_seed(3)
     cases = [(torch.randint(-2, 3, (100, 64), generator=g).bfloat16(), torch.randint(-2, 3, (90, 64), generator=g)),
              (torch.randn(4099, 96, generator=g).bfloat16(), torch.randn(90, 96, generator=g))]
@@ -213,18 +225,18 @@ def test_amx_argmax_is_the_argmax_of_the_amx_linears_outputs(bias):
         b = torch.randint(-2, 3, (out_features,), generator=g).bfloat16() if bias else None
         packed, x = matmul.pack_pairs(weight), x.bfloat16()
         x[3], x[5] = float("nan"), 0.0
-        if not matmul.native_amx():
+        if not native():
             with pytest.raises(RuntimeError, match="refused"):
-                matmul.linear_amx_argmax(x, packed, out_features, in_features, b)
+                argmax(x, packed, out_features, in_features, b)
             return
         threads = torch.get_num_threads()
         try:
             for n in (1, 2):
                 torch.set_num_threads(n)
-                for rows in (0, 1, 31, 32, 33, 90):
-                    expected = matmul.linear_amx(x[:rows], packed, out_features, in_features, b).argmax(-1)
-                    assert torch.equal(matmul.linear_amx_argmax(x[:rows], packed, out_features, in_features, b),
-                                       expected), (out_features, rows, n)
+                for rows in (0, 1, 7, 9, 31, 32, 33, 90):
+                    expected = linear(x[:rows], packed, out_features, in_features, b).argmax(-1)
+                    assert torch.equal(argmax(x[:rows], packed, out_features, in_features, b), expected), (
+                        out_features, rows, n)
         finally:
             torch.set_num_threads(threads)
 

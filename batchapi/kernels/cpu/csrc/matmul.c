@@ -89,6 +89,16 @@ TILE_KERNEL(4)
 TILE_KERNEL(5)
 TILE_KERNEL(6)
 
+/* this OpenMP thread's number in its team (0 outside one) */
+INLINE int thread_index(void) {
+#ifdef _OPENMP
+    extern int omp_get_thread_num(void);
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
 /* this OpenMP thread's contiguous share [first, last) of `total` units (all of them outside a team) */
 INLINE void thread_share(int64_t total, int64_t *first, int64_t *last) {
     int t = 0, nt = 1;
@@ -180,11 +190,96 @@ INLINE float flush(float f) { return fabsf(f) < 1.17549435e-38f ? copysignf(0.0f
 
 INLINE uint16_t f32_to_bf16_daz(float f) { return f32_to_bf16(flush(f)); }
 
+/* A thread's running greedy choice for each row of a call (the *_argmax kernels): the largest output
+ * so far as its bf16 value, its column (the first of ties), and the first NaN's column (-1: none) */
+typedef struct {
+    float *value;
+    int64_t *column, *nan;
+} Best;
+
+/* output `v` (as stored: bf16 widened) of column `col` folded into row 0 of `best`; columns come in
+ * order, and the largest moves only to a strictly larger value, so the first of ties stays */
+INLINE void fold_value(float v, int64_t col, Best best) {
+    if (v != v) {
+        if (*best.nan < 0) *best.nan = col;
+    } else if (v > *best.value) {
+        *best.value = v;
+        *best.column = col;
+    }
+}
+
+#ifdef HAVE_AVX512BF16
+/* a row's `np` panels of fp32 outputs (bias added), columns col0.. of which `cols` are live, folded
+ * into row 0 of `best` as fold_value would fold them one by one after rounding to bf16 */
+INLINE void fold_panels(__m512 *v, int np, int cols, int64_t col0, Best best) {
+    const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
+    __m512 most = minus_inf;
+    for (int p = 0; p < np; p++) {
+        const int c = cols - p * PANEL;
+        const __mmask16 live = (__mmask16)(c >= PANEL ? 0xffff : c > 0 ? (1u << c) - 1 : 0);
+        v[p] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v[p])), 16));
+        const __mmask16 nan = _mm512_mask_cmp_ps_mask(live, v[p], v[p], _CMP_UNORD_Q);
+        if (nan && *best.nan < 0) *best.nan = col0 + p * PANEL + __builtin_ctz(nan);
+        v[p] = _mm512_mask_blend_ps(live & (__mmask16)~nan, minus_inf, v[p]);
+        most = _mm512_max_ps(most, v[p]);
+    }
+    const float top = _mm512_reduce_max_ps(most);
+    if (top > *best.value) {
+        *best.value = top;
+        for (int p = 0; p < np; p++) {
+            const __mmask16 at = _mm512_cmp_ps_mask(v[p], _mm512_set1_ps(top), _CMP_EQ_OQ);
+            if (at) {
+                *best.column = col0 + p * PANEL + __builtin_ctz(at);
+                break;
+            }
+        }
+    }
+}
+#endif
+
+/* room for `team` threads' choices for m rows (values, then columns: the largest's, then the first
+ * NaN's), set to none; 0 where there is no memory */
+static int best_start(int team, int64_t m, float **values, int64_t **columns) {
+    *values = malloc((size_t)(team * m + 1) * sizeof **values);
+    *columns = malloc((size_t)(2 * team * m + 1) * sizeof **columns);
+    if (!*values || !*columns) {
+        free(*values), free(*columns);
+        return 0;
+    }
+    for (int64_t i = 0; i < team * m; i++) (*values)[i] = -INFINITY, (*columns)[i] = 0, (*columns)[team * m + i] = -1;
+    return 1;
+}
+
+/* thread t's Best for rows [0, m) */
+static Best best_of(int t, int team, int64_t m, float *values, int64_t *columns) {
+    return (Best){values + t * m, columns + t * m, columns + team * m + t * m};
+}
+
+/* the threads' choices merged into chosen[m] and freed: thread t's columns lie before thread t + 1's,
+ * so the first NaN, else the first largest */
+static void best_finish(int team, int64_t m, float *values, int64_t *columns, int64_t *chosen) {
+    for (int64_t r = 0; r < m; r++) {
+        float top = -INFINITY;
+        int64_t column = 0, nan = -1;
+        for (int t = 0; t < team; t++) {
+            const int64_t i = t * m + r;
+            if (nan < 0 && columns[team * m + i] >= 0) nan = columns[team * m + i];
+            if (values[i] > top) top = values[i], column = columns[i];
+        }
+        chosen[r] = nan >= 0 ? nan : column;
+    }
+    free(values), free(columns);
+}
+
+INLINE Best best_at(Best best, int64_t r) {
+    return best.value ? (Best){best.value + r, best.column + r, best.nan + r} : best;
+}
+
 #ifdef HAVE_AVX512BF16
 #define PAIR_TILE(MR, NP)                                                                                      \
     static void pair_tile_##MR##_##NP(const uint16_t *x, int64_t xs, const uint32_t *w, int64_t k,            \
                                       int64_t pstride, const float *bias, uint16_t *y, int64_t ys, int cols,    \
-                                      const uint32_t *next) {                                                    \
+                                      const uint32_t *next, Best best, int64_t col0) {                           \
         __m512 acc[MR][NP];                                                                                   \
         _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++)                                                  \
             _Pragma("GCC unroll 3") for (int p = 0; p < NP; p++) acc[r][p] = _mm512_setzero_ps();             \
@@ -203,6 +298,15 @@ INLINE uint16_t f32_to_bf16_daz(float f) { return f32_to_bf16(flush(f)); }
                     acc[r][p] = _mm512_dpbf16_ps(acc[r][p], (__m512bh)a, (__m512bh)wv[p]);                    \
             }                                                                                                 \
         }                                                                                                     \
+        if (best.value) { /* the rows' greedy choices instead of the outputs */                               \
+            for (int r = 0; r < MR; r++) {                                                                    \
+                __m512 v[NP];                                                                                 \
+                for (int p = 0; p < NP; p++)                                                                  \
+                    v[p] = bias ? _mm512_add_ps(acc[r][p], _mm512_loadu_ps(bias + p * PANEL)) : acc[r][p];   \
+                fold_panels(v, NP, cols, col0, best_at(best, r));                                             \
+            }                                                                                                 \
+            return;                                                                                           \
+        }                                                                                                     \
         _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++)                                                  \
             _Pragma("GCC unroll 3") for (int p = 0; p < NP; p++) {                                            \
                 __m512 v = bias ? _mm512_add_ps(acc[r][p], _mm512_loadu_ps(bias + p * PANEL)) : acc[r][p];   \
@@ -218,7 +322,7 @@ INLINE uint16_t f32_to_bf16_daz(float f) { return f32_to_bf16(flush(f)); }
 #define PAIR_TILE(MR, NP)                                                                                      \
     static void pair_tile_##MR##_##NP(const uint16_t *x, int64_t xs, const uint32_t *w, int64_t k,            \
                                       int64_t pstride, const float *bias, uint16_t *y, int64_t ys, int cols,    \
-                                      const uint32_t *next) {                                                    \
+                                      const uint32_t *next, Best best, int64_t col0) {                           \
         float acc[MR][NP * PANEL];                                                                            \
         (void)next;                                                                                           \
         memset(acc, 0, sizeof acc);                                                                           \
@@ -238,8 +342,13 @@ INLINE uint16_t f32_to_bf16_daz(float f) { return f32_to_bf16(flush(f)); }
             }                                                                                                 \
         }                                                                                                     \
         for (int r = 0; r < MR; r++)                                                                          \
-            for (int j = 0; j < cols && j < NP * PANEL; j++)                                                  \
-                y[r * ys + j] = f32_to_bf16_daz(acc[r][j] + (bias ? bias[j] : 0.0f));                         \
+            for (int j = 0; j < cols && j < NP * PANEL; j++) {                                                \
+                uint16_t out = f32_to_bf16_daz(acc[r][j] + (bias ? bias[j] : 0.0f));                          \
+                if (best.value)                                                                               \
+                    fold_value(bf16_to_f32(out), col0 + j, best_at(best, r));                                 \
+                else                                                                                          \
+                    y[r * ys + j] = out;                                                                      \
+            }                                                                                                 \
     }
 #endif
 
@@ -250,7 +359,7 @@ PAIR_TILES(2)
 PAIR_TILES(3)
 
 typedef void (*pair_tile_fn)(const uint16_t *, int64_t, const uint32_t *, int64_t, int64_t, const float *,
-                             uint16_t *, int64_t, int, const uint32_t *);
+                             uint16_t *, int64_t, int, const uint32_t *, Best, int64_t);
 #define PAIR_ROW(NP) {0, pair_tile_1_##NP, pair_tile_2_##NP, pair_tile_3_##NP, pair_tile_4_##NP, pair_tile_5_##NP, \
     pair_tile_6_##NP, pair_tile_7_##NP, pair_tile_8_##NP}
 static const pair_tile_fn PAIR_TILES_BY[PAIR_TILE_PANELS + 1][PAIR_TILE_ROWS + 1] = {
@@ -265,18 +374,21 @@ int linear_bf16_native(void) {
 #endif
 }
 
-/* y [m, n] bf16 (row stride ys) = x [m, k] bf16 (row stride xs) times the pair-packed weight, plus bias
- * [n] fp32 padded to whole panels (or NULL). Groups of 3 panels split between `threads` threads. */
-int linear_bf16(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *packed, int64_t n, int64_t k,
-                const float *bias, uint16_t *y, int64_t ys, int threads) {
-    if (m < 0 || n < 0 || k < 0 || xs < k || ys < n) return -1;
+/* linear_bf16's work: outputs into y, or (chosen != NULL) each row's greedy choice into chosen[m] */
+static int pair_linear(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *packed, int64_t n, int64_t k,
+                       const float *bias, uint16_t *y, int64_t ys, int threads, int64_t *chosen) {
+    if (m < 0 || n < 0 || k < 0 || xs < k || (!chosen && ys < n)) return -1;
     int64_t panels = (n + PANEL - 1) / PANEL, pstride = (k + 1) / 2 * PANEL;
     int64_t groups = (panels + PAIR_TILE_PANELS - 1) / PAIR_TILE_PANELS;
-    int parallel = threads > 1 && m * n * k >= (1 << 19) && groups > 1;
-#pragma omp parallel num_threads(threads) if (parallel)
+    int parallel = threads > 1 && m * n * k >= (1 << 19) && groups > 1, team = parallel ? threads : 1;
+    float *values = NULL;
+    int64_t *columns = NULL;
+    if (chosen && !best_start(team, m, &values, &columns)) return -1;
+#pragma omp parallel num_threads(team) if (parallel)
     {
         int64_t first, last;
         thread_share(groups, &first, &last);
+        const Best mine = chosen ? best_of(thread_index(), team, m, values, columns) : (Best){NULL, NULL, NULL};
         for (int64_t m0 = 0; m0 < m; m0 += CHUNK_ROWS) {
             int64_t m1 = m0 + CHUNK_ROWS < m ? m0 + CHUNK_ROWS : m;
             for (int64_t g = first; g < last; g++) {
@@ -289,12 +401,31 @@ int linear_bf16(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *packed
                     int rows = (int)(m1 - r < PAIR_TILE_ROWS ? m1 - r : PAIR_TILE_ROWS);
                     const uint32_t *next = r == m0 && ahead ? packed + (p0 + PAIR_TILE_PANELS) * pstride : NULL;
                     PAIR_TILES_BY[np][rows](x + r * xs, xs, packed + p0 * pstride, k, pstride,
-                                            bias ? bias + p0 * PANEL : NULL, y + r * ys + p0 * PANEL, ys, cols, next);
+                                            bias ? bias + p0 * PANEL : NULL, chosen ? NULL : y + r * ys + p0 * PANEL,
+                                            ys, cols, next, best_at(mine, r), p0 * PANEL);
                 }
             }
         }
     }
+    if (chosen) best_finish(team, m, values, columns, chosen);
     return 0;
+}
+
+/* y [m, n] bf16 (row stride ys) = x [m, k] bf16 (row stride xs) times the pair-packed weight, plus bias
+ * [n] fp32 padded to whole panels (or NULL). Groups of 3 panels split between `threads` threads. */
+int linear_bf16(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *packed, int64_t n, int64_t k,
+                const float *bias, uint16_t *y, int64_t ys, int threads) {
+    return pair_linear(x, xs, m, packed, n, k, bias, y, ys, threads, NULL);
+}
+
+/* argmax of linear_bf16's bf16 outputs for each row, into chosen[m] (int64), without writing them: the
+ * index torch.argmax gives on them (the first of ties; the first NaN where there is one). A greedy
+ * step's lm_head: at 256 rows SmolLM2's 49,152 logits a row are 25 MB written and read back. */
+int linear_bf16_argmax(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *packed, int64_t n, int64_t k,
+                       const float *bias, int64_t *chosen, int threads) {
+    if (m == 0) return 0; /* nothing to choose (chosen may be NULL) */
+    if (chosen == NULL) return -1;
+    return pair_linear(x, xs, m, packed, n, k, bias, NULL, 0, threads, chosen);
 }
 
 /* The same layer on AMX tiles (TDPBF16PS), the same pair-packed weight: a packed panel's 16 pairs
@@ -351,38 +482,13 @@ static void amx_configure(void) {
     _tile_loadconfig(&c);
 }
 
-/* A thread's running greedy choice for each row of a call (linear_amx_argmax): the largest output
- * so far as its bf16 value, its column (the first of ties), and the first NaN's column (-1: none) */
-typedef struct {
-    float *value;
-    int64_t *column, *nan;
-} Best;
-
-/* the tile's rows' outputs (bf16, as linear_amx stores them) folded into `best` at the tile's first
- * row, `col0` the group's first column: a row's largest value moves only when a later column's is
- * strictly larger, so the first of ties stays */
+/* the tile's rows' outputs (fp32 sums) folded into `best` at the tile's first row, `col0` the
+ * group's first column */
 INLINE void fold_best(float (*acc)[2 * PANEL], const float *bias, int rows, int cols, int64_t col0, Best best) {
-    const __mmask16 live0 = (__mmask16)(cols >= PANEL ? 0xffff : (1u << cols) - 1);
-    const __mmask16 live1 = (__mmask16)(cols >= 2 * PANEL ? 0xffff : cols > PANEL ? (1u << (cols - PANEL)) - 1 : 0);
-    const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
     for (int r = 0; r < rows; r++) {
-        __m512 v0 = _mm512_load_ps(&acc[r][0]), v1 = _mm512_load_ps(&acc[r][PANEL]);
-        if (bias) v0 = _mm512_add_ps(v0, _mm512_loadu_ps(bias)), v1 = _mm512_add_ps(v1, _mm512_loadu_ps(bias + PANEL));
-        v0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v0)), 16));
-        v1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v1)), 16));
-        const __mmask16 nan0 = _mm512_mask_cmp_ps_mask(live0, v0, v0, _CMP_UNORD_Q);
-        const __mmask16 nan1 = _mm512_mask_cmp_ps_mask(live1, v1, v1, _CMP_UNORD_Q);
-        if ((nan0 | nan1) && best.nan[r] < 0)
-            best.nan[r] = col0 + (nan0 ? __builtin_ctz(nan0) : PANEL + __builtin_ctz(nan1));
-        v0 = _mm512_mask_blend_ps(live0 & (__mmask16)~nan0, minus_inf, v0);
-        v1 = _mm512_mask_blend_ps(live1 & (__mmask16)~nan1, minus_inf, v1);
-        const float top = _mm512_reduce_max_ps(_mm512_max_ps(v0, v1));
-        if (top > best.value[r]) {
-            const __mmask16 at0 = _mm512_cmp_ps_mask(v0, _mm512_set1_ps(top), _CMP_EQ_OQ);
-            const __mmask16 at1 = _mm512_cmp_ps_mask(v1, _mm512_set1_ps(top), _CMP_EQ_OQ);
-            best.value[r] = top;
-            best.column[r] = col0 + (at0 ? __builtin_ctz(at0) : PANEL + __builtin_ctz(at1));
-        }
+        __m512 v[2] = {_mm512_load_ps(&acc[r][0]), _mm512_load_ps(&acc[r][PANEL])};
+        if (bias) v[0] = _mm512_add_ps(v[0], _mm512_loadu_ps(bias)), v[1] = _mm512_add_ps(v[1], _mm512_loadu_ps(bias + PANEL));
+        fold_panels(v, 2, cols, col0, best_at(best, r));
     }
 }
 
@@ -448,29 +554,15 @@ static int amx_linear(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *
     int64_t whole = m / AMX_ROWS * AMX_ROWS;
     int parallel = threads > 1 && m * n * k >= (1 << 19) && groups > 1;
     int failed = 0, team = parallel ? threads : 1;
-    /* the choice: each thread's best of its groups for every row, merged in the threads' order below */
+    /* the choice: each thread's best of its groups for every row, merged in the threads' order after */
     float *values = NULL;
     int64_t *columns = NULL;
-    if (chosen) {
-        values = malloc((size_t)(team * m + 1) * sizeof *values);
-        columns = malloc((size_t)(2 * team * m + 1) * sizeof *columns);
-        if (!values || !columns) {
-            free(values), free(columns);
-            return -1;
-        }
-        for (int64_t i = 0; i < team * m; i++) values[i] = -INFINITY, columns[i] = 0, columns[team * m + i] = -1;
-    }
+    if (chosen && !best_start(team, m, &values, &columns)) return -1;
 #pragma omp parallel num_threads(team) if (parallel) reduction(| : failed)
     {
         int64_t first, last;
         thread_share(groups, &first, &last);
-        int t = 0;
-#ifdef _OPENMP
-        extern int omp_get_thread_num(void);
-        t = omp_get_thread_num();
-#endif
-        Best mine = {NULL, NULL, NULL};
-        if (chosen) mine = (Best){values + t * m, columns + t * m, columns + team * m + t * m};
+        const Best mine = chosen ? best_of(thread_index(), team, m, values, columns) : (Best){NULL, NULL, NULL};
         /* the last rows (under 32) in a tile of their own, copied once for all groups */
         uint16_t *tail = NULL;
         if (whole < m && first < last) {
@@ -497,33 +589,19 @@ static int amx_linear(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *
                 int64_t from = 0;
                 for (int64_t r = 0; r < whole; r += AMX_ROWS, from += share) {
                     const int64_t asks = from < lines ? (lines - from < share ? lines - from : share) : 0;
-                    const Best at = chosen ? (Best){mine.value + r, mine.column + r, mine.nan + r} : mine;
                     amx_tile(x + r * xs, xs, b0, b1, k, gb, chosen ? NULL : y + r * ys + p0 * PANEL, ys, AMX_ROWS,
-                             cols, asks ? next + from * 64 : next, asks, at, p0 * PANEL);
+                             cols, asks ? next + from * 64 : next, asks, best_at(mine, r), p0 * PANEL);
                 }
                 if (tail) {
                     const int64_t asks = from < lines ? lines - from : 0;
-                    const Best at = chosen ? (Best){mine.value + whole, mine.column + whole, mine.nan + whole} : mine;
                     amx_tile(tail, k, b0, b1, k, gb, chosen ? NULL : y + whole * ys + p0 * PANEL, ys, (int)(m - whole),
-                             cols, asks ? next + from * 64 : next, asks, at, p0 * PANEL);
+                             cols, asks ? next + from * 64 : next, asks, best_at(mine, whole), p0 * PANEL);
                 }
             }
             _tile_release();
         }
     }
-    if (chosen) { /* thread t's groups lie before thread t + 1's: the first NaN, else the first largest */
-        for (int64_t r = 0; r < m; r++) {
-            float top = -INFINITY;
-            int64_t column = 0, nan = -1;
-            for (int t = 0; t < team; t++) {
-                const int64_t i = t * m + r;
-                if (nan < 0 && columns[team * m + i] >= 0) nan = columns[team * m + i];
-                if (values[i] > top) top = values[i], column = columns[i];
-            }
-            chosen[r] = nan >= 0 ? nan : column;
-        }
-        free(values), free(columns);
-    }
+    if (chosen) best_finish(team, m, values, columns, chosen);
     return failed ? -1 : 0;
 }
 #endif
