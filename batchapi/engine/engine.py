@@ -219,6 +219,7 @@ class LLMEngine:
     def close(self) -> None:
         if self._grammars is not None:
             self._grammars.close()
+        self.runner.close()
 
     def abort(self, request_id: str) -> GenerationResult | None:
         if request_id in self._groups:

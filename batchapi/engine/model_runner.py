@@ -16,7 +16,7 @@ from batchapi.engine.model.linears import make_invariant, pack_linears
 from batchapi.engine.model.llama import CausalLM
 from batchapi.engine.model.loader import ModelConfig, UnsupportedModelError, load_config, load_weights
 from batchapi.engine.model.moe import SparseMoE
-from batchapi.engine.platform import keep_freed_memory, resolve_dtype
+from batchapi.engine.platform import PoolWarmer, keep_freed_memory, resolve_dtype
 from batchapi.engine.prompt_scores import PromptScorer, ScoreCache
 from batchapi.engine.sampler import OutputTokens, Sampler, SampleRow
 from batchapi.engine.scheduler import ScheduledBatch
@@ -54,6 +54,7 @@ class ModelRunner:
         self.max_context_len = config.max_model_len or self.model_config.context_limit
         self.num_blocks = self._num_blocks()
         self._allocate_kv_cache()
+        self.pool_warmer = self._prefault(config.kv_pool_prefault)
         self.sampler = Sampler(self.ops)
         # prompt logprobs: scored at most max_num_seqs rows at a time, the rows lm_head is invariant for
         self.scores = ScoreCache(capacity=self.num_blocks)
@@ -124,6 +125,23 @@ class ModelRunner:
             layer.self_attn.v_cache = zeroed(shape, self.dtype, self.device)
         log.info("KV pool: %d blocks of %d tokens (%.0f MiB)", self.num_blocks, self.block_size,
                  self.num_blocks * self._kv_bytes_per_block() / 2**20)
+
+    def _prefault(self, when: str) -> PoolWarmer | None:
+        """A CPU pool's pages faulted in ahead of the steps (config.kv_pool_prefault): now, or on an
+        idle-class thread from now on; None on CUDA (its memory is the device's, mapped at once)."""
+        if self.device.type != "cpu" or when == "off":
+            return None
+        caches = [c for layer in self.model.layers for c in (layer.self_attn.k_cache, layer.self_attn.v_cache)]
+        warmer = PoolWarmer(caches, self.num_blocks)
+        if when == "start":
+            warmer.run()
+            return warmer
+        return warmer.start()
+
+    def close(self) -> None:
+        """Stop the pool's warmer, if it runs (the pool itself goes with the model)."""
+        if self.pool_warmer is not None:
+            self.pool_warmer.stop()
 
     # ---- one step ----
 

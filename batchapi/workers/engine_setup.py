@@ -142,6 +142,7 @@ def engine_config_from(settings: Settings, model: str | None = None) -> EngineCo
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         kv_cache_bytes=int(settings.kv_cache_gb * 2**30),
+        kv_pool_prefault=settings.kv_pool_prefault,
         gpu_memory_utilization=settings.gpu_memory_utilization,
         enable_prefix_caching=settings.enable_prefix_caching,
         batch_invariant=settings.batch_invariant,

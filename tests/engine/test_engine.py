@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
+import time
 
 import pytest
 import torch
@@ -96,6 +98,48 @@ def test_the_kv_pool_starts_on_a_page_and_zero(tiny_llama_dir):
         for cache in (layer.self_attn.k_cache, layer.self_attn.v_cache):
             assert cache.data_ptr() % 4096 == 0
             assert not cache.any()
+
+
+def resident_pages(t: torch.Tensor) -> tuple[int, int]:
+    """(pages of t's memory faulted in, pages in all), by mincore(2); t starts on a page."""
+    pages = -(-t.nbytes // 4096)
+    vec = (ctypes.c_ubyte * pages)()
+    assert ctypes.CDLL("libc.so.6").mincore(ctypes.c_void_p(t.data_ptr()), ctypes.c_size_t(t.nbytes), vec) == 0
+    return sum(v & 1 for v in vec), pages
+
+
+def test_the_kv_pool_is_faulted_in_at_start_or_when_idle_and_keeps_every_byte(tiny_llama_dir):
+    """kv_pool_prefault: "off" leaves the pool's pages to the steps that first write them (whether
+    calloc's are fresh depends on what this process freed before); "start" faults every page in
+    before the engine is built; "idle" (the default) on a thread that
+    runs while the CPUs idle, which a run beside it does not disturb: the same tokens, the pool zero
+    where no step wrote. Closing the engine stops the thread."""
+    prompts = tokenize(tiny_llama_dir, PROMPTS)
+
+    def caches(engine):
+        return [c for layer in engine.runner.model.layers for c in (layer.self_attn.k_cache, layer.self_attn.v_cache)]
+
+    def faulted(engine) -> float:
+        counts = [resident_pages(c) for c in caches(engine)]
+        return sum(r for r, _ in counts) / sum(n for _, n in counts)
+
+    off = engine_for(tiny_llama_dir, kv_pool_prefault="off", kv_cache_bytes=256 << 20)
+    assert off.runner.pool_warmer is None
+    expected = [r.outputs[0].token_ids for r in run(off, prompts, greedy(24))]
+    off.close()
+    start = engine_for(tiny_llama_dir, kv_pool_prefault="start", kv_cache_bytes=64 << 20)
+    assert faulted(start) == 1.0 and not any(c.any() for c in caches(start))
+    idle = engine_for(tiny_llama_dir, kv_cache_bytes=256 << 20)
+    warmer = idle.runner.pool_warmer
+    assert [r.outputs[0].token_ids for r in run(idle, prompts, greedy(24))] == expected  # while it warms
+    deadline = time.monotonic() + 60
+    while warmer.warmed < warmer.num_blocks and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert warmer.warmed == warmer.num_blocks and faulted(idle) == 1.0
+    used = sum(-(-(len(p) + 24) // 16) for p in prompts)  # the run's blocks are some of 0, 1, ..., used - 1
+    assert not any(c[used:].any() for c in caches(idle))
+    idle.close()
+    assert not warmer._thread.is_alive()
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_qwen3_moe_dir",
