@@ -36,7 +36,8 @@ class EngineConfig:
     # CUDA: decode steps replayed from CUDA graphs captured at bucketed batch sizes (model_runner.DecodeGraphs)
     cuda_graphs: bool = True
     # CPU: when the KV pool's pages are faulted in (engine/platform.py, PoolWarmer). "idle": by a thread
-    # the OS runs only on an otherwise idle CPU, from start-up on, in the order blocks are handed out;
+    # the OS runs only on an otherwise idle CPU, once the first step has ended (or 5 s after start), in
+    # the order blocks are handed out;
     # "start": all before the engine is ready (as vLLM zeroes its pool); "off": by the steps that first
     # write each block (on a VM a fresh page can cost 10-30 us: a tenth or more of a cold run)
     kv_pool_prefault: str = "idle"

@@ -55,6 +55,7 @@ class ModelRunner:
         self.num_blocks = self._num_blocks()
         self._allocate_kv_cache()
         self.pool_warmer = self._prefault(config.kv_pool_prefault)
+        self._steps_before_warming = 2 if config.kv_pool_prefault == "idle" and self.pool_warmer else 0
         self.sampler = Sampler(self.ops)
         # prompt logprobs: scored at most max_num_seqs rows at a time, the rows lm_head is invariant for
         self.scores = ScoreCache(capacity=self.num_blocks)
@@ -128,7 +129,8 @@ class ModelRunner:
 
     def _prefault(self, when: str) -> PoolWarmer | None:
         """A CPU pool's pages faulted in ahead of the steps (config.kv_pool_prefault): now, or on an
-        idle-class thread from now on; None on CUDA (its memory is the device's, mapped at once)."""
+        idle-class thread once the first step has ended; None on CUDA (its memory is the device's,
+        mapped at once)."""
         if self.device.type != "cpu" or when == "off":
             return None
         caches = [c for layer in self.model.layers for c in (layer.self_attn.k_cache, layer.self_attn.v_cache)]
@@ -158,6 +160,10 @@ class ModelRunner:
     def launch(self, batch: ScheduledBatch) -> LaunchedStep:
         """Start one step: on CUDA the forward and the choice of tokens are queued on the device
         and this returns at once; ``result()`` waits for the tokens. On CPU it is done on return."""
+        if self._steps_before_warming:  # the pool's warmer goes once the first step has ended
+            self._steps_before_warming -= 1
+            if not self._steps_before_warming:
+                self.pool_warmer.go()
         input_ids, positions, meta, logit_rows = self._prepare(batch)
         scored = self.scorer.plan(batch.seqs, batch.num_new_tokens, self.inputs.cu_seqlens)
         rows = sample_rows(batch)

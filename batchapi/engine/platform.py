@@ -47,18 +47,21 @@ class PoolWarmer:
     2 ms), so a run on a fresh pool spent a fifth of its time faulting. vLLM zeroes its pool before
     it serves; here ``start`` does that (run in the caller), and ``idle`` runs on a thread that the
     OS schedules only when a CPU has nothing else to run (SCHED_IDLE), so it never takes a core from
-    a step or delays the first token, and a worker's pool is warm after its first idle seconds.
+    a step, and a worker's pool is warm after its first idle seconds. That thread waits for the
+    engine's first step to end (``go``), or a few seconds: beside the model's load and the first
+    step its faults still cost the first token 0.3 s (bench/startup.py), though it ran on the idle core.
     ``madvise(MADV_POPULATE_WRITE)`` writes nothing: a block a step is filling meanwhile keeps every
     byte. Where the kernel lacks it (before 5.14) or is not Linux, nothing is faulted ahead."""
 
     GROUP = 32  # blocks a call: 192 KiB of one layer's K at SmolLM2's 6 KiB blocks, about half a ms
+    WAIT = 5.0  # seconds an idle-class warmer waits for ``go`` before it starts anyway
 
     def __init__(self, tensors: list[torch.Tensor], num_blocks: int):
         self._tensors = [weakref.ref(t) for t in tensors]  # a closed engine's pool is freed, not kept
         self._spans = [(t.data_ptr(), t.nbytes // num_blocks) for t in tensors]  # (address, bytes a block)
         self.num_blocks = num_blocks
         self.warmed = 0  # blocks [0, warmed) are faulted in
-        self._stop = threading.Event()
+        self._stop, self._go = threading.Event(), threading.Event()
         self._thread: threading.Thread | None = None
         try:
             self._libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -75,13 +78,18 @@ class PoolWarmer:
         return True
 
     def start(self) -> PoolWarmer:
-        """``run`` on a daemon thread at the idle scheduling class (only where the OS has it)."""
+        """``run`` on a daemon thread at the idle scheduling class (only where the OS has it), once
+        ``go`` is called or WAIT seconds have passed."""
         self._thread = threading.Thread(target=self._idle_run, name="kv-pool-warmer", daemon=True)
         self._thread.start()
         return self
 
+    def go(self) -> None:
+        self._go.set()
+
     def stop(self) -> None:
         self._stop.set()
+        self._go.set()
         if self._thread is not None:
             self._thread.join()
 
@@ -90,6 +98,7 @@ class PoolWarmer:
             os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
         except (AttributeError, OSError):  # no idle class: a warmer at normal priority would take a core
             return
+        self._go.wait(self.WAIT)
         if not self.run() and not self._stop.is_set():
             log.info("KV pool: pages not faulted ahead (no MADV_POPULATE_WRITE here)")
 
