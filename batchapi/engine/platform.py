@@ -100,7 +100,7 @@ class PoolWarmer:
             return
         self._go.wait(self.WAIT)
         if not self.run() and not self._stop.is_set():
-            log.info("KV pool: pages not faulted ahead (no MADV_POPULATE_WRITE here)")
+            log.info("KV pool: pages left to the steps (no MADV_POPULATE_WRITE here, or the pool is gone)")
 
     def _populate(self, first: int, last: int) -> bool:
         if self._libc is None:
@@ -113,7 +113,6 @@ class PoolWarmer:
             end = address + last * per_block
             if self._libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_POPULATE_WRITE) != 0:
                 return False
-            del tensor
         return True
 
 

@@ -101,11 +101,10 @@ INLINE int thread_index(void) {
 
 /* this OpenMP thread's contiguous share [first, last) of `total` units (all of them outside a team) */
 INLINE void thread_share(int64_t total, int64_t *first, int64_t *last) {
-    int t = 0, nt = 1;
+    const int t = thread_index();
+    int nt = 1;
 #ifdef _OPENMP
-    extern int omp_get_thread_num(void);
     extern int omp_get_num_threads(void);
-    t = omp_get_thread_num();
     nt = omp_get_num_threads();
 #endif
     *first = total * t / nt;
