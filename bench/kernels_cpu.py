@@ -314,9 +314,10 @@ SMOLLM2_LAYER = {"qkv_proj": (960, 576), "o_proj": (576, 576), "gate_up_proj": (
 
 def bench_linear_bf16(a):
     """Best ms of a decode step's linear layers, SmolLM2-135M's 30 layers and lm_head in turn (each
-    weight read from memory, as in a step, not from cache), bf16: the C kernel for AVX512-BF16 and,
-    where the CPU has AMX, the C kernel on AMX tiles, against oneDNN's packed bf16 layers, at each
-    row count, taking turns."""
+    weight read from memory, as in a step, not from cache), bf16: the C kernel for AVX512-BF16 on each
+    of its instructions (VDPBF16PS, "C dpbf16"; FMAs in its order, "C fma": the same bits) and, where
+    the CPU has AMX, the C kernel on AMX tiles, against oneDNN's packed bf16 layers, at each row count,
+    taking turns."""
     from batchapi.engine.model import onednn
     from batchapi.kernels.cpu import matmul
 
@@ -328,13 +329,19 @@ def bench_linear_bf16(a):
     c_layers = [(matmul.pack_pairs(w), *w.shape) for w in weights]
     onednn_layers = [onednn.pack(w, 256) for w in weights]
     params = sum(w.numel() for w in weights)
-    kernels = {"C": matmul.linear_bf16, **({"AMX": matmul.linear_amx} if matmul.native_amx() else {})}
+    chosen = matmul.bf16_instructions()
+    kernels = {f"C {name}": (matmul.linear_bf16, name) for name in matmul.INSTRUCTIONS}
+    if matmul.native_amx():
+        kernels["AMX"] = (matmul.linear_amx, None)
+    print(f"the process's choice at load: {chosen}")
     print(f"bf16 linear layers of a SmolLM2-135M decode step ({params / 1e6:.1f}M weights, {len(shapes)} calls), "
           f"threads={torch.get_num_threads()}; GFLOP/s and each C kernel's speed-up over oneDNN")
     for rows in map(int, a.row_counts.split(",")):
         xs = {k: torch.randn(rows, k, generator=g).bfloat16() for _, k in shapes}
 
-        def c_step(xs, kernel):
+        def c_step(xs, kernel, instructions):
+            if instructions:
+                matmul.bf16_instructions(instructions)
             for packed, n, k in c_layers:
                 kernel(xs[k], packed, n, k, None)
 
@@ -342,13 +349,14 @@ def bench_linear_bf16(a):
             for (_, k), packed in zip(shapes, onednn_layers, strict=True):
                 onednn.linear(xs[k], packed, None)
 
-        steps = [lambda xs, kernel=kernel: c_step(xs, kernel) for kernel in kernels.values()]
+        steps = [lambda xs, kernel=kernel, on=on: c_step(xs, kernel, on) for kernel, on in kernels.values()]
         reps = max(3, min(a.reps, int(2e10 / (rows * params))))
         *mine, (o, _) = bench_interleaved([*steps, onednn_step], (xs,), reps).values()
         flops = 2 * rows * params / 1e6  # per ms: GFLOP/s
         print(f"{rows:4d} rows: " + "   ".join(f"{name} {c:7.2f} ms {flops / c:5.0f} x{o / c:4.2f}"
                                              for name, (c, _) in zip(kernels, mine, strict=True))
               + f"   oneDNN {o:7.2f} ms {flops / o:5.0f}")
+    matmul.bf16_instructions(chosen)
 
 
 def bench_lm_head_argmax(a):

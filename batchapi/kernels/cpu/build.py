@@ -126,6 +126,8 @@ def _load_matmul() -> ctypes.CDLL | None:
         lib.linear_bf16.restype = ctypes.c_int
         lib.linear_bf16.argtypes = lib.linear_bf16w.argtypes
         lib.linear_bf16_native.restype = ctypes.c_int
+        lib.linear_bf16_instructions.restype = ctypes.c_int
+        lib.linear_bf16_instructions.argtypes = [ctypes.c_int]
         lib.linear_amx.restype = ctypes.c_int
         lib.linear_amx.argtypes = lib.linear_bf16w.argtypes
         for argmax in (lib.linear_bf16_argmax, lib.linear_amx_argmax):

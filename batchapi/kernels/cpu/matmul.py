@@ -9,7 +9,10 @@ row gets the same bits at any row count and batch invariance needs no padding or
 
 **bf16** (``pack_pairs``, ``linear_bf16``): where the CPU multiplies bf16 natively with AVX512-BF16,
 bf16 activations by bf16 weights packed in pairs for VDPBF16PS, each output one chain over the pairs
-in order (invariant as the above), rounded to bf16 as oneDNN's bf16 layers round.
+in order (invariant as the above), rounded to bf16 as oneDNN's bf16 layers round. The same chains
+run either as VDPBF16PS or as the two fused multiply-adds it does, in its order and rounding
+(``bf16_instructions``): the same bits, chosen at load for speed, since some CPUs (a Xeon without
+AMX) run VDPBF16PS at half their FMA rate.
 
 **AMX** (``linear_amx``): the same packed weights as AMX tiles (a panel's 16 pairs are one B tile as
 they lie), 32 rows by 2 panels a tile step, each output one chain of TDPBF16PS over K in order: one
@@ -24,12 +27,20 @@ of the step (25 MB at 256 rows of SmolLM2), written only to be read back once.
 
 from __future__ import annotations
 
+import logging
+import os
+import time
+
 import torch
 import torch.nn.functional as F
 
 from batchapi.kernels.cpu.build import load_matmul
 
+log = logging.getLogger(__name__)
+
 PANEL = 16  # outputs a panel: as in csrc/matmul.c
+INSTRUCTIONS = ("dpbf16", "fma")  # linear_bf16's two ways to the same bits, in the C library's numbering
+INSTRUCTIONS_ENV = "BATCHAPI_BF16_INSTRUCTIONS"  # one of INSTRUCTIONS; unset or "auto": timed at load
 
 
 _lib = None  # the loaded library, once: a step makes hundreds of calls
@@ -38,8 +49,52 @@ _lib = None  # the loaded library, once: a step makes hundreds of calls
 def _library():
     global _lib
     if _lib is None:
-        _lib = load_matmul()
+        lib = load_matmul()
+        if lib is not None and lib.linear_bf16_native() == 1:
+            _choose_instructions(lib)
+        _lib = lib
     return _lib
+
+
+def _choose_instructions(lib) -> None:
+    """Set which instructions ``linear_bf16`` runs: the environment's choice, else the faster of the two
+    on a layer of a decode step's shape (64 rows, 576 -> 768; a few milliseconds, once a process)."""
+    wanted = os.environ.get(INSTRUCTIONS_ENV, "auto")
+    if wanted in INSTRUCTIONS:
+        lib.linear_bf16_instructions(INSTRUCTIONS.index(wanted))
+        return
+    if wanted != "auto":
+        log.warning("%s=%r is none of auto, %s: timing them", INSTRUCTIONS_ENV, wanted, ", ".join(INSTRUCTIONS))
+    rows, n, k = 64, 768, 576
+    x = torch.ones(rows, k, dtype=torch.bfloat16)
+    packed = torch.full((n // PANEL, k // 2, PANEL), 0x3F803F80, dtype=torch.int32)  # pairs of bf16 1.0
+    y = torch.empty(rows, n, dtype=torch.bfloat16)
+    threads = torch.get_num_threads()
+    best = [float("inf")] * len(INSTRUCTIONS)
+    for round_ in range(4):  # alternated, the first round a warm-up; the best of the other three each
+        for choice in range(len(INSTRUCTIONS)):
+            lib.linear_bf16_instructions(choice)
+            start = time.perf_counter()
+            lib.linear_bf16(x.data_ptr(), k, rows, packed.data_ptr(), n, k, None, y.data_ptr(), n, threads)
+            if round_:
+                best[choice] = min(best[choice], time.perf_counter() - start)
+    choice = 1 if best[1] < 0.9 * best[0] else 0  # VDPBF16PS unless the FMAs are clearly faster
+    lib.linear_bf16_instructions(choice)
+    log.info("bf16 linear layers on %s (a test layer %.3f ms with VDPBF16PS, %.3f ms with FMAs)",
+             INSTRUCTIONS[choice], best[0] * 1e3, best[1] * 1e3)
+
+
+def bf16_instructions(name: str | None = None) -> str:
+    """The instructions ``linear_bf16`` and ``linear_bf16_argmax`` run: "dpbf16" (VDPBF16PS) or "fma"
+    (two VFMADD231PS a pair, in VDPBF16PS's order and rounding: the same bits). ``name`` sets it for the
+    process (where the kernels run on AVX512-BF16). Chosen at load by ``BATCHAPI_BF16_INSTRUCTIONS``, or
+    timed."""
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the bf16 linear kernels are not built here")
+    if name is not None and name not in INSTRUCTIONS:
+        raise ValueError(f"bf16 instructions are one of {INSTRUCTIONS}, not {name!r}")
+    return INSTRUCTIONS[lib.linear_bf16_instructions(-1 if name is None else INSTRUCTIONS.index(name))]
 
 
 def available() -> bool:

@@ -105,8 +105,8 @@ def test_every_build_gives_the_same_bits(march, needs, tmp_path, monkeypatch):
 
 
 def flushed(t: torch.Tensor) -> torch.Tensor:
-    """Denormals read as zero, as VDPBF16PS reads its inputs and writes its sums."""
-    return torch.where(t.abs() < torch.finfo(torch.float32).tiny, torch.zeros_like(t), t)
+    """Denormals read as zero (of their sign), as VDPBF16PS reads its inputs and writes its sums."""
+    return torch.where(t.abs() < torch.finfo(torch.float32).tiny, torch.zeros_like(t).copysign(t), t)
 
 
 def dpbf16_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -124,6 +124,17 @@ def dpbf16_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return flushed(out).bfloat16()
 
 
+@pytest.fixture(params=matmul.INSTRUCTIONS)
+def instructions(request):
+    """``linear_bf16`` on each of its instructions, for the test, then back to the process's choice.
+    The plain-C build has one way (it stays "dpbf16")."""
+    before = matmul.bf16_instructions()
+    now = matmul.bf16_instructions(request.param)
+    assert now == (request.param if matmul.native_bf16() else "dpbf16")
+    yield now
+    matmul.bf16_instructions(before)
+
+
 def bf16_layer(out_features: int, in_features: int, bias: bool, seed: int = 0):
     generator = torch.Generator().manual_seed(seed)
     weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
@@ -134,7 +145,7 @@ def bf16_layer(out_features: int, in_features: int, bias: bool, seed: int = 0):
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize(("out_features", "in_features"), [*SHAPES, (100, 64)])  # ragged last group of panels
 def test_bf16_linear_sums_as_avx512_bf16_does_and_gives_the_same_bits_at_every_row_count(out_features, in_features,
-                                                                                       bias):
+                                                                                       bias, instructions):
     weight, b = bf16_layer(out_features, in_features, bias)
     packed = matmul.pack_pairs(weight)
     x = torch.randn(203, in_features).bfloat16()
@@ -149,7 +160,32 @@ def test_bf16_linear_sums_as_avx512_bf16_does_and_gives_the_same_bits_at_every_r
                                full[start:start + rows]), (rows, start)
 
 
-def test_bf16_linear_threads_strides_and_leading_dimensions_change_no_bit():
+def test_bf16_linear_rounds_at_the_smallest_normal_as_avx512_bf16_does(instructions):
+    """Sums about FLT_MIN (2^-126), each pair's odd element first: 2^-126 - 2^-151 rounds to 2^-126, a
+    normal number, kept (a CPU judging tininess before rounding would flush it); 2^-126 - 2^-149 is
+    denormal, flushed; a denormal weight reads as zero; a denormal bias is added as it is (2^-126 -
+    2^-140: denormal, flushed), and a denormal output is written as zero of its sign."""
+    tiny = 2.0**-126
+    x = torch.tensor([[2.0**-75, 1.0, 2.0**10, 0.0]]).bfloat16()  # pairs (even, odd): (2^-75, 1), (2^10, 0)
+    weight = torch.zeros(16, 4)
+    weight[0] = torch.tensor([-(2.0**-76), tiny, 0.0, 0.0])  # 2^-126, then + -2^-151
+    weight[1] = torch.tensor([-(2.0**-74), tiny, 0.0, 0.0])  # 2^-126, then + -2^-149
+    weight[2] = torch.tensor([0.0, 0.0, 2.0**-130, 0.0])  # 2^10 * a denormal: 2^-120 if it were read
+    weight[3] = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    weight = weight.bfloat16()
+    b = torch.zeros(16)
+    b[0] = -(2.0**-140)
+    b[4:] = torch.tensor([2.0**-140, -(2.0**-140), 2.0**-127, 1.0] * 3)
+    packed = matmul.pack_pairs(weight)
+    plain = matmul.linear_bf16(x, packed, 16, 4, None)
+    assert plain[0, :4].tolist() == [tiny, 0.0, 0.0, 2.0**-75]
+    biased = matmul.linear_bf16(x, packed, 16, 4, matmul.panel_bias(b, 16))
+    assert biased[0, 0].item() == 0.0 and biased[0, 4:8].view(torch.int16).tolist() == [0, -32768, 0, 0x3F80]
+    for bias, got in ((None, plain), (b, biased)):
+        assert torch.equal(got.view(torch.int16), dpbf16_reference(x, weight, bias).view(torch.int16))
+
+
+def test_bf16_linear_threads_strides_and_leading_dimensions_change_no_bit(instructions):
     weight, b = bf16_layer(200, 257, True)
     packed = matmul.pack_pairs(weight)
     x = torch.randn(64, 300).bfloat16()[:, 11:268]  # rows 300 apart, not contiguous
@@ -213,7 +249,7 @@ def test_amx_linear_gives_f_linears_values_and_the_same_bits_at_every_row_count_
 @pytest.mark.parametrize(("linear", "argmax", "native"), [
     (matmul.linear_bf16, matmul.linear_bf16_argmax, lambda: True),  # AVX512-BF16, else the same sums in plain C
     (matmul.linear_amx, matmul.linear_amx_argmax, matmul.native_amx)])  # where there are AMX tiles, else refused
-def test_argmax_is_the_argmax_of_the_linears_outputs(linear, argmax, native, bias):
+def test_argmax_is_the_argmax_of_the_linears_outputs(linear, argmax, native, bias, instructions):
     """The index torch's argmax gives on the kernel's bf16 outputs, with ties across panels and thread
     shares (small integer weights), a NaN row, a row of zeros, ragged panel groups (100 outputs) and a
     lm_head's width, at row counts about a tile's (8 rows, AMX's 32) and none, on 1 and 2 threads."""

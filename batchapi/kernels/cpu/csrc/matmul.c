@@ -275,6 +275,29 @@ INLINE Best best_at(Best best, int64_t r) {
 }
 
 #ifdef HAVE_AVX512BF16
+/* a tile's fp32 sums acc[MR][NP] (rows by panels) + bias, rounded to bf16 and stored, or (best.value)
+ * folded into the rows' greedy choices instead */
+#define PAIR_EPILOGUE(MR, NP)                                                                                  \
+    if (best.value) { /* the rows' greedy choices instead of the outputs */                                   \
+        for (int r = 0; r < MR; r++) {                                                                        \
+            __m512 v[NP];                                                                                     \
+            for (int p = 0; p < NP; p++)                                                                      \
+                v[p] = bias ? _mm512_add_ps(acc[r][p], _mm512_loadu_ps(bias + p * PANEL)) : acc[r][p];       \
+            fold_panels(v, NP, cols, col0, best_at(best, r));                                                 \
+        }                                                                                                     \
+        return;                                                                                               \
+    }                                                                                                         \
+    _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++)                                                      \
+        _Pragma("GCC unroll 3") for (int p = 0; p < NP; p++) {                                                \
+            __m512 v = bias ? _mm512_add_ps(acc[r][p], _mm512_loadu_ps(bias + p * PANEL)) : acc[r][p];       \
+            __m256i out = (__m256i)_mm512_cvtneps_pbh(v);                                                     \
+            int c = cols - p * PANEL;                                                                         \
+            if (c >= PANEL)                                                                                   \
+                _mm256_storeu_si256((__m256i *)(y + r * ys + p * PANEL), out);                                \
+            else if (c > 0)                                                                                   \
+                _mm256_mask_storeu_epi16(y + r * ys + p * PANEL, (__mmask16)((1u << c) - 1), out);            \
+        }
+
 #define PAIR_TILE(MR, NP)                                                                                      \
     static void pair_tile_##MR##_##NP(const uint16_t *x, int64_t xs, const uint32_t *w, int64_t k,            \
                                       int64_t pstride, const float *bias, uint16_t *y, int64_t ys, int cols,    \
@@ -297,25 +320,48 @@ INLINE Best best_at(Best best, int64_t r) {
                     acc[r][p] = _mm512_dpbf16_ps(acc[r][p], (__m512bh)a, (__m512bh)wv[p]);                    \
             }                                                                                                 \
         }                                                                                                     \
-        if (best.value) { /* the rows' greedy choices instead of the outputs */                               \
-            for (int r = 0; r < MR; r++) {                                                                    \
-                __m512 v[NP];                                                                                 \
-                for (int p = 0; p < NP; p++)                                                                  \
-                    v[p] = bias ? _mm512_add_ps(acc[r][p], _mm512_loadu_ps(bias + p * PANEL)) : acc[r][p];   \
-                fold_panels(v, NP, cols, col0, best_at(best, r));                                             \
-            }                                                                                                 \
-            return;                                                                                           \
-        }                                                                                                     \
+        PAIR_EPILOGUE(MR, NP)                                                                                 \
+    }
+
+/* The same chains with VFMADD231PS, for CPUs that run VDPBF16PS at a fraction of their FMA rate (a Xeon
+ * without AMX here: 164 GFLOP/s bf16 against 314 fp32 through oneDNN on 2 threads). A pair is the two
+ * fused multiply-adds VDPBF16PS does, in its order: the odd element's product into the sum, then the
+ * even one's, each rounded to nearest even, denormals read and written as zero (the caller sets
+ * MXCSR's DAZ and FTZ). The products of bf16 values are exact in fp32, so each step is the same
+ * rounding of the same exact sum: the same bits. x comes widened to fp32 (xs floats a row, 2 * pairs
+ * of them, the odd K's last one 0), so each row's element is a broadcast operand of its multiply-adds;
+ * a panel's pairs are split into its odd and even weights by a mask and a shift. */
+#define FMA_TILE(MR, NP)                                                                                       \
+    static void fma_tile_##MR##_##NP(const float *x, int64_t xs, const uint32_t *w, int64_t k,                \
+                                     int64_t pstride, const float *bias, uint16_t *y, int64_t ys, int cols,     \
+                                     const uint32_t *next, Best best, int64_t col0) {                            \
+        __m512 acc[MR][NP];                                                                                   \
         _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++)                                                  \
+            _Pragma("GCC unroll 3") for (int p = 0; p < NP; p++) acc[r][p] = _mm512_setzero_ps();             \
+        const __m512i high = _mm512_set1_epi32((int32_t)0xffff0000u);                                         \
+        const int64_t pairs = (k + 1) / 2;                                                                    \
+        const unsigned csr = _mm_getcsr();                                                                    \
+        _mm_setcsr(csr | 0x8040u); /* FTZ and DAZ for the sums; the epilogue runs under the caller's */       \
+        for (int64_t i = 0; i < pairs; i++) {                                                                 \
+            __m512 odd[NP], even[NP];                                                                         \
             _Pragma("GCC unroll 3") for (int p = 0; p < NP; p++) {                                            \
-                __m512 v = bias ? _mm512_add_ps(acc[r][p], _mm512_loadu_ps(bias + p * PANEL)) : acc[r][p];   \
-                __m256i out = (__m256i)_mm512_cvtneps_pbh(v);                                                 \
-                int c = cols - p * PANEL;                                                                     \
-                if (c >= PANEL)                                                                               \
-                    _mm256_storeu_si256((__m256i *)(y + r * ys + p * PANEL), out);                            \
-                else if (c > 0)                                                                               \
-                    _mm256_mask_storeu_epi16(y + r * ys + p * PANEL, (__mmask16)((1u << c) - 1), out);        \
+                const __m512i v = _mm512_loadu_si512((const void *)(w + p * pstride + i * PANEL));            \
+                odd[p] = _mm512_castsi512_ps(_mm512_and_si512(v, high));                                      \
+                even[p] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));                                      \
             }                                                                                                 \
+            if (next)                                                                                         \
+                _Pragma("GCC unroll 3") for (int p = 0; p < PAIR_TILE_PANELS; p++)                            \
+                    _mm_prefetch((const char *)(next + p * pstride + i * PANEL), _MM_HINT_T1);                \
+            _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++) {                                            \
+                const __m512 a1 = _mm512_set1_ps(x[r * xs + 2 * i + 1]), a0 = _mm512_set1_ps(x[r * xs + 2 * i]); \
+                _Pragma("GCC unroll 3") for (int p = 0; p < NP; p++) {                                        \
+                    acc[r][p] = _mm512_fmadd_ps(a1, odd[p], acc[r][p]);                                       \
+                    acc[r][p] = _mm512_fmadd_ps(a0, even[p], acc[r][p]);                                      \
+                }                                                                                             \
+            }                                                                                                 \
+        }                                                                                                     \
+        _mm_setcsr(csr);                                                                                      \
+        PAIR_EPILOGUE(MR, NP)                                                                                 \
     }
 #else
 #define PAIR_TILE(MR, NP)                                                                                      \
@@ -364,6 +410,35 @@ typedef void (*pair_tile_fn)(const uint16_t *, int64_t, const uint32_t *, int64_
 static const pair_tile_fn PAIR_TILES_BY[PAIR_TILE_PANELS + 1][PAIR_TILE_ROWS + 1] = {
     {0}, PAIR_ROW(1), PAIR_ROW(2), PAIR_ROW(3)};
 
+#ifdef HAVE_AVX512BF16
+#define FMA_TILES(NP) FMA_TILE(1, NP) FMA_TILE(2, NP) FMA_TILE(3, NP) FMA_TILE(4, NP) FMA_TILE(5, NP) \
+    FMA_TILE(6, NP) FMA_TILE(7, NP) FMA_TILE(8, NP)
+FMA_TILES(1)
+FMA_TILES(2)
+FMA_TILES(3)
+
+typedef void (*fma_tile_fn)(const float *, int64_t, const uint32_t *, int64_t, int64_t, const float *,
+                            uint16_t *, int64_t, int, const uint32_t *, Best, int64_t);
+#define FMA_ROW(NP) {0, fma_tile_1_##NP, fma_tile_2_##NP, fma_tile_3_##NP, fma_tile_4_##NP, fma_tile_5_##NP, \
+    fma_tile_6_##NP, fma_tile_7_##NP, fma_tile_8_##NP}
+static const fma_tile_fn FMA_TILES_BY[PAIR_TILE_PANELS + 1][PAIR_TILE_ROWS + 1] = {
+    {0}, FMA_ROW(1), FMA_ROW(2), FMA_ROW(3)};
+
+/* this thread's buffer of CHUNK_ROWS rows of `width` floats, kept across calls (NULL: no memory) */
+static float *widened_rows(int64_t width) {
+    static _Thread_local float *rows = NULL;
+    static _Thread_local int64_t held = 0;
+    if (held < width) {
+        float *grown = malloc((size_t)CHUNK_ROWS * width * sizeof *grown);
+        if (grown == NULL) return NULL;
+        free(rows);
+        rows = grown;
+        held = width;
+    }
+    return rows;
+}
+#endif
+
 /* 1 where this build multiplies with AVX512-BF16, 0 where in plain C (correct, slow) */
 int linear_bf16_native(void) {
 #ifdef HAVE_AVX512BF16
@@ -373,6 +448,20 @@ int linear_bf16_native(void) {
 #endif
 }
 
+/* Which instructions linear_bf16 and linear_bf16_argmax run where the build has AVX512-BF16: 0
+ * VDPBF16PS, 1 VFMADD231PS (the same bits, FMA_TILE). choice 0 or 1 sets it for the process; any
+ * other value only asks. Returns the instructions now in use (0 in the plain-C build). */
+static int pair_fma = 0;
+
+int linear_bf16_instructions(int choice) {
+#ifdef HAVE_AVX512BF16
+    if (choice == 0 || choice == 1) __atomic_store_n(&pair_fma, choice, __ATOMIC_RELAXED);
+#else
+    (void)choice;
+#endif
+    return __atomic_load_n(&pair_fma, __ATOMIC_RELAXED);
+}
+
 /* linear_bf16's work: outputs into y, or (chosen != NULL) each row's greedy choice into chosen[m] */
 static int pair_linear(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *packed, int64_t n, int64_t k,
                        const float *bias, uint16_t *y, int64_t ys, int threads, int64_t *chosen) {
@@ -380,16 +469,33 @@ static int pair_linear(const uint16_t *x, int64_t xs, int64_t m, const uint32_t 
     int64_t panels = (n + PANEL - 1) / PANEL, pstride = (k + 1) / 2 * PANEL;
     int64_t groups = (panels + PAIR_TILE_PANELS - 1) / PAIR_TILE_PANELS;
     int parallel = threads > 1 && m * n * k >= (1 << 19) && groups > 1, team = parallel ? threads : 1;
+    const int fma = __atomic_load_n(&pair_fma, __ATOMIC_RELAXED);
+    const int64_t width = (k + 1) / 2 * 2; /* a widened row: the odd K's last pair padded with 0 */
     float *values = NULL;
     int64_t *columns = NULL;
+    int failed = 0;
     if (chosen && !best_start(team, m, &values, &columns)) return -1;
-#pragma omp parallel num_threads(team) if (parallel)
+#pragma omp parallel num_threads(team) if (parallel) reduction(| : failed)
     {
         int64_t first, last;
         thread_share(groups, &first, &last);
         const Best mine = chosen ? best_of(thread_index(), team, m, values, columns) : (Best){NULL, NULL, NULL};
-        for (int64_t m0 = 0; m0 < m; m0 += CHUNK_ROWS) {
+#ifdef HAVE_AVX512BF16
+        float *wide = fma && first < last ? widened_rows(width) : NULL;
+        failed = fma && first < last && wide == NULL;
+#endif
+        for (int64_t m0 = 0; m0 < m && !failed; m0 += CHUNK_ROWS) {
             int64_t m1 = m0 + CHUNK_ROWS < m ? m0 + CHUNK_ROWS : m;
+#ifdef HAVE_AVX512BF16
+            if (wide) /* this chunk's rows widened to fp32 once, for every group of this thread's */
+                for (int64_t r = m0; r < m1; r++) {
+                    float *to = wide + (r - m0) * width;
+                    const uint16_t *from = x + r * xs;
+#pragma omp simd
+                    for (int64_t j = 0; j < k; j++) to[j] = bf16_to_f32(from[j]);
+                    if (k < width) to[k] = 0.0f;
+                }
+#endif
             for (int64_t g = first; g < last; g++) {
                 int64_t p0 = g * PAIR_TILE_PANELS;
                 int np = (int)(panels - p0 < PAIR_TILE_PANELS ? panels - p0 : PAIR_TILE_PANELS);
@@ -399,15 +505,23 @@ static int pair_linear(const uint16_t *x, int64_t xs, int64_t m, const uint32_t 
                 for (int64_t r = m0; r < m1; r += PAIR_TILE_ROWS) {
                     int rows = (int)(m1 - r < PAIR_TILE_ROWS ? m1 - r : PAIR_TILE_ROWS);
                     const uint32_t *next = r == m0 && ahead ? packed + (p0 + PAIR_TILE_PANELS) * pstride : NULL;
-                    PAIR_TILES_BY[np][rows](x + r * xs, xs, packed + p0 * pstride, k, pstride,
-                                            bias ? bias + p0 * PANEL : NULL, chosen ? NULL : y + r * ys + p0 * PANEL,
-                                            ys, cols, next, best_at(mine, r), p0 * PANEL);
+                    const float *b = bias ? bias + p0 * PANEL : NULL;
+                    uint16_t *out = chosen ? NULL : y + r * ys + p0 * PANEL;
+#ifdef HAVE_AVX512BF16
+                    if (wide) {
+                        FMA_TILES_BY[np][rows](wide + (r - m0) * width, width, packed + p0 * pstride, k, pstride, b,
+                                               out, ys, cols, next, best_at(mine, r), p0 * PANEL);
+                        continue;
+                    }
+#endif
+                    PAIR_TILES_BY[np][rows](x + r * xs, xs, packed + p0 * pstride, k, pstride, b, out, ys, cols,
+                                            next, best_at(mine, r), p0 * PANEL);
                 }
             }
         }
     }
     if (chosen) best_finish(team, m, values, columns, chosen);
-    return 0;
+    return failed ? -1 : 0;
 }
 
 /* y [m, n] bf16 (row stride ys) = x [m, k] bf16 (row stride xs) times the pair-packed weight, plus bias
