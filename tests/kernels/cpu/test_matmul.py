@@ -135,6 +135,25 @@ def instructions(request):
     matmul.bf16_instructions(before)
 
 
+def test_the_bf16_instructions_come_from_the_environment_or_are_timed(monkeypatch, caplog):
+    before = matmul.bf16_instructions()
+    lib = matmul._library()
+    try:
+        for wanted in matmul.INSTRUCTIONS:
+            monkeypatch.setenv(matmul.INSTRUCTIONS_ENV, wanted)
+            matmul._choose_instructions(lib)
+            assert matmul.bf16_instructions() == (wanted if matmul.native_bf16() else "dpbf16")
+        monkeypatch.setenv(matmul.INSTRUCTIONS_ENV, "avx")
+        with caplog.at_level("INFO", logger=matmul.__name__):
+            matmul._choose_instructions(lib)
+        assert "is none of auto, dpbf16, fma" in caplog.text and "a test layer" in caplog.text
+        assert matmul.bf16_instructions() in caplog.text.split("bf16 linear layers on ")[1]
+        with pytest.raises(ValueError, match="not 'avx'"):
+            matmul.bf16_instructions("avx")
+    finally:
+        matmul.bf16_instructions(before)
+
+
 def bf16_layer(out_features: int, in_features: int, bias: bool, seed: int = 0):
     generator = torch.Generator().manual_seed(seed)
     weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
