@@ -90,6 +90,29 @@ def test_greedy_tokens_from_the_lm_head_are_those_of_the_logits(smollm2_dir, mon
     assert all(r.outputs[0].logprobs for r in with_logprobs)
 
 
+def test_both_bf16_instructions_give_the_same_tokens_and_logprobs(smollm2_dir):
+    """SmolLM2 in bf16 through the whole engine (prefill, decode, logprobs, greedy in the lm_head):
+    the C kernel's VDPBF16PS and its FMAs in that instruction's order give the same tokens and the
+    same logprob bits (where the kernel runs in plain C or AMX tiles, the same path twice)."""
+    from batchapi.kernels.cpu import matmul
+
+    prompts = tokenize(smollm2_dir, PROMPTS[:4])
+    before = matmul.bf16_instructions() if matmul.available() else None
+    outputs = []
+    try:
+        for name in matmul.INSTRUCTIONS:
+            if before is not None:
+                matmul.bf16_instructions(name)
+            engine = engine_for(smollm2_dir, dtype="bfloat16", kv_cache_bytes=64 << 20, enable_prefix_caching=False)
+            runs = run(engine, prompts, greedy(10, logprobs=True)) + run(engine, prompts, greedy(10))
+            outputs.append([(r.outputs[0].token_ids, r.outputs[0].logprobs) for r in runs])
+    finally:
+        if before is not None:
+            matmul.bf16_instructions(before)
+    assert outputs[0] == outputs[1]
+    assert all(r[1] for r in outputs[0][:len(prompts)])
+
+
 def test_the_kv_pool_starts_on_a_page_and_zero(tiny_llama_dir):
     """Each layer's KV cache is zero and starts on a page boundary (calloc's own pointer lies 16 bytes
     past one: every row across one more cache line than it fills)."""
