@@ -58,29 +58,30 @@ def _library():
 
 def _choose_instructions(lib) -> None:
     """Set which instructions ``linear_bf16`` runs: the environment's choice, else the faster of the two
-    on a layer of a decode step's shape (64 rows, 576 -> 768; a few milliseconds, once a process)."""
+    on one thread (what each core does; a team of threads would time a busy machine's scheduler) on a
+    layer of a decode step's shape, 32 rows by 576 -> 768, the best of five alternated calls each
+    (about 10 ms once a process, at start-up, beside other work)."""
     wanted = os.environ.get(INSTRUCTIONS_ENV, "auto")
     if wanted in INSTRUCTIONS:
         lib.linear_bf16_instructions(INSTRUCTIONS.index(wanted))
         return
     if wanted != "auto":
         log.warning("%s=%r is none of auto, %s: timing them", INSTRUCTIONS_ENV, wanted, ", ".join(INSTRUCTIONS))
-    rows, n, k = 64, 768, 576
+    rows, n, k = 32, 768, 576
     x = torch.ones(rows, k, dtype=torch.bfloat16)
     packed = torch.full((n // PANEL, k // 2, PANEL), 0x3F803F80, dtype=torch.int32)  # pairs of bf16 1.0
     y = torch.empty(rows, n, dtype=torch.bfloat16)
-    threads = torch.get_num_threads()
     best = [float("inf")] * len(INSTRUCTIONS)
-    for round_ in range(4):  # alternated, the first round a warm-up; the best of the other three each
+    for round_ in range(6):  # the first round a warm-up
         for choice in range(len(INSTRUCTIONS)):
             lib.linear_bf16_instructions(choice)
             start = time.perf_counter()
-            lib.linear_bf16(x.data_ptr(), k, rows, packed.data_ptr(), n, k, None, y.data_ptr(), n, threads)
+            lib.linear_bf16(x.data_ptr(), k, rows, packed.data_ptr(), n, k, None, y.data_ptr(), n, 1)
             if round_:
                 best[choice] = min(best[choice], time.perf_counter() - start)
     choice = 1 if best[1] < 0.9 * best[0] else 0  # VDPBF16PS unless the FMAs are clearly faster
     lib.linear_bf16_instructions(choice)
-    log.info("bf16 linear layers on %s (a test layer %.3f ms with VDPBF16PS, %.3f ms with FMAs)",
+    log.info("bf16 linear layers on %s (a test layer %.3f ms with VDPBF16PS, %.3f ms with FMAs, one thread)",
              INSTRUCTIONS[choice], best[0] * 1e3, best[1] * 1e3)
 
 
