@@ -72,17 +72,19 @@ def _choose_instructions(lib) -> None:
     packed = torch.full((n // PANEL, k // 2, PANEL), 0x3F803F80, dtype=torch.int32)  # pairs of bf16 1.0
     y = torch.empty(rows, n, dtype=torch.bfloat16)
     best = [float("inf")] * len(INSTRUCTIONS)
+    refused = False  # a call refused (no memory for the widened rows): VDPBF16PS, which needs none
     for round_ in range(6):  # the first round a warm-up
         for choice in range(len(INSTRUCTIONS)):
             lib.linear_bf16_instructions(choice)
             start = time.perf_counter()
-            lib.linear_bf16(x.data_ptr(), k, rows, packed.data_ptr(), n, k, None, y.data_ptr(), n, 1)
+            rc = lib.linear_bf16(x.data_ptr(), k, rows, packed.data_ptr(), n, k, None, y.data_ptr(), n, 1)
+            refused = refused or rc != 0
             if round_:
                 best[choice] = min(best[choice], time.perf_counter() - start)
-    choice = 1 if best[1] < 0.9 * best[0] else 0  # VDPBF16PS unless the FMAs are clearly faster
-    lib.linear_bf16_instructions(choice)
+    faster = not refused and best[1] < 0.9 * best[0]  # FMAs only if clearly faster
+    chosen = lib.linear_bf16_instructions(1 if faster else 0)
     log.info("bf16 linear layers on %s (a test layer %.3f ms with VDPBF16PS, %.3f ms with FMAs, one thread)",
-             INSTRUCTIONS[choice], best[0] * 1e3, best[1] * 1e3)
+             INSTRUCTIONS[chosen], best[0] * 1e3, best[1] * 1e3)
 
 
 def bf16_instructions(name: str | None = None) -> str:

@@ -129,10 +129,12 @@ def instructions(request):
     """``linear_bf16`` on each of its instructions, for the test, then back to the process's choice.
     The plain-C build has one way (it stays "dpbf16")."""
     before = matmul.bf16_instructions()
-    now = matmul.bf16_instructions(request.param)
-    assert now == (request.param if matmul.native_bf16() else "dpbf16")
-    yield now
-    matmul.bf16_instructions(before)
+    try:
+        now = matmul.bf16_instructions(request.param)
+        assert now == (request.param if matmul.native_bf16() else "dpbf16")
+        yield now
+    finally:
+        matmul.bf16_instructions(before)
 
 
 def test_the_bf16_instructions_come_from_the_environment_or_are_timed(monkeypatch, caplog):
@@ -173,7 +175,7 @@ def test_bf16_linear_sums_as_avx512_bf16_does_and_gives_the_same_bits_at_every_r
     assert torch.equal(full, dpbf16_reference(x, weight, b))
     torch.testing.assert_close(full.float(), F.linear(x.float(), weight.float(), None if b is None else b.float()),
                                rtol=1e-2, atol=0.1)
-    for rows in (1, 2, 7, 8, 9, 17, 96, 97, 202):
+    for rows in (1, 2, 4, 5, 6, 7, 8, 9, 17, 96, 97, 202):  # a last row tile of every size 1-8
         for start in (0, 203 - rows, rows // 3):
             assert torch.equal(matmul.linear_bf16(x[start:start + rows], packed, out_features, in_features, b),
                                full[start:start + rows]), (rows, start)
@@ -202,6 +204,48 @@ def test_bf16_linear_rounds_at_the_smallest_normal_as_avx512_bf16_does(instructi
     assert biased[0, 0].item() == 0.0 and biased[0, 4:8].view(torch.int16).tolist() == [0, -32768, 0, 0x3F80]
     for bias, got in ((None, plain), (b, biased)):
         assert torch.equal(got.view(torch.int16), dpbf16_reference(x, weight, bias).view(torch.int16))
+
+
+def test_both_bf16_instructions_give_the_same_nan_and_infinity_bits():
+    """NaNs of either sign and of another payload, infinities and infinity times zero in x and in the
+    weights: VDPBF16PS and the FMAs give the same bits (where the kernel runs the FMAs; else one path)."""
+    g = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(64, 40, generator=g).bfloat16(), torch.randn(20, 40, generator=g).bfloat16()
+    x[1, 3], x[2, 4], x[3, 5], x[4, 8] = float("nan"), float("inf"), -float("inf"), -float("nan")
+    x[5, 10] = torch.tensor([0x7FC1], dtype=torch.int16).view(torch.bfloat16)[0]  # another payload
+    weight[7, 5], weight[9, 3], weight[11, 8], weight[12, 4] = 0.0, float("nan"), -float("nan"), float("inf")
+    packed = matmul.pack_pairs(weight)
+    before = matmul.bf16_instructions()
+    try:
+        outputs = [(matmul.bf16_instructions(name), matmul.linear_bf16(x, packed, 64, 40, None).view(torch.int16))
+                   for name in matmul.INSTRUCTIONS]
+    finally:
+        matmul.bf16_instructions(before)
+    assert outputs[1][0] == ("fma" if matmul.native_bf16() else "dpbf16")
+    assert torch.isnan(outputs[0][1].view(torch.bfloat16)).sum() > 100
+    assert torch.equal(outputs[0][1], outputs[1][1])
+
+
+def test_the_callers_rounding_mode_changes_no_sum(instructions):
+    """VDPBF16PS rounds to nearest even whatever MXCSR says; the FMAs set it so for their sums: a caller
+    rounding toward zero (fesetround, on its own thread: one torch thread) gets the same bits."""
+    import ctypes
+
+    weight, _ = bf16_layer(256, 1536, False)
+    packed = matmul.pack_pairs(weight)
+    x = torch.randn(16, 1536, generator=torch.Generator().manual_seed(2)).bfloat16()
+    libm, threads = ctypes.CDLL("libm.so.6"), torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        nearest = matmul.linear_bf16(x, packed, 256, 1536, None)
+        third = torch.ones(1) / 3
+        assert libm.fesetround(0xC00) == 0  # FE_TOWARDZERO on x86
+        assert not torch.equal(torch.ones(1) / 3, third)  # this thread's sums now round toward zero
+        toward_zero = matmul.linear_bf16(x, packed, 256, 1536, None)
+    finally:
+        libm.fesetround(0)  # FE_TONEAREST
+        torch.set_num_threads(threads)
+    assert torch.equal(toward_zero.view(torch.int16), nearest.view(torch.int16))
 
 
 def test_bf16_linear_threads_strides_and_leading_dimensions_change_no_bit(instructions):

@@ -326,9 +326,9 @@ INLINE Best best_at(Best best, int64_t r) {
 /* The same chains with VFMADD231PS, for CPUs that run VDPBF16PS at a fraction of their FMA rate (a Xeon
  * without AMX here: 164 GFLOP/s bf16 against 314 fp32 through oneDNN on 2 threads). A pair is the two
  * fused multiply-adds VDPBF16PS does, in its order: the odd element's product into the sum, then the
- * even one's, each rounded to nearest even, denormals read and written as zero (the caller sets
- * MXCSR's DAZ and FTZ). The products of bf16 values are exact in fp32, so each step is the same
- * rounding of the same exact sum: the same bits. x comes widened to fp32 (xs floats a row, 2 * pairs
+ * even one's, each rounded to nearest even, denormals read and written as zero (MXCSR set so for
+ * the sums). Each step is one rounding of the exact acc + a * b in both: the same bits (NaNs and
+ * infinities too: tests/kernels/cpu/test_matmul.py compares them). x comes widened to fp32 (xs floats a row, 2 * pairs
  * of them, the odd K's last one 0), so each row's element is a broadcast operand of its multiply-adds;
  * a panel's pairs are split into its odd and even weights by a masked move (a mask register, not a
  * vector: 8 rows by 3 panels leave no vector spare) and a shift. The pair tile's 8 rows by 3 panels
@@ -342,7 +342,9 @@ INLINE Best best_at(Best best, int64_t r) {
             _Pragma("GCC unroll 3") for (int p = 0; p < NP; p++) acc[r][p] = _mm512_setzero_ps();             \
         const int64_t pairs = (k + 1) / 2;                                                                    \
         const unsigned csr = _mm_getcsr();                                                                    \
-        _mm_setcsr(csr | 0x8040u); /* FTZ and DAZ for the sums; the epilogue runs under the caller's */       \
+        /* the sums as VDPBF16PS makes them whatever the caller's MXCSR: to nearest even, no exception      \
+         * unmasked, FTZ and DAZ; the epilogue runs under the caller's, as the VDPBF16PS tile's does */     \
+        _mm_setcsr(0x9FC0u);                                                                              \
         for (int64_t i = 0; i < pairs; i++) {                                                                 \
             __m512 odd[NP], even[NP];                                                                         \
             _Pragma("GCC unroll 3") for (int p = 0; p < NP; p++) {                                            \
@@ -429,8 +431,8 @@ static const fma_tile_fn FMA_TILES_BY[PAIR_TILE_PANELS + 1][PAIR_TILE_ROWS + 1] 
 static float *widened_rows(int64_t width) {
     static _Thread_local float *rows = NULL;
     static _Thread_local int64_t held = 0;
-    if (held < width) {
-        float *grown = malloc((size_t)CHUNK_ROWS * width * sizeof *grown);
+    if (rows == NULL || held < width) {
+        float *grown = malloc((size_t)CHUNK_ROWS * (width > 0 ? width : 1) * sizeof *grown);
         if (grown == NULL) return NULL;
         free(rows);
         rows = grown;
@@ -470,8 +472,10 @@ static int pair_linear(const uint16_t *x, int64_t xs, int64_t m, const uint32_t 
     int64_t panels = (n + PANEL - 1) / PANEL, pstride = (k + 1) / 2 * PANEL;
     int64_t groups = (panels + PAIR_TILE_PANELS - 1) / PAIR_TILE_PANELS;
     int parallel = threads > 1 && m * n * k >= (1 << 19) && groups > 1, team = parallel ? threads : 1;
+#ifdef HAVE_AVX512BF16
     const int fma = __atomic_load_n(&pair_fma, __ATOMIC_RELAXED);
     const int64_t width = (k + 1) / 2 * 2; /* a widened row: the odd K's last pair padded with 0 */
+#endif
     float *values = NULL;
     int64_t *columns = NULL;
     int failed = 0;
