@@ -328,8 +328,9 @@ INLINE Best best_at(Best best, int64_t r) {
  * fused multiply-adds VDPBF16PS does, in its order: the odd element's product into the sum, then the
  * even one's, each rounded to nearest even, denormals read and written as zero (MXCSR set so for
  * the sums). Each step is one rounding of the exact acc + a * b in both: the same bits (NaNs and
- * infinities too: tests/kernels/cpu/test_matmul.py compares them). x comes widened to fp32 (xs floats a row, 2 * pairs
- * of them, the odd K's last one 0), so each row's element is a broadcast operand of its multiply-adds;
+ * infinities too: tests/kernels/cpu/test_matmul.py compares them). x comes widened to fp32 (xs
+ * floats a row, 2 * pairs of them, the odd K's last one 0), so each row's element is a broadcast
+ * operand of its multiply-adds;
  * a panel's pairs are split into its odd and even weights by a masked move (a mask register, not a
  * vector: 8 rows by 3 panels leave no vector spare) and a shift. The pair tile's 8 rows by 3 panels
  * (6 rows: 0.95-0.99x, 4 rows: 0.85x at 64-256 rows). */
@@ -400,32 +401,30 @@ INLINE Best best_at(Best best, int64_t r) {
     }
 #endif
 
-#define PAIR_TILES(NP) PAIR_TILE(1, NP) PAIR_TILE(2, NP) PAIR_TILE(3, NP) PAIR_TILE(4, NP) PAIR_TILE(5, NP) \
-    PAIR_TILE(6, NP) PAIR_TILE(7, NP) PAIR_TILE(8, NP)
-PAIR_TILES(1)
-PAIR_TILES(2)
-PAIR_TILES(3)
+/* a tile kind's functions for 1..PAIR_TILE_ROWS rows by 1..PAIR_TILE_PANELS panels, and their table
+ * [panels][rows] (row 0 and column 0 unused) */
+#define TILES_OF(TILE, NP) TILE(1, NP) TILE(2, NP) TILE(3, NP) TILE(4, NP) TILE(5, NP) TILE(6, NP) TILE(7, NP) \
+    TILE(8, NP)
+#define TILE_ROW(NAME, NP) {0, NAME##_1_##NP, NAME##_2_##NP, NAME##_3_##NP, NAME##_4_##NP, NAME##_5_##NP, \
+    NAME##_6_##NP, NAME##_7_##NP, NAME##_8_##NP}
+#define TILE_TABLE(NAME) {{0}, TILE_ROW(NAME, 1), TILE_ROW(NAME, 2), TILE_ROW(NAME, 3)}
+
+TILES_OF(PAIR_TILE, 1)
+TILES_OF(PAIR_TILE, 2)
+TILES_OF(PAIR_TILE, 3)
 
 typedef void (*pair_tile_fn)(const uint16_t *, int64_t, const uint32_t *, int64_t, int64_t, const float *,
                              uint16_t *, int64_t, int, const uint32_t *, Best, int64_t);
-#define PAIR_ROW(NP) {0, pair_tile_1_##NP, pair_tile_2_##NP, pair_tile_3_##NP, pair_tile_4_##NP, pair_tile_5_##NP, \
-    pair_tile_6_##NP, pair_tile_7_##NP, pair_tile_8_##NP}
-static const pair_tile_fn PAIR_TILES_BY[PAIR_TILE_PANELS + 1][PAIR_TILE_ROWS + 1] = {
-    {0}, PAIR_ROW(1), PAIR_ROW(2), PAIR_ROW(3)};
+static const pair_tile_fn PAIR_TILES_BY[PAIR_TILE_PANELS + 1][PAIR_TILE_ROWS + 1] = TILE_TABLE(pair_tile);
 
 #ifdef HAVE_AVX512BF16
-#define FMA_TILES(NP) FMA_TILE(1, NP) FMA_TILE(2, NP) FMA_TILE(3, NP) FMA_TILE(4, NP) FMA_TILE(5, NP) \
-    FMA_TILE(6, NP) FMA_TILE(7, NP) FMA_TILE(8, NP)
-FMA_TILES(1)
-FMA_TILES(2)
-FMA_TILES(3)
+TILES_OF(FMA_TILE, 1)
+TILES_OF(FMA_TILE, 2)
+TILES_OF(FMA_TILE, 3)
 
 typedef void (*fma_tile_fn)(const float *, int64_t, const uint32_t *, int64_t, int64_t, const float *,
                             uint16_t *, int64_t, int, const uint32_t *, Best, int64_t);
-#define FMA_ROW(NP) {0, fma_tile_1_##NP, fma_tile_2_##NP, fma_tile_3_##NP, fma_tile_4_##NP, fma_tile_5_##NP, \
-    fma_tile_6_##NP, fma_tile_7_##NP, fma_tile_8_##NP}
-static const fma_tile_fn FMA_TILES_BY[PAIR_TILE_PANELS + 1][PAIR_TILE_ROWS + 1] = {
-    {0}, FMA_ROW(1), FMA_ROW(2), FMA_ROW(3)};
+static const fma_tile_fn FMA_TILES_BY[PAIR_TILE_PANELS + 1][PAIR_TILE_ROWS + 1] = TILE_TABLE(fma_tile);
 
 /* this thread's buffer of CHUNK_ROWS rows of `width` floats, kept across calls (NULL: no memory) */
 static float *widened_rows(int64_t width) {
@@ -439,6 +438,15 @@ static float *widened_rows(int64_t width) {
         held = width;
     }
     return rows;
+}
+
+/* rows x [m, k] bf16 (row stride xs) as fp32 into `to`, `width` floats a row (k, or k + 1 with a 0) */
+INLINE void widen_rows(const uint16_t *x, int64_t xs, int64_t m, int64_t k, float *to, int64_t width) {
+    for (int64_t r = 0; r < m; r++, to += width) {
+#pragma omp simd
+        for (int64_t j = 0; j < k; j++) to[j] = bf16_to_f32(x[r * xs + j]);
+        if (k < width) to[k] = 0.0f;
+    }
 }
 #endif
 
@@ -492,14 +500,7 @@ static int pair_linear(const uint16_t *x, int64_t xs, int64_t m, const uint32_t 
         for (int64_t m0 = 0; m0 < m && !failed; m0 += CHUNK_ROWS) {
             int64_t m1 = m0 + CHUNK_ROWS < m ? m0 + CHUNK_ROWS : m;
 #ifdef HAVE_AVX512BF16
-            if (wide) /* this chunk's rows widened to fp32 once, for every group of this thread's */
-                for (int64_t r = m0; r < m1; r++) {
-                    float *to = wide + (r - m0) * width;
-                    const uint16_t *from = x + r * xs;
-#pragma omp simd
-                    for (int64_t j = 0; j < k; j++) to[j] = bf16_to_f32(from[j]);
-                    if (k < width) to[k] = 0.0f;
-                }
+            if (wide) widen_rows(x + m0 * xs, xs, m1 - m0, k, wide, width); /* once, for all this thread's groups */
 #endif
             for (int64_t g = first; g < last; g++) {
                 int64_t p0 = g * PAIR_TILE_PANELS;
@@ -605,7 +606,8 @@ static void amx_configure(void) {
 INLINE void fold_best(float (*acc)[2 * PANEL], const float *bias, int rows, int cols, int64_t col0, Best best) {
     for (int r = 0; r < rows; r++) {
         __m512 v[2] = {_mm512_load_ps(&acc[r][0]), _mm512_load_ps(&acc[r][PANEL])};
-        if (bias) v[0] = _mm512_add_ps(v[0], _mm512_loadu_ps(bias)), v[1] = _mm512_add_ps(v[1], _mm512_loadu_ps(bias + PANEL));
+        if (bias)
+            v[0] = _mm512_add_ps(v[0], _mm512_loadu_ps(bias)), v[1] = _mm512_add_ps(v[1], _mm512_loadu_ps(bias + PANEL));
         fold_panels(v, 2, cols, col0, best_at(best, r));
     }
 }
