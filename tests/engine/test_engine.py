@@ -113,6 +113,40 @@ def test_both_bf16_instructions_give_the_same_tokens_and_logprobs(smollm2_dir):
     assert all(r[1] for r in outputs[0][:len(prompts)])
 
 
+@pytest.mark.parametrize("arch, fields", [("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 16})],
+                         ids=["llama", "qwen2-qkv-bias", "mistral-window"])
+def test_a_steps_layers_in_one_c_call_give_the_python_loops_bits(tmp_path, smollm2_dir, monkeypatch, arch, fields):
+    """bf16 models whose projections all run a C kernel run a step's layers in one C call
+    (kernels/cpu/decoder.py): prompts chunked and mixed with decodes, a qkv bias, a window narrower
+    than the prompts; the same tokens and logprob bits as the Python loop over the layers, and every
+    step in C. Where the projections run oneDNN (no AVX512-BF16) no step can, and both runs are the loop."""
+    from batchapi.kernels.cpu.decoder import DecoderLayers
+    from tests.utils.tiny_models import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / arch, smollm2_dir, arch, save_dtype="bfloat16", **fields)
+    prompts = tokenize(model_dir, PROMPTS)
+    ran, outputs = [], []
+    real = DecoderLayers.run
+
+    def counted(self, *args):
+        out = real(self, *args)
+        ran.append(out is not None)
+        return out
+
+    monkeypatch.setattr(DecoderLayers, "run", counted)
+    for in_c in (True, False):
+        engine = engine_for(model_dir, dtype="bfloat16", max_num_seqs=3, max_num_batched_tokens=16,
+                            enable_prefix_caching=False)
+        engine.runner.model.layers_in_c = in_c
+        results = run(engine, prompts, greedy(24, logprobs=True))
+        outputs.append([(r.outputs[0].token_ids, r.outputs[0].logprobs) for r in results])
+    assert outputs[0] == outputs[1]
+    assert all(r[1] for r in outputs[0])
+    kinds = engine.runner.linear_kinds
+    in_c_kernels = kinds["avx512-bf16"] + kinds["amx-bf16"] == 4 * engine.runner.model_config.num_layers + 1
+    assert (len(ran) > 20 and all(ran)) if in_c_kernels else not any(ran)
+
+
 def test_the_kv_pool_starts_on_a_page_and_zero(tiny_llama_dir):
     """Each layer's KV cache is zero and starts on a page boundary (calloc's own pointer lies 16 bytes
     past one: every row across one more cache line than it fills)."""

@@ -9,8 +9,12 @@ from torch import nn
 
 from batchapi.engine.model.gemma import NORMS, GemmaDecoderLayer, norm_weight, soft_cap
 from batchapi.engine.model.layers import MLP, Attention, AttentionMetadata, RMSNorm, input_norm
+from batchapi.engine.model.linears import AmxBf16Linear, Avx512Bf16Linear
 from batchapi.engine.model.loader import ModelConfig
 from batchapi.engine.model.moe import SparseMoE
+from batchapi.kernels.cpu import attention as cpu_attention
+from batchapi.kernels.cpu import decoder as cpu_decoder
+from batchapi.kernels.cpu import elementwise as cpu_elementwise
 
 __all__ = ["AttentionMetadata", "CausalLM"]
 
@@ -57,6 +61,9 @@ class CausalLM(nn.Module):
         self.register_buffer("cos_sin_local", torch.empty(0), persistent=False)
         self.embed_scale: float | None = None  # Gemma's sqrt(hidden), rounded to the weights' dtype at load
         self.final_softcap = cfg.gemma.final_softcap if cfg.gemma else 0.0
+        # a step's layers in one C call where they allow it (layers_in_c); False turns it off
+        self.layers_in_c = True
+        self._c_layers: tuple[tuple, cpu_decoder.DecoderLayers | None] | None = None  # (its key, it)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 logit_rows: torch.Tensor, hidden_rows: torch.Tensor | None = None):
@@ -88,12 +95,76 @@ class CausalLM(nn.Module):
         if self.embed_scale is not None:
             x = x * self.embed_scale
         ropes = (self.cos_sin, self.cos_sin_local)  # [max_pos, D] each: global, local layers
-        for layer in self.layers:  # each module's forward called straight: a step makes ~400 such calls
-            x, residual = layer.forward(x, residual, positions, ropes, meta)
+        ran = self._run_layers_in_c(x, positions, meta) if self.layers_in_c and not meta.kv_copies else None
+        if ran is not None:
+            x, residual = ran
+        else:
+            for layer in self.layers:  # each module's forward called straight: a step makes ~400 such calls
+                x, residual = layer.forward(x, residual, positions, ropes, meta)
         x = x.index_select(0, rows)  # [S, H]: only the tokens that get sampled (and scored)
         residual = residual.index_select(0, rows)
         x, _ = self.ops.fused_add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
         return x
+
+    def _run_layers_in_c(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
+        """The layers' (output, residual) from one C call (kernels/cpu/decoder.py: the same kernels with
+        the same arguments as the Python loop, so the same bits), or None where this model, its ops or
+        this step are not ones it runs as the loop does."""
+        layers = self._decoder_layers()
+        if layers is None:
+            return None
+        return layers.run(x, positions, meta.slot_mapping, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
+                          self.ops.invariant)
+
+    def _decoder_layers(self) -> cpu_decoder.DecoderLayers | None:
+        """The layers for kernels/cpu/decoder.py, made once for these caches and rope tables; None where
+        any layer, op or projection is not the one it calls (another family's, the torch twin's, a
+        forward replaced on the instance by a profiler)."""
+        ops = self.ops
+        if (ops.name != "cpu" or ops.rms_norm is not cpu_elementwise.rms_norm
+                or ops.fused_add_rms_norm is not cpu_elementwise.fused_add_rms_norm
+                or ops.rotary_store is not cpu_elementwise.rotary_store
+                or getattr(ops.paged_attention, "func", ops.paged_attention) is not cpu_attention.paged_attention):
+            return None
+        ends = (self.layers[0].self_attn, self.layers[-1].self_attn) if len(self.layers) else ()
+        key = (*(t.data_ptr() for a in ends for t in (a.k_cache, a.v_cache)), self.cos_sin.data_ptr(),
+               self.cos_sin_local.data_ptr())
+        if self._c_layers is None or self._c_layers[0] != key:
+            self._c_layers = (key, self._make_decoder_layers())
+        layers = self._c_layers[1]
+        if layers is None or any("forward" in m.__dict__ for m in self._projections()):
+            return None
+        return layers
+
+    def _projections(self):
+        for layer in self.layers:
+            yield layer.self_attn.qkv_proj
+            yield layer.self_attn.o_proj
+            yield layer.mlp.gate_up_proj
+            yield layer.mlp.down_proj
+
+    def _make_decoder_layers(self) -> cpu_decoder.DecoderLayers | None:
+        kernels = {Avx512Bf16Linear: "linear_bf16", AmxBf16Linear: "linear_amx"}
+        cfg, out = self.cfg, []
+        if self.embed_scale is not None or not len(self.layers):
+            return None
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if (type(layer) is not DecoderLayer or type(mlp) is not MLP or mlp.act_and_mul is not
+                    cpu_elementwise.silu_and_mul or attn.q_norm is not None or attn.softcap):
+                return None
+            projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if any(type(p) not in kernels for p in projections) or any(p.bias is not None for p in projections[1:]):
+                return None
+            out.append(cpu_decoder.Layer(
+                *((kernels[type(p)], p.packed_weight) for p in projections), attn.qkv_proj.panel_bias,
+                layer.input_layernorm.weight, layer.post_attention_layernorm.weight, attn.k_cache, attn.v_cache,
+                self.cos_sin_local if attn.local_rope else self.cos_sin, attn.window))
+        first = self.layers[0].self_attn
+        layers = cpu_decoder.DecoderLayers(out, cfg.hidden_size, cfg.intermediate_size, first.num_heads,
+                                           first.num_kv_heads, first.head_dim, self.layers[0].input_layernorm.eps,
+                                           first.scale)
+        return layers if layers.usable else None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final normed hidden states [S, H] -> logits [S, V]."""

@@ -1,9 +1,10 @@
 """Build and load the C kernels (csrc/) with the machine's C compiler; they are called through ctypes.
 
-Three libraries: paged_decode.c (decode attention, launched by attention.py), elementwise.c
+Four libraries: paged_decode.c (decode attention, launched by attention.py), elementwise.c
 (the norms, rotary, SiLU-and-mul, the KV store, the argmax and the token bitmask, launched by
-elementwise.py) and matmul.c (linear layers with bf16 weights: bf16-stored in fp32 arithmetic, and
-bf16 on AVX512-BF16; launched by matmul.py). Each is built once per source and CPU (-march=native) into the cache directory
+elementwise.py), matmul.c (linear layers with bf16 weights: bf16-stored in fp32 arithmetic, and
+bf16 on AVX512-BF16; launched by matmul.py) and decoder.c (a step's decoder layers by the other
+three's entry points, launched by decoder.py). Each is built once per source and CPU (-march=native) into the cache directory
 (BATCHAPI_NATIVE_DIR, default ~/.cache/batchapi/native) and reused by every later process. Without
 a compiler, or if a build fails, its loader returns None and callers keep the pure-torch twins: the
 native kernels are a speed-up, never a requirement.
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
 ELEMENTWISE_SOURCE = SOURCE.with_name("elementwise.c")
 MATMUL_SOURCE = SOURCE.with_name("matmul.c")
+DECODER_SOURCE = SOURCE.with_name("decoder.c")
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # what the kernels take, and their C suffixes
 
@@ -115,6 +117,21 @@ def load_elementwise() -> ctypes.CDLL | None:
 def load_matmul() -> ctypes.CDLL | None:
     """The bf16 linear layers' library, building it on first use; None where it cannot be built."""
     return _once("matmul", _load_matmul)
+
+
+def load_decoder() -> ctypes.CDLL | None:
+    """The decoder layers' library (one call for a step's layers), building it on first use; None where
+    it cannot be built."""
+    return _once("decoder", _load_decoder)
+
+
+def _load_decoder() -> ctypes.CDLL | None:
+    lib = _open(DECODER_SOURCE, "the model's layers stay a kernel call each from Python")
+    if lib is not None:
+        ptr = ctypes.c_void_p
+        lib.decoder_layers.restype = ctypes.c_int
+        lib.decoder_layers.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, ctypes.c_int]
+    return lib
 
 
 def _load_matmul() -> ctypes.CDLL | None:
