@@ -330,7 +330,8 @@ def matmul_share(engine: LLMEngine, prompts, params) -> tuple[float, float]:
     part no scheduling can remove, so it bounds what continuous batching can gain over a peer
     that runs the same matmuls at the same speed. An op's self time in the profiler is the wall
     time of its call on the engine's thread, which its OpenMP threads share: it is not divided
-    by the thread count (until December 2026 it was, which halved the share on two threads)."""
+    by the thread count (until December 2026 it was, which halved the share on two threads). The
+    layers' forwards replaced for the profiler, they run a kernel call each, not in one C call."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     stored = [m for m in engine.runner.model.modules() if isinstance(m, CKernelLinear)]
@@ -367,7 +368,8 @@ def step_breakdown(engine: LLMEngine, prompts, params, run=None) -> str:
     """Where one continuous run's wall time goes (or ``run()``'s): the linear layers, attention,
     the other kernels, sampling, and the rest (the model's Python between kernels, metadata,
     scheduling, text). Each part is timed around its calls (a microsecond or so of timing each, in
-    the rest)."""
+    the rest), so the layers run a kernel call each from Python, not in one C call a step
+    (CausalLM.layers_in_c): the rest is that path's."""
     spent: dict[str, float] = {}
 
     def timed(name, fn):
@@ -385,6 +387,7 @@ def step_breakdown(engine: LLMEngine, prompts, params, run=None) -> str:
     linears = [m for m in linears if not any(m is getattr(o, "inner", None) for o in linears)]  # outermost only
     saved_forward = {m: m.forward for m in linears}
     saved_sampler = runner.sampler
+    in_c, runner.model.layers_in_c = runner.model.layers_in_c, False
     try:
         for part, names in STEP_PARTS.items():
             for op in names:
@@ -407,6 +410,7 @@ def step_breakdown(engine: LLMEngine, prompts, params, run=None) -> str:
             if "argmax" in m.__dict__:
                 del m.argmax
         runner.sampler = saved_sampler
+        runner.model.layers_in_c = in_c
     parts = [(name, spent.get(name, 0.0)) for name in ("linear layers", *STEP_PARTS, "sampling")]
     parts.append(("the rest", clock.wall - sum(t for _, t in parts)))
     return ", ".join(f"{name} {t / clock.wall:.0%}" for name, t in parts) + f" of {clock.wall:.1f} s"
@@ -488,7 +492,7 @@ def measure(args, skip: set[str], model_dir: Path, label: str, dense_dir: Path |
         share, wall = matmul_share(engine, prompts, greedy)
         print(f"matmul share of the engine's time (the same run again under torch.profiler): {share:.0%} "
               f"of {wall:.1f} s")
-        print(f"the engine's time by part (the same run, each part timed): {step_breakdown(engine, prompts, greedy)}")
+        print(f"the engine's time by part (the same run, each part timed, the layers a kernel call each): {step_breakdown(engine, prompts, greedy)}")
     best_hf, best_batch = None, min(len(prompts), 64)
     if "hf" not in skip:
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
