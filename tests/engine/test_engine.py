@@ -145,6 +145,11 @@ def test_a_steps_layers_in_one_c_call_give_the_python_loops_bits(tmp_path, smoll
     kinds = engine.runner.linear_kinds
     in_c_kernels = kinds["avx512-bf16"] + kinds["amx-bf16"] == 4 * engine.runner.model_config.num_layers + 1
     assert (len(ran) > 20 and all(ran)) if in_c_kernels else not any(ran)
+    model = engine.runner.model
+    assert (model._decoder_layers() is not None) == in_c_kernels
+    down = model.layers[-1].mlp.down_proj
+    down.forward = down.forward  # as a profiler wraps it: the step must call it, so the loop runs
+    assert model._decoder_layers() is None
 
 
 def test_the_kv_pool_starts_on_a_page_and_zero(tiny_llama_dir):

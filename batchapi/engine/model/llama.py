@@ -63,7 +63,8 @@ class CausalLM(nn.Module):
         self.final_softcap = cfg.gemma.final_softcap if cfg.gemma else 0.0
         # a step's layers in one C call where they allow it (layers_in_c); False turns it off
         self.layers_in_c = True
-        self._c_layers: tuple[tuple, cpu_decoder.DecoderLayers | None] | None = None  # (its key, it)
+        # (its key, it, the projections whose forward a profiler may replace)
+        self._c_layers: tuple[tuple, cpu_decoder.DecoderLayers | None, list[nn.Module]] | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 logit_rows: torch.Tensor, hidden_rows: torch.Tensor | None = None):
@@ -130,18 +131,15 @@ class CausalLM(nn.Module):
         key = (*(t.data_ptr() for a in ends for t in (a.k_cache, a.v_cache)), self.cos_sin.data_ptr(),
                self.cos_sin_local.data_ptr())
         if self._c_layers is None or self._c_layers[0] != key:
-            self._c_layers = (key, self._make_decoder_layers())
-        layers = self._c_layers[1]
-        if layers is None or any("forward" in m.__dict__ for m in self._projections()):
+            layers = self._make_decoder_layers()
+            projections = [] if layers is None else [
+                p for layer in self.layers
+                for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+            self._c_layers = (key, layers, projections)
+        _, layers, projections = self._c_layers
+        if layers is None or any("forward" in m.__dict__ for m in projections):
             return None
         return layers
-
-    def _projections(self):
-        for layer in self.layers:
-            yield layer.self_attn.qkv_proj
-            yield layer.self_attn.o_proj
-            yield layer.mlp.gate_up_proj
-            yield layer.mlp.down_proj
 
     def _make_decoder_layers(self) -> cpu_decoder.DecoderLayers | None:
         kernels = {Avx512Bf16Linear: "linear_bf16", AmxBf16Linear: "linear_amx"}
