@@ -1,0 +1,105 @@
+"""The vector units' peak on this CPU: a loop of independent VDPBF16PS (where the CPU has AVX512-BF16)
+and of VFMADD231PS on registers only, 12 accumulators (more than latency times throughput needs), on
+each of N threads at once. What the bf16 linear layers' kernel (kernels/cpu/csrc/matmul.c) can reach
+at most; compare its GFLOP/s (engine_throughput.py's roofline line, kernels_cpu.py --op linear_bf16).
+
+Usage: .venv/bin/python bench/vector_peak.py [--threads 2] [--seconds 1.5]
+"""
+
+import argparse
+import subprocess
+import tempfile
+from pathlib import Path
+
+from batchapi.kernels.cpu.build import _compiler
+
+SOURCE = r"""
+#include <immintrin.h>
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#define ACC 12
+#define KEEP(a)                                                                                 \
+    __asm__ volatile("" ::"v"(a[0]), "v"(a[1]), "v"(a[2]), "v"(a[3]), "v"(a[4]), "v"(a[5]), "v"(a[6]), "v"(a[7]), \
+                     "v"(a[8]), "v"(a[9]), "v"(a[10]), "v"(a[11])) /* each sum kept, in its register */
+static double finish(__m512 *a, double t, long n, int flops) {
+    const double seconds = omp_get_wtime() - t;
+    float sum = 0.0f;
+    for (int j = 0; j < ACC; j++) sum += _mm512_reduce_add_ps(a[j]);
+    if (sum == 1234.5f) puts("");
+    return (double)n * ACC * flops / seconds / 1e9; /* FLOP: a product and a sum each */
+}
+static double fma_loop(long n) {
+    __m512 a[ACC];
+    for (int j = 0; j < ACC; j++) a[j] = _mm512_setzero_ps();
+    const __m512 x = _mm512_set1_ps(1.0f), y = _mm512_set1_ps(1e-9f);
+    const double t = omp_get_wtime();
+    for (long i = 0; i < n; i++) {
+#pragma GCC unroll 12
+        for (int j = 0; j < ACC; j++) a[j] = _mm512_fmadd_ps(x, y, a[j]);
+        KEEP(a);
+    }
+    return finish(a, t, n, 32);
+}
+#ifdef __AVX512BF16__
+static double dpbf16_loop(long n) {
+    __m512 a[ACC];
+    for (int j = 0; j < ACC; j++) a[j] = _mm512_setzero_ps();
+    const __m512bh x = (__m512bh)_mm512_set1_epi16(0x3f80), y = (__m512bh)_mm512_set1_epi16(0x3f80);
+    const double t = omp_get_wtime();
+    for (long i = 0; i < n; i++) {
+#pragma GCC unroll 12
+        for (int j = 0; j < ACC; j++) a[j] = _mm512_dpbf16_ps(a[j], x, y);
+        KEEP(a);
+    }
+    return finish(a, t, n, 64);
+}
+#endif
+static double loop(int bf16, long n) {
+#ifdef __AVX512BF16__
+    if (bf16) return dpbf16_loop(n);
+#endif
+    return fma_loop(n);
+}
+int main(int argc, char **argv) {
+    const int threads = atoi(argv[1]);
+    const long n = atol(argv[2]);
+#ifdef __AVX512BF16__
+    const int kinds = 2;
+#else
+    const int kinds = 1;
+#endif
+    for (int kind = kinds - 1; kind >= 0; kind--) {
+        double rate[64] = {0};
+#pragma omp parallel num_threads(threads)
+        rate[omp_get_thread_num()] = loop(kind, n);
+        double total = 0.0;
+        for (int i = 0; i < threads; i++) total += rate[i];
+        printf("%s: %.1f GFLOP/s on %d threads (", kind ? "VDPBF16PS" : "VFMADD231PS", total, threads);
+        for (int i = 0; i < threads; i++) printf("%s%.1f", i ? ", " : "", rate[i]);
+        puts(" a thread)");
+    }
+    return 0;
+}
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seconds", type=float, default=1.5, help="about how long each loop runs")
+    args = ap.parse_args()
+    compiler = _compiler()
+    if compiler is None:
+        raise SystemExit("no C compiler (cc, gcc or $CC)")
+    with tempfile.TemporaryDirectory() as tmp:
+        source, binary = Path(tmp) / "peak.c", Path(tmp) / "peak"
+        source.write_text(SOURCE)
+        subprocess.run([compiler, "-O2", "-march=native", "-fopenmp", "-o", str(binary), str(source)], check=True)
+        iterations = int(args.seconds * 3e9 / 12)  # about one instruction a cycle at 3 GHz
+        print(subprocess.run([str(binary), str(args.threads), str(iterations)], check=True, capture_output=True,
+                             text=True).stdout, end="")
+
+
+if __name__ == "__main__":
+    main()
