@@ -131,29 +131,27 @@ class CausalLM(nn.Module):
         key = (*(t.data_ptr() for a in ends for t in (a.k_cache, a.v_cache)), self.cos_sin.data_ptr(),
                self.cos_sin_local.data_ptr())
         if self._c_layers is None or self._c_layers[0] != key:
-            layers = self._make_decoder_layers()
-            projections = [] if layers is None else [
-                p for layer in self.layers
-                for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-            self._c_layers = (key, layers, projections)
+            self._c_layers = (key, *self._make_decoder_layers())
         _, layers, projections = self._c_layers
         if layers is None or any("forward" in m.__dict__ for m in projections):
             return None
         return layers
 
-    def _make_decoder_layers(self) -> cpu_decoder.DecoderLayers | None:
+    def _make_decoder_layers(self) -> tuple[cpu_decoder.DecoderLayers | None, list[nn.Module]]:
+        """(the layers for kernels/cpu/decoder.py or None, their projections in order)."""
         kernels = {Avx512Bf16Linear: "linear_bf16", AmxBf16Linear: "linear_amx"}
-        cfg, out = self.cfg, []
+        cfg, out, all_projections = self.cfg, [], []
         if self.embed_scale is not None or not len(self.layers):
-            return None
+            return None, []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             if (type(layer) is not DecoderLayer or type(mlp) is not MLP or mlp.act_and_mul is not
                     cpu_elementwise.silu_and_mul or attn.q_norm is not None or attn.softcap):
-                return None
+                return None, []
             projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if any(type(p) not in kernels for p in projections) or any(p.bias is not None for p in projections[1:]):
-                return None
+                return None, []
+            all_projections += projections
             out.append(cpu_decoder.Layer(
                 *((kernels[type(p)], p.packed_weight) for p in projections), attn.qkv_proj.panel_bias,
                 layer.input_layernorm.weight, layer.post_attention_layernorm.weight, attn.k_cache, attn.v_cache,
@@ -162,7 +160,7 @@ class CausalLM(nn.Module):
         layers = cpu_decoder.DecoderLayers(out, cfg.hidden_size, cfg.intermediate_size, first.num_heads,
                                            first.num_kv_heads, first.head_dim, self.layers[0].input_layernorm.eps,
                                            first.scale)
-        return layers if layers.usable else None
+        return (layers, all_projections) if layers.usable else (None, [])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final normed hidden states [S, H] -> logits [S, V]."""

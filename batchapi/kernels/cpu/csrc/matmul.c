@@ -327,12 +327,8 @@ INLINE Best best_at(Best best, int64_t r) {
         PAIR_ROWS(NP, AT)                                                                                      \
     }
 #define ACC_ROW(r) __m512 a##r##0 = _mm512_setzero_ps(), a##r##1 = a##r##0, a##r##2 = a##r##0;
-#define ACC_OUT(r, NP)                                                                                         \
-    if (r < mr) {                                                                                             \
-        acc[r][0] = a##r##0;                                                                                   \
-        if (NP > 1) acc[r][NP > 1] = a##r##1;                                                                  \
-        if (NP > 2) acc[r][2 * (NP > 2)] = a##r##2;                                                            \
-    }
+#define ACC_OUT(r)                                                                                             \
+    if (r < mr) acc[r][0] = a##r##0, acc[r][1] = a##r##1, acc[r][2] = a##r##2; /* past NP: never read */
 
 #define PAIR_TILE(MR, NP)                                                                                      \
     static void pair_tile_##MR##_##NP(const uint16_t *x, int64_t xs, const uint32_t *w, int64_t k,            \
@@ -349,9 +345,8 @@ INLINE Best best_at(Best best, int64_t r) {
             for (int r = 0; r < MR; r++) last[r] = pair_at(x + r * xs + 2 * whole, 1);                        \
             PAIR_STEP(NP, whole, PAIR_IN_LAST)                                                                 \
         }                                                                                                     \
-        __m512 acc[MR][NP];                                                                                   \
-        ACC_OUT(0, NP) ACC_OUT(1, NP) ACC_OUT(2, NP) ACC_OUT(3, NP) ACC_OUT(4, NP) ACC_OUT(5, NP) ACC_OUT(6, NP)  \
-        ACC_OUT(7, NP)                                                                                        \
+        __m512 acc[MR][PAIR_TILE_PANELS];                                                                     \
+        ACC_OUT(0) ACC_OUT(1) ACC_OUT(2) ACC_OUT(3) ACC_OUT(4) ACC_OUT(5) ACC_OUT(6) ACC_OUT(7)                \
         PAIR_EPILOGUE(MR, NP)                                                                                 \
     }
 #define PAIR_IN_ROW(r) ((const uint32_t *)(x + (r) * xs + 2 * i))
