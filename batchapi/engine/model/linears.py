@@ -150,10 +150,14 @@ class Avx512Bf16Linear(CKernelLinear):
     ``linear_bf16``), its weight packed in pairs; ``weight`` unpacks it on demand (for the probe and
     tests, never on a step)."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, screen: bool = False):
+        """``screen``: a greedy lm_head's, whose ``argmax`` bounds most outputs in int8 first (the same
+        choice; ``matmul.linear_bf16_argmax_screened``), where the kernel screens here."""
         super().__init__(linear, matmul.pack_pairs)
         # the kernel's form of the bias (float32, whole panels), made once rather than on every call
         self.panel_bias = None if self.bias is None else matmul.panel_bias(self.bias, self.out_features)
+        self.screen = matmul.pack_screen(linear.weight) if screen and matmul.screen_native() else None
+        self.screened_rows = self.exact_groups = 0  # the screen's tally, until it proves itself or is dropped
 
     @property
     def weight(self) -> torch.Tensor:
@@ -164,7 +168,33 @@ class Avx512Bf16Linear(CKernelLinear):
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """``forward(x).argmax(-1)``, the outputs never written (a greedy step's lm_head)."""
-        return matmul.linear_bf16_argmax(x, self.packed_weight, self.out_features, self.in_features, self.panel_bias)
+        if self.screen is None:
+            return matmul.linear_bf16_argmax(x, self.packed_weight, self.out_features, self.in_features,
+                                             self.panel_bias)
+        chosen, exact = matmul.linear_bf16_argmax_screened(x, self.packed_weight, self.screen, self.out_features,
+                                                           self.in_features, self.panel_bias)
+        self._tally(chosen.numel(), exact)
+        return chosen
+
+    def _tally(self, rows: int, exact: int) -> None:
+        """Drop the screen where it computes too much exactly anyway (logits without a clear top, such as
+        random weights'): over its first SCREEN_TRIAL_ROWS rows, more than SCREEN_MOST_EXACT of the
+        rows' groups of columns. Either way the choices are the same."""
+        if self.screened_rows >= SCREEN_TRIAL_ROWS:
+            return
+        self.screened_rows += rows
+        self.exact_groups += exact
+        if self.screened_rows >= SCREEN_TRIAL_ROWS:
+            groups = -(-self.out_features // (3 * matmul.PANEL))
+            share = self.exact_groups / (self.screened_rows * groups)
+            if share > SCREEN_MOST_EXACT:
+                self.screen = None
+            log.info("the lm_head's int8 screen ran %.1f%% of its groups of columns exactly over %d rows: %s", 100 * share,
+                     self.screened_rows, "dropped" if self.screen is None else "kept")
+
+
+SCREEN_TRIAL_ROWS = 256
+SCREEN_MOST_EXACT = 0.2
 
 
 class AmxBf16Linear(Avx512Bf16Linear):
@@ -226,7 +256,9 @@ def pack_linears(model: nn.Module, batch_hint: int, bf16_weights: bool = False) 
             setattr(parent, name, AmxBf16Linear(child))
             counts["amx-bf16"] += 1
         elif bf16_weights and can_run_avx512_bf16(child):
-            setattr(parent, name, Avx512Bf16Linear(child))
+            # a greedy lm_head (no softcap between it and the argmax) screened in int8
+            head = parent is model and name == "lm_head" and not getattr(model, "final_softcap", None)
+            setattr(parent, name, Avx512Bf16Linear(child, screen=head))
             counts["avx512-bf16"] += 1
         elif can_pack(child):
             setattr(parent, name, PackedLinear.from_linear(child, batch_hint))

@@ -151,6 +151,10 @@ def _load_matmul() -> ctypes.CDLL | None:
             argmax.restype = ctypes.c_int
             argmax.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, ctypes.c_int]
         lib.linear_amx_native.restype = ctypes.c_int
+        lib.linear_bf16_screen_native.restype = ctypes.c_int
+        lib.linear_bf16_argmax_screened.restype = ctypes.c_int
+        lib.linear_bf16_argmax_screened.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ctypes.c_float,
+                                                    ptr, ptr, ctypes.c_int]
     return lib
 
 

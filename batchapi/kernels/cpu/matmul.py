@@ -27,9 +27,11 @@ of the step (25 MB at 256 rows of SmolLM2), written only to be read back once.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -243,6 +245,71 @@ def _pairs_argmax(kernel: str, x: torch.Tensor, packed: torch.Tensor, out_featur
     if rc != 0:
         raise RuntimeError(f"{kernel} refused [{rows}, {in_features}] x [{out_features}, {in_features}]")
     return chosen.view(x.shape[:-1])
+
+
+@dataclass(frozen=True)
+class Screen:
+    """A weight's int8 form for ``linear_bf16_argmax_screened`` (``pack_screen``): its quads, per panel
+    [in / 4, 16, 4] uint8 (q + 128, q = round(w / s) in [-127, 127]), and per column [4, panels * 16]
+    float32: the scale s, the norms of w - s q, of s q and of w (each rounded up), and the largest of
+    the last."""
+    quads: torch.Tensor
+    stats: torch.Tensor
+    largest_norm: float
+
+
+def screen_native() -> bool:
+    """Whether ``linear_bf16_argmax_screened`` screens here (the kernel built with AVX512-BF16 and
+    AVX512-VNNI); elsewhere it is ``linear_bf16_argmax``."""
+    lib = _library()
+    return lib is not None and lib.linear_bf16_screen_native() == 1
+
+
+def pack_screen(weight: torch.Tensor, columns: int = 4096) -> Screen | None:
+    """``weight`` [out, in] (bf16 values) in the form the screen reads, ``columns`` at a time; None where
+    it cannot screen: ``in`` not a multiple of 4 of at least 32, or a weight not finite."""
+    out_features, in_features = weight.shape
+    if in_features % 4 or in_features < 32:
+        return None
+    panels = (out_features + PANEL - 1) // PANEL
+    quads = torch.full((panels * PANEL, in_features), 128, dtype=torch.uint8)
+    stats = torch.zeros(4, panels * PANEL, dtype=torch.float32)
+    up = 1 + 2**-20  # norms rounded up past float32's rounding of them
+    for lo in range(0, out_features, columns):
+        w = weight[lo:lo + columns].detach().to(torch.bfloat16).double()
+        if not torch.isfinite(w).all():
+            return None
+        scale = (w.abs().amax(1) / 127).float()  # as the kernel reads it
+        s = scale.double()[:, None]
+        q = torch.where(s > 0, torch.round(w / torch.where(s > 0, s, 1.0)), 0.0).clamp(-127, 127)
+        rounded = s * q
+        quads[lo:lo + len(w)] = (q + 128).to(torch.uint8)
+        stats[:, lo:lo + len(w)] = torch.stack([scale.double(), (w - rounded).norm(dim=1) * up,
+                                                rounded.norm(dim=1) * up, w.norm(dim=1) * up]).float()
+    # [P, 16, in / 4, 4] -> [P, in / 4, 16, 4]: per quad of K, the panel's 16 columns, each its four weights
+    quads = quads.view(panels, PANEL, in_features // 4, 4).permute(0, 2, 1, 3).contiguous()
+    return Screen(quads, stats, float(stats[3].max()))
+
+
+def linear_bf16_argmax_screened(x: torch.Tensor, packed: torch.Tensor, screen: Screen, out_features: int,
+                                in_features: int, bias: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    """``linear_bf16_argmax``'s choices, the same index, from most outputs bounded in int8 and only the
+    groups of columns that may hold a row's largest computed (csrc/matmul.c). Returns (them, how many
+    of the rows' groups of 48 columns ran exactly)."""
+    lib, x2, rows, row_stride, bias = _pairs_args("linear_bf16_argmax_screened", x, packed, out_features,
+                                                  in_features, bias)
+    if screen.quads.shape != (packed.shape[0], in_features // 4, PANEL, 4) or screen.stats.shape[1] != packed.shape[0] * PANEL:
+        raise ValueError(f"a screen {tuple(screen.quads.shape)} is not of the packed weight {tuple(packed.shape)}")
+    chosen = torch.empty(rows, dtype=torch.int64)
+    exact = ctypes.c_int64(0)
+    rc = lib.linear_bf16_argmax_screened(x2.data_ptr(), row_stride, rows, packed.data_ptr(), out_features,
+                                         in_features, bias.data_ptr() if bias is not None else None,
+                                         screen.quads.data_ptr(), screen.stats.data_ptr(), screen.largest_norm,
+                                         chosen.data_ptr(), ctypes.byref(exact), torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"linear_bf16_argmax_screened refused [{rows}, {in_features}] x [{out_features}, "
+                           f"{in_features}]")
+    return chosen.view(x.shape[:-1]), exact.value
 
 
 def _pairs_args(kernel: str, x: torch.Tensor, packed: torch.Tensor, out_features: int, in_features: int,

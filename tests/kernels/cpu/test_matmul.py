@@ -344,3 +344,66 @@ def test_amx_linear_refuses_k_in_part_chunks():
     weight, _ = bf16_layer(32, 48, False)  # 48: one and a half chunks of 32
     with pytest.raises(ValueError, match="multiple of 32"):
         matmul.linear_amx(torch.randn(3, 48).bfloat16(), matmul.pack_pairs(weight), 32, 48, None)
+
+
+def peaked_head(out_features: int, in_features: int, rows: int, seed: int):
+    """A lm_head and rows of x whose outputs peak as a chat model's do: each row near one column, some
+    near two (a near tie, closer than the screen's bounds), and a few channels of x far larger than the
+    rest (a model's outlier channels)."""
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=g) / in_features**0.5
+    twins = torch.randint(0, out_features, (8,), generator=g)
+    weight[twins[4:]] = weight[twins[:4]] + 1e-3 * torch.randn(4, in_features, generator=g)
+    weight[100] = weight[50]  # an exact tie: the first column in the second group, the other in the third
+    top = torch.randint(0, out_features, (rows,), generator=g)
+    top[:4], top[4:8] = twins[:4], 50
+    x = 4 * weight[top] * in_features**0.5 + torch.randn(rows, in_features, generator=g)
+    x[:, torch.randperm(in_features, generator=g)[:6]] *= 20
+    # lopsided columns: the largest output of rows 8..19, whose one large weight (where x is 0) leaves the
+    # rest rounded to int8 coarsely, against a column 2% behind that int8 rounds well: the bound decides
+    x[8:20, 0] = 0.0
+    for r in range(8, 20):
+        weight[7 + 48 * r] = x[r] / x[r].norm()
+        weight[8 + 48 * r] = 0.98 * x[r] / x[r].norm()
+        weight[7 + 48 * r, 0] = 30.0
+    return weight.bfloat16(), x.bfloat16()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_int8_screen_chooses_what_the_argmax_chooses(bias, instructions):
+    """linear_bf16_argmax_screened: the index linear_bf16_argmax gives, on peaked rows (near and exact
+    ties across groups and thread shares, outlier channels), flat ones (random x), a row of zeros, NaN
+    and infinite rows (the exact kernel's), ragged groups, with a bias, on 1 and 2 threads; and on the
+    peaked rows it computes few of the rows' groups exactly (where this build screens)."""
+    for out_features, seed in ((4099, 0), (1000, 1)):
+        weight, x = peaked_head(out_features, 96, 90, seed)
+        g = torch.Generator().manual_seed(seed)
+        flat = torch.randn(20, 96, generator=g).bfloat16()
+        flat[3], flat[5], flat[7, 10] = 0.0, float("nan"), float("inf")
+        b = torch.randint(-2, 3, (out_features,), generator=g).float() if bias else None
+        packed, screen = matmul.pack_pairs(weight), matmul.pack_screen(weight)
+        groups = -(-out_features // 48)
+        threads = torch.get_num_threads()
+        try:
+            for n in (1, 2):
+                torch.set_num_threads(n)
+                for rows in (0, 1, 9, 33, 90):
+                    expected = matmul.linear_bf16_argmax(x[:rows], packed, out_features, 96, b)
+                    chosen, exact = matmul.linear_bf16_argmax_screened(x[:rows], packed, screen, out_features, 96, b)
+                    assert torch.equal(chosen, expected), (out_features, rows, n)
+                    if rows and matmul.screen_native() and instructions == "dpbf16":
+                        assert exact < rows * groups / 4, (exact, rows * groups)
+                for rows in (slice(0, 20), slice(3, 4), slice(6, 20)):  # the last with a NaN and an inf
+                    expected = matmul.linear_bf16_argmax(flat[rows], packed, out_features, 96, b)
+                    chosen, _ = matmul.linear_bf16_argmax_screened(flat[rows], packed, screen, out_features, 96, b)
+                    assert torch.equal(chosen, expected), (out_features, rows, n)
+        finally:
+            torch.set_num_threads(threads)
+
+
+def test_the_screen_is_not_made_for_a_weight_it_cannot_bound():
+    assert matmul.pack_screen(torch.randn(10, 30).bfloat16()) is None  # K not a multiple of 4
+    assert matmul.pack_screen(torch.randn(10, 16).bfloat16()) is None  # K under 32: no pairs to take
+    weight = torch.randn(10, 64).bfloat16()
+    weight[2, 5] = float("inf")
+    assert matmul.pack_screen(weight) is None

@@ -254,16 +254,17 @@ static Best best_of(int t, int team, int64_t m, float *values, int64_t *columns)
     return (Best){values + t * m, columns + t * m, columns + team * m + t * m};
 }
 
-/* the threads' choices merged into chosen[m] and freed: thread t's columns lie before thread t + 1's,
- * so the first NaN, else the first largest */
+/* the threads' choices merged into chosen[m] and freed: the first NaN, else the first largest (by
+ * column: the screen interleaves the threads' columns) */
 static void best_finish(int team, int64_t m, float *values, int64_t *columns, int64_t *chosen) {
     for (int64_t r = 0; r < m; r++) {
         float top = -INFINITY;
         int64_t column = 0, nan = -1;
         for (int t = 0; t < team; t++) {
-            const int64_t i = t * m + r;
-            if (nan < 0 && columns[team * m + i] >= 0) nan = columns[team * m + i];
-            if (values[i] > top) top = values[i], column = columns[i];
+            const int64_t i = t * m + r, first_nan = columns[team * m + i];
+            if (first_nan >= 0 && (nan < 0 || first_nan < nan)) nan = first_nan;
+            if (values[i] > top || (values[i] == top && values[i] > -INFINITY && columns[i] < column))
+                top = values[i], column = columns[i];
         }
         chosen[r] = nan >= 0 ? nan : column;
     }
@@ -574,6 +575,387 @@ int linear_bf16_argmax(const uint16_t *x, int64_t xs, int64_t m, const uint32_t 
     if (m == 0) return 0; /* nothing to choose (chosen may be NULL) */
     if (chosen == NULL) return -1;
     return pair_linear(x, xs, m, packed, n, k, bias, NULL, 0, threads, chosen);
+}
+
+/* A greedy lm_head screened in int8 first (linear_bf16_argmax_screened): the same choice as
+ * linear_bf16_argmax, exactly, for about half its arithmetic on a peaked distribution such as a chat
+ * model's logits.
+ *
+ * Each output is first bounded, not computed: x's 16 pairs of the call with the largest magnitudes
+ * (a model's outlier channels) times their weights in bf16 as VDPBF16PS adds them, plus the other
+ * channels in int8 (x per row and the weight per column scaled to +-127; VPDPBUSD, four products an
+ * element, twice VDPBF16PS's rate), and a bound on how far that lies from the kernel's fp32 chain:
+ *     |v - a| <= |x_in| e + |r_x| m + 2 gamma |x| |w|   (times 1 + 2^-10, + |a| 2^-16 + 1e-30)
+ * where x_in is x without those pairs, r_x its rounding to int8, e and m the norms of the column's
+ * rounding and rounded weight (Cauchy-Schwarz on the two roundings), gamma = K 2^-24 the chain's own
+ * rounding (and the approximation's), the rest the fp32 arithmetic of the bound. A row keeps the
+ * largest lower bound L seen; a group of columns whose upper bounds all lie at or below the bf16 just
+ * under bf16_down(L) cannot hold the row's largest bf16 output nor a tie with it (the column of L
+ * rounds to at least bf16_down(L)), so only the other groups run the exact tile for that row and fold
+ * its outputs as linear_bf16_argmax does. The choice is the first column of the largest output among
+ * the columns computed, which hold every column of that largest value: the same index, bits for bits,
+ * at any batch (each row's bound reads only its own row and the call's choice of pairs).
+ * Where x is not finite, or large enough that a bound could overflow, the call is linear_bf16_argmax.
+ *
+ * The weight comes twice: pair-packed (for the exact tiles and the 16 pairs) and as quads: per panel
+ * of 16 columns, K / 4 vectors of 64 bytes, column c's four weights (q + 128, q in [-127, 127]) at
+ * bytes 4c..4c+3; stats [4][panels * 16] fp32: per column the scale s (q = round(w / s)), e, m and
+ * |w|, each rounded up (batchapi/kernels/cpu/matmul.py's pack_screen). x's quads go signed, the
+ * weights unsigned: the sum of (q + 128) xq less 128 times the row's sum of xq. */
+#if defined(HAVE_AVX512BF16) && defined(__AVX512VNNI__)
+#define HAVE_SCREEN 1
+#define SCREEN_PAIRS 16
+
+/* a row of the call as the screen sees it */
+typedef struct {
+    float t;     /* x_in's scale: max |x_in| / 127 */
+    int32_t sum; /* the sum of its int8 values */
+    float x_in, r_x, g_x; /* |x_in|, |x_in - t xq|, 2 gamma |x|: rounded up */
+} ScreenRow;
+
+/* what a screen tile needs besides its rows */
+typedef struct {
+    const int8_t *xq;      /* x_in in int8 (the 16 pairs 0), by tiles of 8 rows: [m / 8][k / 4][8][4] */
+    const uint32_t *xo;    /* [m][SCREEN_PAIRS]: x's 16 pairs as they are */
+    const ScreenRow *rows; /* [m] */
+    const int32_t *pairs;  /* the 16 pairs' indices */
+    const uint16_t *x;     /* the call's x, for the exact tiles */
+    int64_t xs, k, pstride, npad;
+    const uint32_t *packed; /* pair-packed weight */
+    const float *stats, *bias;
+    int64_t n;
+    float *floor, *below;   /* this thread's [m]: each row's largest lower bound, and the bf16 under it */
+    int32_t *kept, *held;   /* this thread's [m][SCREEN_KEEP] groups that may hold the row's choice; [m] */
+    float *kept_upper;      /* [m][SCREEN_KEEP]: their largest upper bounds */
+    Best mine;              /* this thread's choices */
+    int64_t exact;          /* this thread's exact (row, group) tiles */
+} Screen;
+
+/* A row's groups that may hold its choice wait in a list (in order of columns) until the thread's
+ * groups are all bounded, then only those above the largest lower bound of all threads run exactly:
+ * bounded in order, a row's floor rises slowly (at 256 rows of SmolLM2, 160 of 1,024 groups a row
+ * clear the running floor; 15 the final one). A full list drops what its floor has passed, else
+ * runs them. */
+#define SCREEN_KEEP 128
+
+/* row r's group g exactly, folded into its choice */
+static void screen_exact(Screen *sc, int64_t r, int64_t g) {
+    const int64_t p0 = g * PAIR_TILE_PANELS, panels = sc->npad / PANEL;
+    const int np = (int)(panels - p0 < PAIR_TILE_PANELS ? panels - p0 : PAIR_TILE_PANELS);
+    sc->exact++;
+    PAIR_TILES_BY[np][1](sc->x + r * sc->xs, sc->xs, sc->packed + p0 * sc->pstride, sc->k, sc->pstride,
+                         sc->bias ? sc->bias + p0 * PANEL : NULL, NULL, 0, (int)(sc->n - p0 * PANEL), NULL,
+                         best_at(sc->mine, r), p0 * PANEL);
+}
+
+/* row r's kept groups whose upper bound lies above `below` run exactly, in order; the list empties */
+static void screen_run(Screen *sc, int64_t r, float below) {
+    const int32_t *kept = sc->kept + r * SCREEN_KEEP;
+    const float *upper = sc->kept_upper + r * SCREEN_KEEP;
+    for (int i = 0; i < sc->held[r]; i++)
+#ifndef SCREEN_NO_EXACT
+        if (upper[i] > below) screen_exact(sc, r, kept[i]);
+#endif
+    sc->held[r] = 0;
+}
+
+/* group g kept for row r, whose upper bound is `upper` */
+static void screen_keep(Screen *sc, int64_t r, int64_t g, float upper) {
+    int32_t *kept = sc->kept + r * SCREEN_KEEP;
+    float *uppers = sc->kept_upper + r * SCREEN_KEEP;
+    if (sc->held[r] == SCREEN_KEEP) { /* full: drop what the floor has passed since */
+        int held = 0;
+        for (int i = 0; i < SCREEN_KEEP; i++)
+            if (uppers[i] > sc->below[r]) kept[held] = kept[i], uppers[held++] = uppers[i];
+        sc->held[r] = held;
+        if (held == SCREEN_KEEP) screen_run(sc, r, -INFINITY);
+    }
+    kept[sc->held[r]] = (int32_t)g, uppers[sc->held[r]++] = upper;
+}
+
+/* the largest bf16 value strictly below bf16_down(f) (rounded towards -inf), or -inf: a column whose
+ * upper bound is at most this rounds below the one whose lower bound is f */
+static float bf16_below(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if (f == -INFINITY || f != f) return -INFINITY;
+    if (bits & 0xffffu) bits = (bits & 0x80000000u) ? (bits & 0xffff0000u) + 0x10000u : bits & 0xffff0000u;
+    float down;
+    memcpy(&down, &bits, sizeof down);
+    if (down == 0.0f) return -1.17549435e-38f; /* the largest negative normal: flushing keeps it below 0 */
+    bits += (bits & 0x80000000u) ? 0x10000u : (uint32_t)-0x10000;
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return -INFINITY;
+    memcpy(&down, &bits, sizeof down);
+    return down;
+}
+
+/* VPDPBUSD: the panel's quad vector (unsigned) times row x's quad broadcast from memory (signed) */
+#define DQ1(acc, wv, at) __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(wv), "m"(*(at)))
+#define QUAD_ROW(r, NP, at)                                                                                    \
+    if (r < mr) {                                                                                             \
+        const int32_t *at_ = (at);                                                                            \
+        DQ1(q##r##0, w0, at_);                                                                                \
+        if (NP > 1) DQ1(q##r##1, w1, at_);                                                                     \
+        if (NP > 2) DQ1(q##r##2, w2, at_);                                                                     \
+    }
+#define QUAD_ROWS(NP, AT)                                                                                      \
+    QUAD_ROW(0, NP, AT(0)) QUAD_ROW(1, NP, AT(1)) QUAD_ROW(2, NP, AT(2)) QUAD_ROW(3, NP, AT(3))               \
+    QUAD_ROW(4, NP, AT(4)) QUAD_ROW(5, NP, AT(5)) QUAD_ROW(6, NP, AT(6)) QUAD_ROW(7, NP, AT(7))
+#define QUAD_IN_ROW(r) ((const int32_t *)(xq + 32 * i + 4 * (r)))
+#define PAIR_OUT_ROW(r) (sc->xo + (r0 + (r)) * SCREEN_PAIRS + o)
+#define QACC_ROW(r) __m512i q##r##0 = _mm512_setzero_si512(), q##r##1 = q##r##0, q##r##2 = q##r##0;
+/* row r's int8 sums as fp32 approximations t s (sum - 128 sum_xq), into a_r0..a_r2 */
+#define QACC_SCALE(r, NP)                                                                                        \
+    __m512 a##r##0 = s0, a##r##1 = s0, a##r##2 = s0;                                                          \
+    if (r < mr) {                                                                                             \
+        const ScreenRow *row_ = sc->rows + r0 + r;                                                            \
+        const __m512i off_ = _mm512_set1_epi32(128 * row_->sum);                                              \
+        const __m512 t_ = _mm512_set1_ps(row_->t);                                                            \
+        a##r##0 = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q##r##0, off_)), s0), t_);  \
+        if (NP > 1) a##r##1 = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q##r##1, off_)), s1), t_); \
+        if (NP > 2) a##r##2 = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q##r##2, off_)), s2), t_); \
+    }
+#define SCREEN_OUT(r)                                                                                          \
+    if (r < mr) acc[r][0] = a##r##0, acc[r][1] = a##r##1, acc[r][2] = a##r##2;
+
+/* One tile of MR rows (r0..) by NP panels (p0..): bounds, then the exact tile for each row whose
+ * group may hold its choice. quads: the group's first panel's quads; cols: live columns from p0. */
+#define SCREEN_TILE(MR, NP)                                                                                    \
+    static void screen_tile_##MR##_##NP(Screen *sc, int64_t r0, int64_t p0, const uint8_t *quads, int cols,   \
+                                        const uint8_t *next) {                                                \
+        const int mr = MR;                                                                                    \
+        const int64_t qstride = sc->k * PANEL; /* bytes a panel of quads */                                   \
+        const int8_t *xq = sc->xq + r0 * sc->k; /* the tile's rows, quad by quad (screen_row) */                  \
+        QACC_ROW(0) QACC_ROW(1) QACC_ROW(2) QACC_ROW(3) QACC_ROW(4) QACC_ROW(5) QACC_ROW(6) QACC_ROW(7)       \
+        for (int64_t i = 0; i < sc->k / 4; i++) {                                                             \
+            const __m512i w0 = _mm512_loadu_si512(quads + i * 64);                                            \
+            const __m512i w1 = NP > 1 ? _mm512_loadu_si512(quads + qstride + i * 64) : w0;                    \
+            const __m512i w2 = NP > 2 ? _mm512_loadu_si512(quads + 2 * qstride + i * 64) : w0;                \
+            if (next)                                                                                         \
+                _Pragma("GCC unroll 3") for (int p = 0; p < PAIR_TILE_PANELS; p++)                             \
+                    _mm_prefetch((const char *)(next + p * qstride + i * 64), _MM_HINT_T1);                   \
+            QUAD_ROWS(NP, QUAD_IN_ROW)                                                                         \
+        }                                                                                                     \
+        const float *scale = sc->stats + p0 * PANEL;                                                          \
+        const __m512 s0 = _mm512_loadu_ps(scale), s1 = NP > 1 ? _mm512_loadu_ps(scale + PANEL) : s0;          \
+        const __m512 s2 = NP > 2 ? _mm512_loadu_ps(scale + 2 * PANEL) : s0;                                   \
+        QACC_SCALE(0, NP) QACC_SCALE(1, NP) QACC_SCALE(2, NP) QACC_SCALE(3, NP)                                         \
+        QACC_SCALE(4, NP) QACC_SCALE(5, NP) QACC_SCALE(6, NP) QACC_SCALE(7, NP)                                         \
+        for (int o = 0; o < SCREEN_PAIRS; o++) { /* the 16 pairs, as the exact chain multiplies them */       \
+            const uint32_t *w = sc->packed + p0 * sc->pstride + (int64_t)sc->pairs[o] * PANEL;                \
+            const __m512 w0 = _mm512_loadu_ps(w);                                                             \
+            const __m512 w1 = NP > 1 ? _mm512_loadu_ps(w + sc->pstride) : w0;                                 \
+            const __m512 w2 = NP > 2 ? _mm512_loadu_ps(w + 2 * sc->pstride) : w0;                             \
+            PAIR_ROW(0, NP, PAIR_OUT_ROW(0)) PAIR_ROW(1, NP, PAIR_OUT_ROW(1))                                  \
+            PAIR_ROW(2, NP, PAIR_OUT_ROW(2)) PAIR_ROW(3, NP, PAIR_OUT_ROW(3))                                  \
+            PAIR_ROW(4, NP, PAIR_OUT_ROW(4)) PAIR_ROW(5, NP, PAIR_OUT_ROW(5))                                  \
+            PAIR_ROW(6, NP, PAIR_OUT_ROW(6)) PAIR_ROW(7, NP, PAIR_OUT_ROW(7))                                  \
+        }                                                                                                     \
+        __m512 acc[MR][PAIR_TILE_PANELS];                                                                     \
+        SCREEN_OUT(0) SCREEN_OUT(1) SCREEN_OUT(2) SCREEN_OUT(3)                                               \
+        SCREEN_OUT(4) SCREEN_OUT(5) SCREEN_OUT(6) SCREEN_OUT(7)                                               \
+        screen_rows(sc, r0, MR, p0, NP, cols, acc);                                                           \
+    }
+
+/* the bounds of a tile's approximations acc[rows][np]: each row's floor raised, and the group kept for
+ * each row whose choice it may hold */
+static inline void screen_rows(Screen *sc, int64_t r0, int rows, int64_t p0, int np, int cols,
+                               __m512 (*acc)[PAIR_TILE_PANELS]) {
+    const int64_t c0 = p0 * PANEL;
+    __m512 e[PAIR_TILE_PANELS], m[PAIR_TILE_PANELS], n[PAIR_TILE_PANELS], b[PAIR_TILE_PANELS], tiny[PAIR_TILE_PANELS];
+    __mmask16 live[PAIR_TILE_PANELS];
+    for (int p = 0; p < np; p++) {
+        e[p] = _mm512_loadu_ps(sc->stats + sc->npad + c0 + p * PANEL);
+        m[p] = _mm512_loadu_ps(sc->stats + 2 * sc->npad + c0 + p * PANEL);
+        n[p] = _mm512_loadu_ps(sc->stats + 3 * sc->npad + c0 + p * PANEL);
+        b[p] = sc->bias ? _mm512_loadu_ps(sc->bias + c0 + p * PANEL) : _mm512_setzero_ps();
+        tiny[p] = _mm512_fmadd_ps(_mm512_abs_ps(b[p]), _mm512_set1_ps(0x1p-16f), _mm512_set1_ps(1e-30f)); /* b's rounding */
+        const int c = cols - p * PANEL;
+        live[p] = (__mmask16)(c >= PANEL ? 0xffff : c > 0 ? (1u << c) - 1 : 0);
+    }
+    const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
+    for (int r = 0; r < rows; r++) {
+        const ScreenRow *row = sc->rows + r0 + r;
+        const __m512 x_in = _mm512_set1_ps(row->x_in), r_x = _mm512_set1_ps(row->r_x);
+        const __m512 g_x = _mm512_set1_ps(row->g_x);
+        __m512 upper = minus_inf, lower = minus_inf;
+        for (int p = 0; p < np; p++) {
+            const __m512 a = _mm512_add_ps(acc[r][p], b[p]);
+            const __m512 bound = _mm512_fmadd_ps(x_in, e[p], _mm512_fmadd_ps(r_x, m[p], _mm512_fmadd_ps(g_x, n[p], tiny[p])));
+            upper = _mm512_mask_max_ps(upper, live[p], upper, _mm512_add_ps(a, bound));
+            lower = _mm512_mask_max_ps(lower, live[p], lower, _mm512_sub_ps(a, bound));
+        }
+        float *floor = sc->floor + r0 + r, *below = sc->below + r0 + r;
+        if (_mm512_cmp_ps_mask(lower, _mm512_set1_ps(*floor), _CMP_GT_OQ)) {
+            *floor = _mm512_reduce_max_ps(lower);
+            *below = bf16_below(*floor);
+        }
+        if (_mm512_cmp_ps_mask(upper, _mm512_set1_ps(*below), _CMP_GT_OQ))
+            screen_keep(sc, r0 + r, p0 / PAIR_TILE_PANELS, _mm512_reduce_max_ps(upper));
+    }
+}
+
+TILES_OF(SCREEN_TILE, 1)
+TILES_OF(SCREEN_TILE, 2)
+TILES_OF(SCREEN_TILE, 3)
+
+typedef void (*screen_tile_fn)(Screen *, int64_t, int64_t, const uint8_t *, int, const uint8_t *);
+static const screen_tile_fn SCREEN_TILES_BY[PAIR_TILE_PANELS + 1][PAIR_TILE_ROWS + 1] = TILE_TABLE(screen_tile);
+
+/* x's SCREEN_PAIRS pairs of the largest magnitude over the call's rows (the first of equals), in order */
+static void screen_pairs(const uint16_t *x, int64_t xs, int64_t m, int64_t k, int32_t *pairs, float *most) {
+    const int64_t np = k / 2;
+    for (int64_t i = 0; i < np; i++) most[i] = 0.0f;
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t i = 0; i < np; i++) {
+            const float a = fabsf(bf16_to_f32(x[r * xs + 2 * i])), b = fabsf(bf16_to_f32(x[r * xs + 2 * i + 1]));
+            const float big = a > b ? a : b;
+            if (big > most[i]) most[i] = big;
+        }
+    for (int o = 0; o < SCREEN_PAIRS; o++) {
+        int64_t top = -1;
+        for (int64_t i = 0; i < np; i++)
+            if (most[i] >= 0.0f && (top < 0 || most[i] > most[top])) top = i;
+        pairs[o] = (int32_t)top;
+        most[top] = -1.0f; /* taken */
+    }
+    for (int o = 1; o < SCREEN_PAIRS; o++) /* in order of K, as they lie in the weight */
+        for (int j = o; j > 0 && pairs[j - 1] > pairs[j]; j--) {
+            const int32_t t = pairs[j];
+            pairs[j] = pairs[j - 1], pairs[j - 1] = t;
+        }
+}
+
+/* row r of x as the screen sees it; 0 where it is not finite or large enough that a bound could
+ * overflow (|x| times the largest |w| of a column beyond 1e30) */
+static int screen_row(const uint16_t *xr, int64_t k, const int32_t *pairs, const char *taken, float w_norm,
+                      int8_t *xq, uint32_t *xo, ScreenRow *row) { /* xq: the row's first quad; the next 32 on */
+    double all = 0.0, in = 0.0, rounded = 0.0;
+    float most = 0.0f;
+    for (int64_t i = 0; i < k; i++) {
+        const float v = bf16_to_f32(xr[i]);
+        all += (double)v * v;
+        if (!taken[i / 2] && fabsf(v) > most) most = fabsf(v);
+    }
+    if (!(all <= 1e60) || sqrt(all) * w_norm > 1e30) return 0; /* NaN fails too */
+    const float t = most / 127.0f;
+    int32_t sum = 0;
+    for (int64_t i = 0; i < k; i++) {
+        const float v = bf16_to_f32(xr[i]);
+        int q = 0;
+        if (!taken[i / 2]) {
+            if (t > 0.0f) q = (int)rintf(v / t);
+            q = q > 127 ? 127 : q < -127 ? -127 : q;
+            in += (double)v * v;
+            const double d = (double)v - (double)t * q;
+            rounded += d * d;
+        }
+        xq[i / 4 * 32 + i % 4] = (int8_t)q;
+        sum += q;
+    }
+    for (int o = 0; o < SCREEN_PAIRS; o++) xo[o] = pair_at(xr + 2 * pairs[o], 0);
+    /* rounded up, with room for the fp32 arithmetic of a and its bound (2^-10 of the bound), and for the
+     * bias's rounding and a's own (|a| 2^-16, where |a| <= |x| |w| + the bound) */
+    const double up = 1.0 + 0x1p-10, gamma = (double)k * 0x1p-24 / (1.0 - (double)k * 0x1p-24);
+    *row = (ScreenRow){t, sum, (float)(sqrt(in) * up * (1.0 + 0x1p-16)), (float)(sqrt(rounded) * up * (1.0 + 0x1p-16)),
+                       (float)((2.0 * gamma + 0x1p-16) * sqrt(all) * up * (1.0 + 0x1p-16))};
+    return 1;
+}
+#endif
+
+/* 1 where this build screens (AVX512-BF16 and AVX512-VNNI), else 0 */
+int linear_bf16_screen_native(void) {
+#ifdef HAVE_SCREEN
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* linear_bf16_argmax's choices, screened in int8 (above); `exact` (if not NULL) gets how many (row,
+ * group of 3 panels) tiles ran exactly, of m times the groups. K a multiple of 4 of at least
+ * 2 SCREEN_PAIRS; w_norm the largest |w| of a column (its norm). Where the build has no screen, or the
+ * instructions are the FMA form, it is linear_bf16_argmax. */
+int linear_bf16_argmax_screened(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *packed, int64_t n,
+                                int64_t k, const float *bias, const uint8_t *quads, const float *stats,
+                                float w_norm, int64_t *chosen, int64_t *exact, int threads) {
+    const int64_t panels = (n + PANEL - 1) / PANEL, groups = (panels + PAIR_TILE_PANELS - 1) / PAIR_TILE_PANELS;
+    if (exact) *exact = m * groups;
+    if (m == 0) return 0;
+    if (chosen == NULL || m < 0 || n < 0 || k < 0 || xs < k) return -1;
+#ifdef HAVE_SCREEN
+    if (k % 4 || k < 2 * SCREEN_PAIRS || __atomic_load_n(&pair_fma, __ATOMIC_RELAXED))
+        return pair_linear(x, xs, m, packed, n, k, bias, NULL, 0, threads, chosen);
+    const int64_t pstride = (k + 1) / 2 * PANEL;
+    int parallel = threads > 1 && m * n * k >= (1 << 19) && groups > 1, team = parallel ? threads : 1;
+    int32_t pairs[SCREEN_PAIRS];
+    int8_t *xq = malloc((size_t)((m + 7) / 8 * 8 * k));
+    uint32_t *xo = malloc((size_t)m * SCREEN_PAIRS * sizeof *xo);
+    ScreenRow *rows = malloc((size_t)m * sizeof *rows);
+    float *bounds = malloc((size_t)(2 * team * m + k) * sizeof *bounds); /* floors, belows; the pairs' most */
+    int32_t *kept = malloc((size_t)team * m * (SCREEN_KEEP + 1) * sizeof *kept);
+    float *kept_upper = malloc((size_t)team * m * SCREEN_KEEP * sizeof *kept_upper);
+    char *taken = calloc((size_t)(k / 2), 1);
+    float *values = NULL;
+    int64_t *columns = NULL, total = 0;
+    int finite = 1;
+    if (!xq || !xo || !rows || !bounds || !taken || !kept || !kept_upper || !best_start(team, m, &values, &columns)) {
+        free(xq), free(xo), free(rows), free(bounds), free(taken), free(kept), free(kept_upper);
+        return -1;
+    }
+    screen_pairs(x, xs, m, k, pairs, bounds + 2 * team * m);
+    for (int o = 0; o < SCREEN_PAIRS; o++) taken[pairs[o]] = 1;
+    for (int64_t r = 0; r < m && finite; r++)
+        finite = screen_row(x + r * xs, k, pairs, taken, w_norm, xq + r / 8 * 8 * k + r % 8 * 4, xo + r * SCREEN_PAIRS,
+                            rows + r);
+    for (int64_t i = 0; i < 2 * team * m; i++) bounds[i] = -INFINITY; /* no floor yet: every group runs */
+    if (finite) {
+#pragma omp parallel num_threads(team) if (parallel) reduction(+ : total)
+        {
+            const int t = thread_index();
+            const Best mine = best_of(t, team, m, values, columns);
+            Screen sc = {xq, xo, rows, pairs, x, xs, k, pstride, panels * PANEL, packed, stats, bias, n,
+                         bounds + t * m, bounds + team * m + t * m, kept + t * m * SCREEN_KEEP,
+                         kept + team * m * SCREEN_KEEP + t * m, kept_upper + t * m * SCREEN_KEEP, mine, 0};
+            for (int64_t r = 0; r < m; r++) sc.held[r] = 0;
+            for (int64_t m0 = 0; m0 < m; m0 += CHUNK_ROWS) {
+                const int64_t m1 = m0 + CHUNK_ROWS < m ? m0 + CHUNK_ROWS : m;
+                /* the groups dealt in turn, so that each thread meets the common tokens (the low ids) early
+                 * and its floors rise soon */
+                for (int64_t g = t; g < groups; g += team) {
+                    const int64_t p0 = g * PAIR_TILE_PANELS;
+                    const int np = (int)(panels - p0 < PAIR_TILE_PANELS ? panels - p0 : PAIR_TILE_PANELS);
+                    const int cols = (int)(n - p0 * PANEL);
+                    const int ahead = g + team < groups && panels - (g + team) * PAIR_TILE_PANELS >= PAIR_TILE_PANELS;
+                    const uint8_t *group = quads + p0 * k * PANEL;
+                    for (int64_t r = m0; r < m1; r += PAIR_TILE_ROWS) {
+                        const int rows_ = (int)(m1 - r < PAIR_TILE_ROWS ? m1 - r : PAIR_TILE_ROWS);
+                        const uint8_t *next = r == m0 && ahead ? quads + (g + team) * PAIR_TILE_PANELS * k * PANEL : NULL;
+                        SCREEN_TILES_BY[np][rows_](&sc, r, p0, group, cols, next);
+                    }
+                }
+            }
+#pragma omp barrier
+            for (int64_t r = 0; r < m; r++) { /* every thread's floor known: what may hold the row's choice */
+                float floor = -INFINITY;
+                for (int u = 0; u < team; u++) floor = bounds[u * m + r] > floor ? bounds[u * m + r] : floor;
+                screen_run(&sc, r, bf16_below(floor));
+            }
+            total += sc.exact;
+        }
+    }
+    free(xq), free(xo), free(rows), free(bounds), free(taken), free(kept), free(kept_upper);
+    if (!finite) {
+        free(values), free(columns);
+        return pair_linear(x, xs, m, packed, n, k, bias, NULL, 0, threads, chosen);
+    }
+    best_finish(team, m, values, columns, chosen);
+    if (exact) *exact = total;
+    return 0;
+#else
+    (void)quads, (void)stats, (void)w_norm;
+    return pair_linear(x, xs, m, packed, n, k, bias, NULL, 0, threads, chosen);
+#endif
 }
 
 /* The same layer on AMX tiles (TDPBF16PS), the same pair-packed weight: a packed panel's 16 pairs
