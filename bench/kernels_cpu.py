@@ -13,6 +13,9 @@ Usage: .venv/bin/python bench/kernels_cpu.py [--batch 96] [--ctx 300] [--spread 
         (a SmolLM2-135M decode step's bf16 linear layers, weights from memory: the C kernel for
         AVX512-BF16 and, with AMX, the one on AMX tiles, kernels/cpu/csrc/matmul.c, against oneDNN's
         packed bf16 weights, interleaved)
+   or: .venv/bin/python bench/kernels_cpu.py --op lm_head_screen [--row-counts 1,8,64,256]
+        (the same lm_head on SmolLM2's own final hidden states of greedy chat steps: the exact argmax
+        against the int8 screen, linear_bf16_argmax_screened, which gives the same choices)
    or: .venv/bin/python bench/kernels_cpu.py --op lm_head_argmax [--row-counts 1,8,64,256]
         (a greedy step's lm_head, SmolLM2-135M's 49,152 x 576, its weights from memory: the C
         kernel's logits then the engine's argmax, against the kernel's argmax folded in, each C kernel)
@@ -395,11 +398,69 @@ def bench_lm_head_argmax(a):
                   f"x{(w - s) / (f - s):4.2f}   (sweep {s:.2f} ms taken off)")
 
 
+def bench_lm_head_screen(a):
+    """Best ms of SmolLM2-135M's greedy lm_head on its own final hidden states (recorded from greedy
+    chat steps of the engine): the exact argmax in the kernel against the int8 screen (the same
+    choices, checked), and how many of a row's 1,024 groups of columns the screen ran exactly."""
+    import sys
+    from pathlib import Path
+
+    from batchapi.engine import EngineConfig, GenerationRequest, LLMEngine, SamplingParams
+    from batchapi.kernels.cpu import matmul
+    from batchapi.models.store import resolve_model
+    from transformers import AutoTokenizer
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from engine_throughput import chat_prompts
+
+    if not matmul.screen_native():
+        raise SystemExit("lm_head_screen: this CPU (or this build) has no AVX512-BF16 and AVX512-VNNI")
+    model_dir = resolve_model("smollm2-135m-instruct", Path("~/.cache/batchapi").expanduser())
+    engine = LLMEngine(EngineConfig(model_path=model_dir, dtype="bfloat16", max_num_seqs=64, kv_cache_bytes=256 << 20))
+    head = engine.runner.model.lm_head
+    rows, argmax = [], head.argmax
+    head.argmax = lambda x: rows.append(x.clone()) or argmax(x)
+    prompts = chat_prompts(AutoTokenizer.from_pretrained(model_dir), 64)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(GenerationRequest(str(i), prompt, SamplingParams(max_tokens=32, temperature=0.0)))
+    while engine.has_unfinished():
+        engine.step()
+    hidden = torch.cat(rows)
+    packed, screen, n, k = head.packed_weight, head.screen, head.out_features, head.in_features
+    if screen is None:
+        screen = matmul.pack_screen(matmul.unpack_pairs(packed, n, k))
+    groups = -(-n // 48)
+    sweep = torch.ones(128 << 20)  # 512 MB: past any cache here
+    print(f"SmolLM2-135M lm_head {n}x{k} on {len(hidden)} recorded final hidden states, threads="
+          f"{torch.get_num_threads()}; best ms of the exact argmax in the kernel and of the int8 screen")
+    g = torch.Generator().manual_seed(0)
+    for count in map(int, a.row_counts.split(",")):
+        x = hidden[torch.randperm(len(hidden), generator=g)[:count]].contiguous()
+        exact_rows = []
+
+        def exact(x):
+            sweep.add_(1.0)
+            return matmul.linear_bf16_argmax(x, packed, n, k, None)
+
+        def screened(x):
+            sweep.add_(1.0)
+            chosen, ran = matmul.linear_bf16_argmax_screened(x, packed, screen, n, k, None)
+            exact_rows.append(ran)
+            return chosen
+
+        assert torch.equal(exact(x), screened(x)), count
+        timings = bench_interleaved([exact, screened, lambda x: sweep.add_(1.0)], (x,), a.reps)
+        (e, _), (f, _), (s, _) = timings.values()
+        print(f"{count:4d} rows: exact {e - s:7.2f} ms   screened {f - s:7.2f} ms   x{(e - s) / (f - s):4.2f}   "
+              f"({exact_rows[0] / count:.1f} of {groups} groups a row exactly; sweep {s:.2f} ms taken off)")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--op", default="paged_attention", choices=["paged_attention", "apply_token_bitmask",
-                                                                "linear_bf16w", "linear_bf16", "lm_head_argmax"])
-    ap.add_argument("--row-counts", default="1,8,16,64,256", help="linear_bf16w, linear_bf16, lm_head_argmax: rows")
+                                                                "linear_bf16w", "linear_bf16", "lm_head_argmax",
+                                                                "lm_head_screen"])
+    ap.add_argument("--row-counts", default="1,8,16,64,256", help="linear_bf16w, linear_bf16, lm_head_*: rows")
     ap.add_argument("--rows", type=int, default=64, help="apply_token_bitmask: constrained rows")
     ap.add_argument("--vocab", type=int, default=49152, help="apply_token_bitmask: vocabulary size")
     ap.add_argument("--batch", type=int, default=96)
@@ -425,6 +486,8 @@ def main():
         return bench_linear_bf16(a)
     if a.op == "lm_head_argmax":
         return bench_lm_head_argmax(a)
+    if a.op == "lm_head_screen":
+        return bench_lm_head_screen(a)
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     q, kc, vc, tables, lens = make_inputs(a.batch, a.ctx, a.hq, a.hkv, a.dim, 16, dtype, spread=a.spread)
     args = (q, kc, vc, tables, lens, a.dim**-0.5)

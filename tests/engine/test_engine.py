@@ -70,7 +70,9 @@ def tokenize(model_dir, texts):
 def test_greedy_tokens_from_the_lm_head_are_those_of_the_logits(smollm2_dir, monkeypatch):
     """SmolLM2 in bf16: where the lm_head runs in a C kernel (AVX512-BF16 or AMX tiles), greedy steps
     take their tokens from it without writing logits (CausalLM.greedy); the tokens are those of the
-    logits' argmax, and a row that asks for logprobs still gets them (that step writes logits)."""
+    logits' argmax, and a row that asks for logprobs still gets them (that step writes logits). On
+    AVX512-BF16 with VNNI the lm_head screens its outputs in int8 and computes few exactly."""
+    from batchapi.engine.model.linears import Avx512Bf16Linear
     from batchapi.engine.model.llama import CausalLM
     from batchapi.kernels.cpu import matmul
 
@@ -78,12 +80,17 @@ def test_greedy_tokens_from_the_lm_head_are_those_of_the_logits(smollm2_dir, mon
     engine = engine_for(smollm2_dir, dtype="bfloat16", kv_cache_bytes=64 << 20)
     in_kernel = matmul.native_amx() or matmul.native_bf16()
     assert engine.runner.model.greedy_in_lm_head == in_kernel
+    head = engine.runner.model.lm_head
+    screened = type(head) is Avx512Bf16Linear and matmul.screen_native()
+    assert (getattr(head, "screen", None) is not None) == screened
     calls = []
     greedy_steps = CausalLM.greedy
     monkeypatch.setattr(CausalLM, "greedy", lambda self, *a: calls.append(1) or greedy_steps(self, *a))
     fused = [r.outputs[0].token_ids for r in run(engine, prompts, greedy(12))]
     with_logprobs = run(engine, prompts, greedy(12, logprobs=True))
     assert bool(calls) == in_kernel
+    if screened:  # every row's groups of 48 columns: about 1,000
+        assert 0 < head.exact_groups < head.screened_rows * -(-head.out_features // 48) / 20
     monkeypatch.setattr(CausalLM, "greedy_in_lm_head", property(lambda self: False))
     assert [r.outputs[0].token_ids for r in run(engine, prompts, greedy(12))] == fused
     assert [r.outputs[0].token_ids for r in with_logprobs] == fused
