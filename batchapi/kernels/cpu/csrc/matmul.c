@@ -722,10 +722,15 @@ static float bf16_below(float f) {
  * group may hold its choice. quads: the group's first panel's quads; cols: live columns from p0. */
 #define SCREEN_TILE(MR, NP)                                                                                    \
     static void screen_tile_##MR##_##NP(Screen *sc, int64_t r0, int64_t p0, const uint8_t *quads, int cols,   \
-                                        const uint8_t *next) {                                                \
+                                        const uint8_t *next, int64_t next_p0) {                               \
         const int mr = MR;                                                                                    \
         const int64_t qstride = sc->k * PANEL; /* bytes a panel of quads */                                   \
         const int8_t *xq = sc->xq + r0 * sc->k; /* the tile's rows, quad by quad (screen_row) */                  \
+        if (next) /* the next group's 16 pairs too: lines apart, which no prefetcher foresees */              \
+            for (int o = 0; o < SCREEN_PAIRS; o++)                                                            \
+                _Pragma("GCC unroll 3") for (int p = 0; p < PAIR_TILE_PANELS; p++)                             \
+                    _mm_prefetch((const char *)(sc->packed + (next_p0 + p) * sc->pstride                        \
+                                                + (int64_t)sc->pairs[o] * PANEL), _MM_HINT_T1);                \
         QACC_ROW(0) QACC_ROW(1) QACC_ROW(2) QACC_ROW(3) QACC_ROW(4) QACC_ROW(5) QACC_ROW(6) QACC_ROW(7)       \
         for (int64_t i = 0; i < sc->k / 4; i++) {                                                             \
             const __m512i w0 = _mm512_loadu_si512(quads + i * 64);                                            \
@@ -799,7 +804,7 @@ TILES_OF(SCREEN_TILE, 1)
 TILES_OF(SCREEN_TILE, 2)
 TILES_OF(SCREEN_TILE, 3)
 
-typedef void (*screen_tile_fn)(Screen *, int64_t, int64_t, const uint8_t *, int, const uint8_t *);
+typedef void (*screen_tile_fn)(Screen *, int64_t, int64_t, const uint8_t *, int, const uint8_t *, int64_t);
 static const screen_tile_fn SCREEN_TILES_BY[PAIR_TILE_PANELS + 1][PAIR_TILE_ROWS + 1] = TILE_TABLE(screen_tile);
 
 /* x's SCREEN_PAIRS pairs of the largest magnitude over the call's rows (the first of equals), in order */
@@ -931,7 +936,7 @@ int linear_bf16_argmax_screened(const uint16_t *x, int64_t xs, int64_t m, const 
                     for (int64_t r = m0; r < m1; r += PAIR_TILE_ROWS) {
                         const int rows_ = (int)(m1 - r < PAIR_TILE_ROWS ? m1 - r : PAIR_TILE_ROWS);
                         const uint8_t *next = r == m0 && ahead ? quads + (g + team) * PAIR_TILE_PANELS * k * PANEL : NULL;
-                        SCREEN_TILES_BY[np][rows_](&sc, r, p0, group, cols, next);
+                        SCREEN_TILES_BY[np][rows_](&sc, r, p0, group, cols, next, (g + team) * PAIR_TILE_PANELS);
                     }
                 }
             }
