@@ -267,7 +267,8 @@ def screen_native() -> bool:
 
 def pack_screen(weight: torch.Tensor, columns: int = 4096) -> Screen | None:
     """``weight`` [out, in] (bf16 values) in the form the screen reads, ``columns`` at a time; None where
-    it cannot screen: ``in`` not a multiple of 4 of at least 32, or a weight not finite."""
+    it cannot screen: ``in`` not a multiple of 4 of at least 32, a weight not finite, or a column's norm
+    past float32."""
     out_features, in_features = weight.shape
     if in_features % 4 or in_features < 32:
         return None
@@ -279,6 +280,7 @@ def pack_screen(weight: torch.Tensor, columns: int = 4096) -> Screen | None:
         w = weight[lo:lo + columns].detach().to(torch.bfloat16).double()
         if not torch.isfinite(w).all():
             return None
+        w = torch.where(w.abs() < torch.finfo(torch.float32).tiny, 0.0, w)  # denormals: as VDPBF16PS reads them
         scale = (w.abs().amax(1) / 127).float()  # as the kernel reads it
         s = scale.double()[:, None]
         q = torch.where(s > 0, torch.round(w / torch.where(s > 0, s, 1.0)), 0.0).clamp(-127, 127)
@@ -287,6 +289,8 @@ def pack_screen(weight: torch.Tensor, columns: int = 4096) -> Screen | None:
         stats[:, lo:lo + len(w)] = torch.stack([scale.double(), (w - rounded).norm(dim=1) * up,
                                                 rounded.norm(dim=1) * up, w.norm(dim=1) * up]).float()
     # [P, 16, in / 4, 4] -> [P, in / 4, 16, 4]: per quad of K, the panel's 16 columns, each its four weights
+    if not torch.isfinite(stats).all():  # a column's norm past float32
+        return None
     quads = quads.view(panels, PANEL, in_features // 4, 4).permute(0, 2, 1, 3).contiguous()
     return Screen(quads, stats, float(stats[3].max()))
 
@@ -298,7 +302,8 @@ def linear_bf16_argmax_screened(x: torch.Tensor, packed: torch.Tensor, screen: S
     of the rows' groups of 48 columns ran exactly)."""
     lib, x2, rows, row_stride, bias = _pairs_args("linear_bf16_argmax_screened", x, packed, out_features,
                                                   in_features, bias)
-    if screen.quads.shape != (packed.shape[0], in_features // 4, PANEL, 4) or screen.stats.shape[1] != packed.shape[0] * PANEL:
+    if (packed.shape[0] != -(-out_features // PANEL) or screen.quads.shape != (packed.shape[0], in_features // 4, PANEL, 4)
+            or screen.stats.shape != (4, packed.shape[0] * PANEL)):
         raise ValueError(f"a screen {tuple(screen.quads.shape)} is not of the packed weight {tuple(packed.shape)}")
     chosen = torch.empty(rows, dtype=torch.int64)
     exact = ctypes.c_int64(0)

@@ -1,6 +1,11 @@
 """The bf16-stored linear in C (kernels.cpu.matmul): F.linear's values, and a row's bits the same at
 every row count, offset, thread count and in every build."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -407,3 +412,60 @@ def test_the_screen_is_not_made_for_a_weight_it_cannot_bound():
     weight = torch.randn(10, 64).bfloat16()
     weight[2, 5] = float("inf")
     assert matmul.pack_screen(weight) is None
+    weight[2, 5], weight[3] = 1.0, 1e38  # a column whose norm is past float32
+    assert matmul.pack_screen(weight) is None
+
+
+def screened_and_exact(weight, x, bias=None):
+    out_features, in_features = weight.shape
+    packed, screen = matmul.pack_pairs(weight.bfloat16()), matmul.pack_screen(weight.bfloat16())
+    chosen, _ = matmul.linear_bf16_argmax_screened(x.bfloat16(), packed, screen, out_features, in_features, bias)
+    return chosen, matmul.linear_bf16_argmax(x.bfloat16(), packed, out_features, in_features, bias)
+
+
+def test_the_screen_reads_denormals_and_bounds_as_the_kernel_does():
+    """Denormal weights and inputs, which VDPBF16PS reads as zero; the caller's MXCSR flushing
+    denormals (torch.set_flush_denormal); a NaN bias (the exact kernel's first NaN)."""
+    k, n = 256, 96
+    weight = torch.zeros(n, k)
+    weight[0], weight[48, 100] = 1e-39, 2.0**-125  # denormal in bf16; the other the smallest normal's double
+    assert torch.equal(*screened_and_exact(weight, torch.full((1, k), 1e20)))
+    weight = torch.zeros(n, k)
+    weight[0] = 1e28
+    x = torch.full((1, k), 1e-39)
+    assert torch.equal(*screened_and_exact(weight, x, torch.eye(n)[48] * 1e-9))
+    weight = torch.zeros(n, k)
+    weight[0], weight[48, 100] = 1e-37, 1e-35
+    try:
+        torch.set_flush_denormal(True)  # no getter: back to off, the default, after
+        assert torch.equal(*screened_and_exact(weight, torch.full((1, k), 1e20)))
+    finally:
+        torch.set_flush_denormal(False)
+    g = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(n, k, generator=g), torch.randn(1, k, generator=g)
+    weight[60] = 10 * x[0]
+    for column in (0, 40):
+        bias = torch.zeros(n)
+        bias[column] = float("nan")
+        chosen, expected = screened_and_exact(weight, x, bias)
+        assert torch.equal(chosen, expected) and expected.item() == column
+
+
+def test_the_screen_deals_its_groups_to_the_threads_openmp_starts(tmp_path):
+    """OMP_THREAD_LIMIT=1 with 2 threads asked for: one thread takes every group."""
+    script = tmp_path / "limit.py"
+    script.write_text(
+        "import torch\n"
+        "from batchapi.kernels.cpu import matmul\n"
+        "torch.set_num_threads(2)\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "w, x = torch.randn(4800, 256, generator=g), torch.randn(8, 256, generator=g)\n"
+        "for r in range(8):\n"
+        "    w[48 * (2 * r + 1) + 5] = 10 * x[r]  # each row's largest in a group dealt to a second thread\n"
+        "w, x = w.bfloat16(), x.bfloat16()\n"
+        "packed, screen = matmul.pack_pairs(w), matmul.pack_screen(w)\n"
+        "chosen, _ = matmul.linear_bf16_argmax_screened(x, packed, screen, 4800, 256, None)\n"
+        "assert torch.equal(chosen, matmul.linear_bf16_argmax(x, packed, 4800, 256, None)), chosen\n")
+    env = {**os.environ, "OMP_THREAD_LIMIT": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -99,14 +99,19 @@ INLINE int thread_index(void) {
 #endif
 }
 
-/* this OpenMP thread's contiguous share [first, last) of `total` units (all of them outside a team) */
-INLINE void thread_share(int64_t total, int64_t *first, int64_t *last) {
-    const int t = thread_index();
-    int nt = 1;
+/* the number of threads of this OpenMP team (1 outside one) */
+INLINE int team_size(void) {
 #ifdef _OPENMP
     extern int omp_get_num_threads(void);
-    nt = omp_get_num_threads();
+    return omp_get_num_threads();
+#else
+    return 1;
 #endif
+}
+
+/* this OpenMP thread's contiguous share [first, last) of `total` units (all of them outside a team) */
+INLINE void thread_share(int64_t total, int64_t *first, int64_t *last) {
+    const int t = thread_index(), nt = team_size();
     *first = total * t / nt;
     *last = total * (t + 1) / nt;
 }
@@ -682,7 +687,8 @@ static float bf16_below(float f) {
     if (bits & 0xffffu) bits = (bits & 0x80000000u) ? (bits & 0xffff0000u) + 0x10000u : bits & 0xffff0000u;
     float down;
     memcpy(&down, &bits, sizeof down);
-    if (down == 0.0f) return -1.17549435e-38f; /* the largest negative normal: flushing keeps it below 0 */
+    if (fabsf(down) < 1.17549435e-38f) /* 0 or a denormal, which rounding flushes to 0: the largest */
+        return -1.17549435e-38f;        /* negative normal, which stays below it */
     bits += (bits & 0x80000000u) ? 0x10000u : (uint32_t)-0x10000;
     if ((bits & 0x7fffffffu) > 0x7f800000u) return -INFINITY;
     memcpy(&down, &bits, sizeof down);
@@ -838,15 +844,15 @@ static int screen_row(const uint16_t *xr, int64_t k, const int32_t *pairs, const
     double all = 0.0, in = 0.0, rounded = 0.0;
     float most = 0.0f;
     for (int64_t i = 0; i < k; i++) {
-        const float v = bf16_to_f32(xr[i]);
+        const float v = flush(bf16_to_f32(xr[i])); /* as VDPBF16PS reads it */
         all += (double)v * v;
         if (!taken[i / 2] && fabsf(v) > most) most = fabsf(v);
     }
-    if (!(all <= 1e60) || sqrt(all) * w_norm > 1e30) return 0; /* NaN fails too */
+    if (!(all <= 1e60) || !(sqrt(all) * w_norm <= 1e30)) return 0; /* NaN fails too */
     const float t = most / 127.0f;
     int32_t sum = 0;
     for (int64_t i = 0; i < k; i++) {
-        const float v = bf16_to_f32(xr[i]);
+        const float v = flush(bf16_to_f32(xr[i]));
         int q = 0;
         if (!taken[i / 2]) {
             if (t > 0.0f) q = (int)rintf(v / t);
@@ -881,15 +887,35 @@ int linear_bf16_screen_native(void) {
  * group of 3 panels) tiles ran exactly, of m times the groups. K a multiple of 4 of at least
  * 2 SCREEN_PAIRS; w_norm the largest |w| of a column (its norm). Where the build has no screen, or the
  * instructions are the FMA form, it is linear_bf16_argmax. */
+static int screened_argmax(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *packed, int64_t n, int64_t k,
+                           const float *bias, const uint8_t *quads, const float *stats, float w_norm,
+                           int64_t *chosen, int64_t *exact, int threads);
+
 int linear_bf16_argmax_screened(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *packed, int64_t n,
                                 int64_t k, const float *bias, const uint8_t *quads, const float *stats,
                                 float w_norm, int64_t *chosen, int64_t *exact, int threads) {
+#ifdef HAVE_SCREEN
+    const unsigned csr = _mm_getcsr();
+    _mm_setcsr(0x1F80u); /* the bounds' arithmetic as written whatever the caller's: to nearest, denormals kept */
+    const int rc = screened_argmax(x, xs, m, packed, n, k, bias, quads, stats, w_norm, chosen, exact, threads);
+    _mm_setcsr(csr);
+    return rc;
+#else
+    return screened_argmax(x, xs, m, packed, n, k, bias, quads, stats, w_norm, chosen, exact, threads);
+#endif
+}
+
+static int screened_argmax(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *packed, int64_t n, int64_t k,
+                           const float *bias, const uint8_t *quads, const float *stats, float w_norm,
+                           int64_t *chosen, int64_t *exact, int threads) {
     const int64_t panels = (n + PANEL - 1) / PANEL, groups = (panels + PAIR_TILE_PANELS - 1) / PAIR_TILE_PANELS;
     if (exact) *exact = m * groups;
     if (m == 0) return 0;
     if (chosen == NULL || m < 0 || n < 0 || k < 0 || xs < k) return -1;
 #ifdef HAVE_SCREEN
-    if (k % 4 || k < 2 * SCREEN_PAIRS || __atomic_load_n(&pair_fma, __ATOMIC_RELAXED))
+    int finite_bias = 1; /* a NaN or infinite bias would make its column's bounds NaN */
+    for (int64_t j = 0; bias && j < n; j++) finite_bias &= isfinite(bias[j]) != 0;
+    if (k % 4 || k < 2 * SCREEN_PAIRS || !finite_bias || __atomic_load_n(&pair_fma, __ATOMIC_RELAXED))
         return pair_linear(x, xs, m, packed, n, k, bias, NULL, 0, threads, chosen);
     const int64_t pstride = (k + 1) / 2 * PANEL;
     int parallel = threads > 1 && m * n * k >= (1 << 19) && groups > 1, team = parallel ? threads : 1;
@@ -917,7 +943,9 @@ int linear_bf16_argmax_screened(const uint16_t *x, int64_t xs, int64_t m, const 
     if (finite) {
 #pragma omp parallel num_threads(team) if (parallel) reduction(+ : total)
         {
-            const int t = thread_index();
+            const int t = thread_index(), dealt = team_size(); /* OpenMP may start fewer than asked */
+            const unsigned csr = _mm_getcsr();
+            _mm_setcsr(0x1F80u); /* each thread's own MXCSR, as on the caller's */
             const Best mine = best_of(t, team, m, values, columns);
             Screen sc = {xq, xo, rows, pairs, x, xs, k, pstride, panels * PANEL, packed, stats, bias, n,
                          bounds + t * m, bounds + team * m + t * m, kept + t * m * SCREEN_KEEP,
@@ -927,16 +955,16 @@ int linear_bf16_argmax_screened(const uint16_t *x, int64_t xs, int64_t m, const 
                 const int64_t m1 = m0 + CHUNK_ROWS < m ? m0 + CHUNK_ROWS : m;
                 /* the groups dealt in turn, so that each thread meets the common tokens (the low ids) early
                  * and its floors rise soon */
-                for (int64_t g = t; g < groups; g += team) {
+                for (int64_t g = t; g < groups; g += dealt) {
                     const int64_t p0 = g * PAIR_TILE_PANELS;
                     const int np = (int)(panels - p0 < PAIR_TILE_PANELS ? panels - p0 : PAIR_TILE_PANELS);
                     const int cols = (int)(n - p0 * PANEL);
-                    const int ahead = g + team < groups && panels - (g + team) * PAIR_TILE_PANELS >= PAIR_TILE_PANELS;
+                    const int ahead = g + dealt < groups && panels - (g + dealt) * PAIR_TILE_PANELS >= PAIR_TILE_PANELS;
                     const uint8_t *group = quads + p0 * k * PANEL;
                     for (int64_t r = m0; r < m1; r += PAIR_TILE_ROWS) {
                         const int rows_ = (int)(m1 - r < PAIR_TILE_ROWS ? m1 - r : PAIR_TILE_ROWS);
-                        const uint8_t *next = r == m0 && ahead ? quads + (g + team) * PAIR_TILE_PANELS * k * PANEL : NULL;
-                        SCREEN_TILES_BY[np][rows_](&sc, r, p0, group, cols, next, (g + team) * PAIR_TILE_PANELS);
+                        const uint8_t *next = r == m0 && ahead ? quads + (g + dealt) * PAIR_TILE_PANELS * k * PANEL : NULL;
+                        SCREEN_TILES_BY[np][rows_](&sc, r, p0, group, cols, next, (g + dealt) * PAIR_TILE_PANELS);
                     }
                 }
             }
@@ -947,6 +975,7 @@ int linear_bf16_argmax_screened(const uint16_t *x, int64_t xs, int64_t m, const 
                 screen_run(&sc, r, bf16_below(floor));
             }
             total += sc.exact;
+            _mm_setcsr(csr);
         }
     }
     free(xq), free(xo), free(rows), free(bounds), free(taken), free(kept), free(kept_upper);
