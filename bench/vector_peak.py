@@ -1,6 +1,7 @@
-"""The vector units' peak on this CPU: a loop of independent VDPBF16PS (where the CPU has AVX512-BF16)
-and of VFMADD231PS on registers only, 12 accumulators (more than latency times throughput needs), on
-each of N threads at once. What the bf16 linear layers' kernel (kernels/cpu/csrc/matmul.c) can reach
+"""The vector units' peak on this CPU: a loop of independent VDPBF16PS (where the CPU has AVX512-BF16),
+of VPDPBUSD (int8, where it has AVX512-VNNI: the greedy lm_head's screen) and of VFMADD231PS on
+registers only, 12 accumulators (more than latency times throughput needs), on each of N threads at
+once. What the bf16 linear layers' kernel (kernels/cpu/csrc/matmul.c) can reach
 at most; compare its GFLOP/s (engine_throughput.py's roofline line, kernels_cpu.py --op linear_bf16).
 
 Usage: .venv/bin/python bench/vector_peak.py [--threads 2] [--seconds 1.5]
@@ -55,27 +56,50 @@ static double dpbf16_loop(long n) {
     return finish(a, t, n, 64);
 }
 #endif
-static double loop(int bf16, long n) {
+#ifdef __AVX512VNNI__
+static double dpbusd_loop(long n) { /* int8: 64 products a VPDPBUSD; "GFLOP" as 2 a product */
+    __m512i q[ACC];
+    for (int j = 0; j < ACC; j++) q[j] = _mm512_setzero_si512();
+    const __m512i x = _mm512_set1_epi8(1);
+    const double t = omp_get_wtime();
+    for (long i = 0; i < n; i++) {
+#pragma GCC unroll 12
+        for (int j = 0; j < ACC; j++) q[j] = _mm512_dpbusd_epi32(q[j], x, x);
+        KEEP(q);
+    }
+    const double seconds = omp_get_wtime() - t;
+    long sum = 0;
+    for (int j = 0; j < ACC; j++) sum += _mm512_reduce_add_epi32(q[j]);
+    if (sum == 12345) puts("");
+    return (double)n * ACC * 128 / seconds / 1e9;
+}
+#endif
+static double loop(int kind, long n) {
+#ifdef __AVX512VNNI__
+    if (kind == 2) return dpbusd_loop(n);
+#endif
 #ifdef __AVX512BF16__
-    if (bf16) return dpbf16_loop(n);
+    if (kind == 1) return dpbf16_loop(n);
 #endif
     return fma_loop(n);
 }
 int main(int argc, char **argv) {
     const int threads = atoi(argv[1]);
     const long n = atol(argv[2]);
-#ifdef __AVX512BF16__
-    const int kinds = 2;
-#else
-    const int kinds = 1;
+    static const char *names[] = {"VFMADD231PS", "VDPBF16PS", "VPDPBUSD (int8)"};
+    for (int kind = 2; kind >= 0; kind--) {
+#ifndef __AVX512VNNI__
+        if (kind == 2) continue;
 #endif
-    for (int kind = kinds - 1; kind >= 0; kind--) {
+#ifndef __AVX512BF16__
+        if (kind == 1) continue;
+#endif
         double rate[64] = {0};
 #pragma omp parallel num_threads(threads)
         rate[omp_get_thread_num()] = loop(kind, n);
         double total = 0.0;
         for (int i = 0; i < threads; i++) total += rate[i];
-        printf("%s: %.1f GFLOP/s on %d threads (", kind ? "VDPBF16PS" : "VFMADD231PS", total, threads);
+        printf("%s: %.1f GFLOP/s on %d threads (", names[kind], total, threads);
         for (int i = 0; i < threads; i++) printf("%s%.1f", i ? ", " : "", rate[i]);
         puts(" a thread)");
     }
