@@ -405,10 +405,11 @@ def bench_lm_head_screen(a):
     import sys
     from pathlib import Path
 
+    from transformers import AutoTokenizer
+
     from batchapi.engine import EngineConfig, GenerationRequest, LLMEngine, SamplingParams
     from batchapi.kernels.cpu import matmul
     from batchapi.models.store import resolve_model
-    from transformers import AutoTokenizer
 
     sys.path.insert(0, str(Path(__file__).parent))
     from engine_throughput import chat_prompts
@@ -442,10 +443,10 @@ def bench_lm_head_screen(a):
             sweep.add_(1.0)
             return matmul.linear_bf16_argmax(x, packed, n, k, None)
 
-        def screened(x):
+        def screened(x, ran_exactly=exact_rows):
             sweep.add_(1.0)
             chosen, ran = matmul.linear_bf16_argmax_screened(x, packed, screen, n, k, None)
-            exact_rows.append(ran)
+            ran_exactly.append(ran)
             return chosen
 
         assert torch.equal(exact(x), screened(x)), count
