@@ -599,8 +599,10 @@ int linear_bf16_argmax(const uint16_t *x, int64_t xs, int64_t m, const uint32_t 
  * rounds to at least bf16_down(L)), so only the other groups run the exact tile for that row and fold
  * its outputs as linear_bf16_argmax does. The choice is the first column of the largest output among
  * the columns computed, which hold every column of that largest value: the same index, bits for bits,
- * at any batch (each row's bound reads only its own row and the call's choice of pairs).
- * Where x is not finite, or large enough that a bound could overflow, the call is linear_bf16_argmax.
+ * at any batch (the call's rows and its choice of pairs decide only how much runs exactly).
+ * Where x or the bias is not finite, or x large enough that a bound could overflow, the call is
+ * linear_bf16_argmax; denormals are read as zero, as VDPBF16PS reads them, and the bounds' fp32
+ * arithmetic runs under its own MXCSR (to nearest, denormals kept), whatever the caller's.
  *
  * The weight comes twice: pair-packed (for the exact tiles and the 16 pairs) and as quads: per panel
  * of 16 columns, K / 4 vectors of 64 bytes, column c's four weights (q + 128, q in [-127, 127]) at
