@@ -288,9 +288,9 @@ def pack_screen(weight: torch.Tensor, columns: int = 4096) -> Screen | None:
         quads[lo:lo + len(w)] = (q + 128).to(torch.uint8)
         stats[:, lo:lo + len(w)] = torch.stack([scale.double(), (w - rounded).norm(dim=1) * up,
                                                 rounded.norm(dim=1) * up, w.norm(dim=1) * up]).float()
-    # [P, 16, in / 4, 4] -> [P, in / 4, 16, 4]: per quad of K, the panel's 16 columns, each its four weights
     if not torch.isfinite(stats).all():  # a column's norm past float32
         return None
+    # [P, 16, in / 4, 4] -> [P, in / 4, 16, 4]: per quad of K, the panel's 16 columns, each its four weights
     quads = quads.view(panels, PANEL, in_features // 4, 4).permute(0, 2, 1, 3).contiguous()
     return Screen(quads, stats, float(stats[3].max()))
 

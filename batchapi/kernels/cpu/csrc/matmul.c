@@ -311,16 +311,20 @@ INLINE Best best_at(Best best, int64_t r) {
  * threads). The products are the same with the two operands swapped, summed in the same order: the
  * same bits. Named accumulators, not an array: GCC keeps an array under inline asm in memory. */
 #define DP1(acc, wv, at) __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(wv), "m"(*(at)))
-#define PAIR_ROW(r, NP, at)                                                                                    \
+/* row r's step of K: OP (DP1, or the screen's DQ1) of its operand at `at` with the tile's NP weight
+ * vectors w0..w2 into its accumulators A_r0..A_r2; every row of the tile in turn */
+#define ROW_STEP(OP, A, r, NP, at)                                                                             \
     if (r < mr) {                                                                                             \
-        const uint32_t *at_ = (at);                                                                           \
-        DP1(a##r##0, w0, at_);                                                                                \
-        if (NP > 1) DP1(a##r##1, w1, at_);                                                                     \
-        if (NP > 2) DP1(a##r##2, w2, at_);                                                                     \
+        const __typeof__(at) at_ = (at);                                                                      \
+        OP(A##r##0, w0, at_);                                                                                 \
+        if (NP > 1) OP(A##r##1, w1, at_);                                                                      \
+        if (NP > 2) OP(A##r##2, w2, at_);                                                                      \
     }
-#define PAIR_ROWS(NP, AT)                                                                                      \
-    PAIR_ROW(0, NP, AT(0)) PAIR_ROW(1, NP, AT(1)) PAIR_ROW(2, NP, AT(2)) PAIR_ROW(3, NP, AT(3))               \
-    PAIR_ROW(4, NP, AT(4)) PAIR_ROW(5, NP, AT(5)) PAIR_ROW(6, NP, AT(6)) PAIR_ROW(7, NP, AT(7))
+#define ROWS_STEP(OP, A, NP, AT)                                                                               \
+    ROW_STEP(OP, A, 0, NP, AT(0)) ROW_STEP(OP, A, 1, NP, AT(1)) ROW_STEP(OP, A, 2, NP, AT(2))                 \
+    ROW_STEP(OP, A, 3, NP, AT(3)) ROW_STEP(OP, A, 4, NP, AT(4)) ROW_STEP(OP, A, 5, NP, AT(5))                 \
+    ROW_STEP(OP, A, 6, NP, AT(6)) ROW_STEP(OP, A, 7, NP, AT(7))
+#define PAIR_ROWS(NP, AT) ROWS_STEP(DP1, a, NP, AT)
 /* one pair i of K: the panels' weights (and the next group's asked for), then every row */
 #define PAIR_STEP(NP, i, AT)                                                                                   \
     {                                                                                                          \
@@ -660,9 +664,7 @@ static void screen_run(Screen *sc, int64_t r, float below) {
     const int32_t *kept = sc->kept + r * SCREEN_KEEP;
     const float *upper = sc->kept_upper + r * SCREEN_KEEP;
     for (int i = 0; i < sc->held[r]; i++)
-#ifndef SCREEN_NO_EXACT
         if (upper[i] > below) screen_exact(sc, r, kept[i]);
-#endif
     sc->held[r] = 0;
 }
 
@@ -699,16 +701,7 @@ static float bf16_below(float f) {
 
 /* VPDPBUSD: the panel's quad vector (unsigned) times row x's quad broadcast from memory (signed) */
 #define DQ1(acc, wv, at) __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(wv), "m"(*(at)))
-#define QUAD_ROW(r, NP, at)                                                                                    \
-    if (r < mr) {                                                                                             \
-        const int32_t *at_ = (at);                                                                            \
-        DQ1(q##r##0, w0, at_);                                                                                \
-        if (NP > 1) DQ1(q##r##1, w1, at_);                                                                     \
-        if (NP > 2) DQ1(q##r##2, w2, at_);                                                                     \
-    }
-#define QUAD_ROWS(NP, AT)                                                                                      \
-    QUAD_ROW(0, NP, AT(0)) QUAD_ROW(1, NP, AT(1)) QUAD_ROW(2, NP, AT(2)) QUAD_ROW(3, NP, AT(3))               \
-    QUAD_ROW(4, NP, AT(4)) QUAD_ROW(5, NP, AT(5)) QUAD_ROW(6, NP, AT(6)) QUAD_ROW(7, NP, AT(7))
+#define QUAD_ROWS(NP, AT) ROWS_STEP(DQ1, q, NP, AT)
 #define QUAD_IN_ROW(r) ((const int32_t *)(xq + 32 * i + 4 * (r)))
 #define PAIR_OUT_ROW(r) (sc->xo + (r0 + (r)) * SCREEN_PAIRS + o)
 #define QACC_ROW(r) __m512i q##r##0 = _mm512_setzero_si512(), q##r##1 = q##r##0, q##r##2 = q##r##0;
@@ -759,10 +752,7 @@ static float bf16_below(float f) {
             const __m512 w0 = _mm512_loadu_ps(w);                                                             \
             const __m512 w1 = NP > 1 ? _mm512_loadu_ps(w + sc->pstride) : w0;                                 \
             const __m512 w2 = NP > 2 ? _mm512_loadu_ps(w + 2 * sc->pstride) : w0;                             \
-            PAIR_ROW(0, NP, PAIR_OUT_ROW(0)) PAIR_ROW(1, NP, PAIR_OUT_ROW(1))                                  \
-            PAIR_ROW(2, NP, PAIR_OUT_ROW(2)) PAIR_ROW(3, NP, PAIR_OUT_ROW(3))                                  \
-            PAIR_ROW(4, NP, PAIR_OUT_ROW(4)) PAIR_ROW(5, NP, PAIR_OUT_ROW(5))                                  \
-            PAIR_ROW(6, NP, PAIR_OUT_ROW(6)) PAIR_ROW(7, NP, PAIR_OUT_ROW(7))                                  \
+            PAIR_ROWS(NP, PAIR_OUT_ROW)                                                                        \
         }                                                                                                     \
         __m512 acc[MR][PAIR_TILE_PANELS];                                                                     \
         SCREEN_OUT(0) SCREEN_OUT(1) SCREEN_OUT(2) SCREEN_OUT(3)                                               \
