@@ -194,6 +194,27 @@ INLINE float flush(float f) { return fabsf(f) < 1.17549435e-38f ? copysignf(0.0f
 
 INLINE uint16_t f32_to_bf16_daz(float f) { return f32_to_bf16(flush(f)); }
 
+/* The plain-C tiles' sums rounded to nearest even, as VDPBF16PS rounds, whatever the caller's mode
+ * (a caller's fesetround applies to fmaf); nearest_end puts the caller's back. Denormals are flushed
+ * by `flush` explicitly, so the caller's DAZ and FTZ change nothing either. */
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+INLINE int nearest_begin(void) {
+    const unsigned csr = _mm_getcsr();
+    _mm_setcsr(0x1F80u); /* to nearest, every exception masked */
+    return (int)csr;
+}
+INLINE void nearest_end(int csr) { _mm_setcsr((unsigned)csr); }
+#else
+#include <fenv.h>
+INLINE int nearest_begin(void) {
+    const int mode = fegetround();
+    fesetround(FE_TONEAREST);
+    return mode;
+}
+INLINE void nearest_end(int mode) { fesetround(mode); }
+#endif
+
 /* A thread's running greedy choice for each row of a call (the *_argmax kernels): the largest output
  * so far as its bf16 value, its column (the first of ties), and the first NaN's column (-1: none) */
 typedef struct {
@@ -415,6 +436,7 @@ INLINE Best best_at(Best best, int64_t r) {
         (void)next;                                                                                           \
         memset(acc, 0, sizeof acc);                                                                           \
         int64_t pairs = (k + 1) / 2;                                                                          \
+        const int mode = nearest_begin(); /* VDPBF16PS's rounding whatever the caller's */                    \
         for (int64_t i = 0; i < pairs; i++) {                                                                 \
             int half = 2 * i + 1 == k;                                                                        \
             for (int r = 0; r < MR; r++) {                                                                    \
@@ -429,6 +451,7 @@ INLINE Best best_at(Best best, int64_t r) {
                     }                                                                                         \
             }                                                                                                 \
         }                                                                                                     \
+        nearest_end(mode);                                                                                    \
         for (int r = 0; r < MR; r++)                                                                          \
             for (int j = 0; j < cols && j < NP * PANEL; j++) {                                                \
                 uint16_t out = f32_to_bf16_daz(acc[r][j] + (bias ? bias[j] : 0.0f));                          \
