@@ -68,17 +68,22 @@ def tokenize(model_dir, texts):
 
 
 def test_greedy_tokens_from_the_lm_head_are_those_of_the_logits(smollm2_dir, monkeypatch):
-    """SmolLM2 in bf16: where the lm_head runs in a C kernel (AVX512-BF16 or AMX tiles), greedy steps
-    take their tokens from it without writing logits (CausalLM.greedy); the tokens are those of the
-    logits' argmax, and a row that asks for logprobs still gets them (that step writes logits). On
-    AVX512-BF16 with VNNI the lm_head screens its outputs in int8 and computes few exactly."""
+    """SmolLM2 in the engine's dtype here: where the lm_head runs in a C kernel (bf16-stored in
+    float32; bf16 on AVX512-BF16 or AMX tiles), greedy steps take their tokens from it without writing
+    logits (CausalLM.greedy); the tokens are those of the logits' argmax, and a row that asks for
+    logprobs still gets them (that step writes logits). On AVX512-BF16 with VNNI the lm_head screens
+    its outputs in int8 and computes few exactly."""
     from batchapi.engine.model.linears import Avx512Bf16Linear
     from batchapi.engine.model.llama import CausalLM
+    from batchapi.engine.platform import fastest_cpu_dtype
     from batchapi.kernels.cpu import matmul
 
     prompts = tokenize(smollm2_dir, PROMPTS[:3])
-    engine = engine_for(smollm2_dir, dtype="bfloat16", kv_cache_bytes=64 << 20)
-    in_kernel = matmul.native_amx() or matmul.native_bf16()
+    engine = engine_for(smollm2_dir, dtype="auto", kv_cache_bytes=64 << 20)
+    if fastest_cpu_dtype() is torch.bfloat16:
+        in_kernel = matmul.native_amx() or matmul.native_bf16()
+    else:  # float32, the bf16 checkpoint's weights stored in bf16
+        in_kernel = matmul.available()
     assert engine.runner.model.greedy_in_lm_head == in_kernel
     head = engine.runner.model.lm_head
     screened = type(head) is Avx512Bf16Linear and matmul.screen_native()

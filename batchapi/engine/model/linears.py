@@ -144,6 +144,10 @@ class Bf16StoredLinear(CKernelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return matmul.linear(x, self.packed_weight, self.out_features, self.bias)
 
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward(x).argmax(-1)``, the outputs never written (a greedy step's lm_head)."""
+        return matmul.linear_argmax(x, self.packed_weight, self.out_features, self.bias)
+
 
 class Avx512Bf16Linear(CKernelLinear):
     """A bf16 linear layer through the C kernel for AVX512-BF16 (kernels/cpu/matmul.py's

@@ -80,8 +80,8 @@ class CausalLM(nn.Module):
 
     @property
     def greedy_in_lm_head(self) -> bool:
-        """Whether ``greedy`` runs: the lm_head takes its argmax without writing logits (the C kernels
-        for AVX512-BF16 and AMX), and no soft cap lies between them."""
+        """Whether ``greedy`` runs: the lm_head takes its argmax without writing logits (the C kernels:
+        bf16-stored, AVX512-BF16 and AMX), and no soft cap lies between them."""
         return hasattr(self.lm_head, "argmax") and not self.final_softcap
 
     def greedy(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

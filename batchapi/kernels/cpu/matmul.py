@@ -19,10 +19,10 @@ they lie), 32 rows by 2 panels a tile step, each output one chain of TDPBF16PS o
 call a step at AMX's rate and invariant as it is, where oneDNN's AMX kernel changes its sums between
 row counts (batch invariance then ran its calls in 32-row pieces).
 
-**Greedy argmax** (``linear_bf16_argmax``, ``linear_amx_argmax``): either kernel's outputs folded,
+**Greedy argmax** (``linear_argmax``, ``linear_bf16_argmax``, ``linear_amx_argmax``): each kernel's outputs folded,
 as each tile finishes, into each row's largest and its first column, never written: the index
 torch's argmax gives on the outputs. A greedy step's lm_head, whose logits are the largest output
-of the step (25 MB at 256 rows of SmolLM2), written only to be read back once.
+of the step (25 MB at 256 rows of SmolLM2 in bf16, 50 MB in float32), written only to be read back once.
 """
 
 from __future__ import annotations
@@ -129,24 +129,45 @@ def unpack(packed: torch.Tensor, out_features: int) -> torch.Tensor:
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for float32 ``x`` [..., in] and ``packed = pack(weight)``."""
-    lib = _library()
-    panels, in_features, panel = packed.shape
-    if (lib is None or packed.dtype != torch.bfloat16 or not packed.is_contiguous() or panel != PANEL
-            or panels * PANEL < out_features or x.shape[-1] != in_features
-            or (bias is not None and bias.shape != (out_features,))):
-        raise ValueError(f"linear_bf16w cannot multiply x {tuple(x.shape)} by a packed weight {tuple(packed.shape)} "
-                         f"{packed.dtype} of {out_features} outputs (bias {None if bias is None else tuple(bias.shape)})")
-    lead = x.shape[:-1]
-    x2, rows, row_stride = _rows(x, in_features, torch.float32)
+    lib, x2, rows, row_stride, bias = _stored_args("linear_bf16w", x, packed, out_features, bias)
+    in_features = packed.shape[1]
     out = torch.empty(rows, out_features, dtype=torch.float32)
-    if bias is not None:
-        bias = bias.detach().float().contiguous()
     rc = lib.linear_bf16w(x2.data_ptr(), row_stride, rows, packed.data_ptr(), out_features, in_features,
                           bias.data_ptr() if bias is not None else None, out.data_ptr(), out_features,
                           torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"linear_bf16w refused [{rows}, {in_features}] x [{out_features}, {in_features}]")
-    return out.view(*lead, out_features)
+    return out.view(*x.shape[:-1], out_features)
+
+
+def linear_argmax(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """``linear(...).argmax(-1)`` without the outputs written: [..., in] -> int64 [...], the index torch's
+    argmax gives on ``linear``'s float32 outputs (the first of ties, the first NaN). A greedy step's
+    lm_head where the engine computes in float32."""
+    lib, x2, rows, row_stride, bias = _stored_args("linear_bf16w_argmax", x, packed, out_features, bias)
+    in_features = packed.shape[1]
+    chosen = torch.empty(rows, dtype=torch.int64)
+    rc = lib.linear_bf16w_argmax(x2.data_ptr(), row_stride, rows, packed.data_ptr(), out_features, in_features,
+                                 bias.data_ptr() if bias is not None else None, chosen.data_ptr(),
+                                 torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"linear_bf16w_argmax refused [{rows}, {in_features}] x [{out_features}, {in_features}]")
+    return chosen.view(x.shape[:-1])
+
+
+def _stored_args(kernel: str, x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None):
+    """The library and the bf16-stored kernels' forms of x (rows, their stride) and of the bias, checked."""
+    lib = _library()
+    panels, in_features, panel = packed.shape
+    if (lib is None or packed.dtype != torch.bfloat16 or not packed.is_contiguous() or panel != PANEL
+            or panels * PANEL < out_features or x.shape[-1] != in_features
+            or (bias is not None and bias.shape != (out_features,))):
+        raise ValueError(f"{kernel} cannot multiply x {tuple(x.shape)} by a packed weight {tuple(packed.shape)} "
+                         f"{packed.dtype} of {out_features} outputs (bias {None if bias is None else tuple(bias.shape)})")
+    x2, rows, row_stride = _rows(x, in_features, torch.float32)
+    if bias is not None:
+        bias = bias.detach().float().contiguous()
+    return lib, x2, rows, row_stride, bias
 
 
 def _rows(x: torch.Tensor, in_features: int, dtype: torch.dtype) -> tuple[torch.Tensor, int, int]:

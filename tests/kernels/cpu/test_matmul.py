@@ -100,6 +100,7 @@ def test_every_build_gives_the_same_bits(march, needs, tmp_path, monkeypatch):
     portable = build.load_matmul()
     assert portable is not None and matmul._library() is portable
     assert torch.equal(matmul.linear(x, packed, 200, b), native)
+    assert torch.equal(matmul.linear_argmax(x, packed, 200, b), native.argmax(-1))
     for packed16, chosen in argmax_cases:
         assert torch.equal(matmul.linear_bf16_argmax(small_x, packed16, 100, 64, None), chosen)
     assert not matmul.native_bf16() and torch.equal(matmul.linear_bf16(x16, pairs, 200, 257, b16), native16)
@@ -343,6 +344,40 @@ def test_argmax_is_the_argmax_of_the_linears_outputs(linear, argmax, native, bia
                         out_features, rows, n)
         finally:
             torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_stored_argmax_is_the_argmax_of_the_float32_outputs(bias):
+    """linear_argmax: the index torch's argmax gives on ``linear``'s float32 outputs, with ties across
+    panels and thread shares (small integer weights), a NaN row, rows with one NaN or infinite output, a
+    row of zeros, a row of infinite and NaN outputs, ragged panels (100 outputs) and a lm_head's width, at row counts
+    about a tile's (6 rows) and none, on 1 and 2 threads; refused where linear refuses."""
+    g = torch.Generator().manual_seed(4)
+    cases = [(torch.randint(-2, 3, (100, 64), generator=g).float(), torch.randint(-2, 3, (40, 64), generator=g)),
+             (torch.randn(4099, 96, generator=g).bfloat16().float(), torch.randn(40, 96, generator=g))]
+    for weight, x in cases:
+        out_features, in_features = weight.shape
+        b = torch.randint(-2, 3, (out_features,), generator=g).float() if bias else None
+        x = x.float()
+        x[3], x[5] = float("nan"), 0.0
+        # column 18 (a whole panel's third) inf - inf = NaN where x[:, 7] and x[:, 8] share a sign, else +-inf
+        weight[18, 7], weight[18, 8] = float("inf"), float("-inf")
+        x[8, 7], x[8, 8], x[9, 7], x[9, 8] = 1.0, 1.0, 1.0, -1.0
+        x[10] = 0.0
+        x[10, 0] = float("inf")  # outputs of +-inf and NaN (inf * 0)
+        packed = matmul.pack(weight)
+        threads = torch.get_num_threads()
+        try:
+            for n in (1, 2):
+                torch.set_num_threads(n)
+                for rows in (0, 1, 5, 7, 13, 40):
+                    expected = matmul.linear(x[:rows], packed, out_features, b).argmax(-1)
+                    chosen = matmul.linear_argmax(x[:rows], packed, out_features, b)
+                    assert torch.equal(chosen, expected), (out_features, rows, n)
+        finally:
+            torch.set_num_threads(threads)
+    with pytest.raises(ValueError):
+        matmul.linear_argmax(torch.randn(3, 19), matmul.pack(torch.randn(37, 19).bfloat16().float()), 49, None)
 
 
 def test_amx_linear_refuses_k_in_part_chunks():

@@ -34,11 +34,83 @@
 #define MAX_TILE 6
 #define CHUNK_ROWS 96
 
+/* A thread's running greedy choice for each row of a call (the *_argmax kernels): the largest output
+ * so far as stored (bf16 widened, or fp32), its column (the first of ties), and the first NaN's column
+ * (-1: none) */
+typedef struct {
+    float *value;
+    int64_t *column, *nan;
+} Best;
+
+/* output `v` (as stored) of column `col` folded into row 0 of `best`; columns come in
+ * order, and the largest moves only to a strictly larger value, so the first of ties stays */
+INLINE void fold_value(float v, int64_t col, Best best) {
+    if (v != v) {
+        if (*best.nan < 0) *best.nan = col;
+    } else if (v > *best.value) {
+        *best.value = v;
+        *best.column = col;
+    }
+}
+
+/* room for `team` threads' choices for m rows (values, then columns: the largest's, then the first
+ * NaN's), set to none; 0 where there is no memory */
+static int best_start(int team, int64_t m, float **values, int64_t **columns) {
+    *values = malloc((size_t)(team * m + 1) * sizeof **values);
+    *columns = malloc((size_t)(2 * team * m + 1) * sizeof **columns);
+    if (!*values || !*columns) {
+        free(*values), free(*columns);
+        return 0;
+    }
+    for (int64_t i = 0; i < team * m; i++) (*values)[i] = -INFINITY, (*columns)[i] = 0, (*columns)[team * m + i] = -1;
+    return 1;
+}
+
+/* thread t's Best for rows [0, m) */
+static Best best_of(int t, int team, int64_t m, float *values, int64_t *columns) {
+    return (Best){values + t * m, columns + t * m, columns + team * m + t * m};
+}
+
+/* the threads' choices merged into chosen[m] and freed: the first NaN, else the first largest (by
+ * column: the screen interleaves the threads' columns) */
+static void best_finish(int team, int64_t m, float *values, int64_t *columns, int64_t *chosen) {
+    for (int64_t r = 0; r < m; r++) {
+        float top = -INFINITY;
+        int64_t column = 0, nan = -1;
+        for (int t = 0; t < team; t++) {
+            const int64_t i = t * m + r, first_nan = columns[team * m + i];
+            if (first_nan >= 0 && (nan < 0 || first_nan < nan)) nan = first_nan;
+            if (values[i] > top || (values[i] == top && values[i] > -INFINITY && columns[i] < column))
+                top = values[i], column = columns[i];
+        }
+        chosen[r] = nan >= 0 ? nan : column;
+    }
+    free(values), free(columns);
+}
+
+INLINE Best best_at(Best best, int64_t r) {
+    return best.value ? (Best){best.value + r, best.column + r, best.nan + r} : best;
+}
+
+/* a row's `cols` fp32 outputs v (columns col0..) folded into row 0 of `best` as fold_value folds them
+ * one by one; a whole panel none of whose outputs is NaN or above the best so far, at once */
+INLINE void fold_row(const float *v, int cols, int64_t col0, Best best) {
+#ifdef HAVE_AVX2
+    if (cols >= PANEL) {
+        const __m256 top = _mm256_set1_ps(*best.value);
+        const __m256 a = _mm256_cmp_ps(_mm256_loadu_ps(v), top, _CMP_NLE_UQ); /* above it, or NaN */
+        const __m256 b = _mm256_cmp_ps(_mm256_loadu_ps(v + 8), top, _CMP_NLE_UQ);
+        if (!_mm256_movemask_ps(_mm256_or_ps(a, b))) return;
+    }
+#endif
+    for (int j = 0; j < cols && j < PANEL; j++) fold_value(v[j], col0 + j, best);
+}
+
 #ifdef HAVE_AVX2
 /* rows [0, MR) of the tile, one panel: x rows at stride xs, out rows at stride ys, `cols` <= 16 stored */
 #define TILE_KERNEL(MR)                                                                                        \
     static void tile_##MR(const float *x, int64_t xs, const uint16_t *panel, int64_t k, const float *bias,     \
-                          float *y, int64_t ys, int cols) {                                                   \
+                          float *y, int64_t ys, int cols, Best best, int64_t col0) {                          \
         __m256 lo[MR], hi[MR];                                                                                \
         _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++) lo[r] = hi[r] = _mm256_setzero_ps();            \
         const __m256i mask = _mm256_set1_epi32((int)0xffff0000u);                                             \
@@ -58,13 +130,16 @@
             __m256 b_hi = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();                             \
             _mm256_storeu_ps(tmp, _mm256_add_ps(lo[r], b_lo));                                                \
             _mm256_storeu_ps(tmp + 8, _mm256_add_ps(hi[r], b_hi));                                            \
-            memcpy(y + r * ys, tmp, (size_t)cols * sizeof(float));                                            \
+            if (best.value) /* the row's greedy choice instead of its outputs */                              \
+                fold_row(tmp, cols, col0, best_at(best, r));                                                  \
+            else                                                                                              \
+                memcpy(y + r * ys, tmp, (size_t)cols * sizeof(float));                                        \
         }                                                                                                     \
     }
 #else
 #define TILE_KERNEL(MR)                                                                                        \
     static void tile_##MR(const float *x, int64_t xs, const uint16_t *panel, int64_t k, const float *bias,     \
-                          float *y, int64_t ys, int cols) {                                                   \
+                          float *y, int64_t ys, int cols, Best best, int64_t col0) {                          \
         float acc[MR][PANEL];                                                                                 \
         memset(acc, 0, sizeof acc);                                                                           \
         for (int64_t i = 0; i < k; i++) {                                                                     \
@@ -77,8 +152,13 @@
                 }                                                                                             \
             }                                                                                                 \
         }                                                                                                     \
-        for (int r = 0; r < MR; r++)                                                                          \
-            for (int j = 0; j < cols; j++) y[r * ys + j] = acc[r][j] + (bias ? bias[j] : 0.0f);               \
+        for (int r = 0; r < MR; r++) {                                                                        \
+            for (int j = 0; j < PANEL; j++) acc[r][j] += bias ? bias[j] : 0.0f;                               \
+            if (best.value)                                                                                   \
+                fold_row(acc[r], cols, col0, best_at(best, r));                                               \
+            else                                                                                              \
+                memcpy(y + r * ys, acc[r], (size_t)cols * sizeof(float));                                     \
+        }                                                                                                     \
     }
 #endif
 
@@ -116,21 +196,27 @@ INLINE void thread_share(int64_t total, int64_t *first, int64_t *last) {
     *last = total * (t + 1) / nt;
 }
 
-typedef void (*tile_fn)(const float *, int64_t, const uint16_t *, int64_t, const float *, float *, int64_t, int);
+typedef void (*tile_fn)(const float *, int64_t, const uint16_t *, int64_t, const float *, float *, int64_t, int, Best,
+                        int64_t);
 static const tile_fn TILES[MAX_TILE + 1] = {0, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6};
 
-/* y [m, n] (row stride ys) = x [m, k] (row stride xs) times the packed weight, plus bias [n] (or NULL).
- * The panels are split between `threads` threads in contiguous ranges; each walks the rows in chunks. */
-int linear_bf16w(const float *x, int64_t xs, int64_t m, const uint16_t *packed, int64_t n, int64_t k,
-                 const float *bias, float *y, int64_t ys, int threads) {
-    if (m < 0 || n < 0 || k < 0 || xs < k || ys < n) return -1;
+/* linear_bf16w's work: outputs into y, or (chosen != NULL) each row's greedy choice into chosen[m].
+ * The panels are split between `threads` threads in contiguous ranges; each walks the rows in chunks,
+ * a row's panels in order of columns. */
+static int bf16w_linear(const float *x, int64_t xs, int64_t m, const uint16_t *packed, int64_t n, int64_t k,
+                        const float *bias, float *y, int64_t ys, int threads, int64_t *chosen) {
+    if (m < 0 || n < 0 || k < 0 || xs < k || (!chosen && ys < n)) return -1;
     int64_t panels = (n + PANEL - 1) / PANEL;
     /* a thread's share is whole panels; below ~1 MFLOP a call runs on one thread */
-    int parallel = threads > 1 && m * n * k >= (1 << 19) && panels > 1;
-#pragma omp parallel num_threads(threads) if (parallel)
+    int parallel = threads > 1 && m * n * k >= (1 << 19) && panels > 1, team = parallel ? threads : 1;
+    float *values = NULL;
+    int64_t *columns = NULL;
+    if (chosen && !best_start(team, m, &values, &columns)) return -1;
+#pragma omp parallel num_threads(team) if (parallel)
     {
         int64_t first, last;
         thread_share(panels, &first, &last);
+        const Best mine = chosen ? best_of(thread_index(), team, m, values, columns) : (Best){NULL, NULL, NULL};
         for (int64_t m0 = 0; m0 < m; m0 += CHUNK_ROWS) {
             int64_t m1 = m0 + CHUNK_ROWS < m ? m0 + CHUNK_ROWS : m;
             for (int64_t p = first; p < last; p++) {
@@ -145,12 +231,30 @@ int linear_bf16w(const float *x, int64_t xs, int64_t m, const uint16_t *packed, 
                 }
                 for (int64_t r = m0; r < m1; r += MAX_TILE) {
                     int rows = (int)(m1 - r < MAX_TILE ? m1 - r : MAX_TILE);
-                    TILES[rows](x + r * xs, xs, panel, k, b, y + r * ys + p * PANEL, ys, cols);
+                    TILES[rows](x + r * xs, xs, panel, k, b, chosen ? NULL : y + r * ys + p * PANEL, ys, cols,
+                                best_at(mine, r), p * PANEL);
                 }
             }
         }
     }
+    if (chosen) best_finish(team, m, values, columns, chosen);
     return 0;
+}
+
+/* y [m, n] (row stride ys) = x [m, k] (row stride xs) times the packed weight, plus bias [n] (or NULL) */
+int linear_bf16w(const float *x, int64_t xs, int64_t m, const uint16_t *packed, int64_t n, int64_t k,
+                 const float *bias, float *y, int64_t ys, int threads) {
+    return bf16w_linear(x, xs, m, packed, n, k, bias, y, ys, threads, NULL);
+}
+
+/* argmax of linear_bf16w's outputs for each row, into chosen[m] (int64), without writing them: the
+ * index torch.argmax gives on them (the first of ties; the first NaN where there is one). A greedy
+ * step's lm_head: at 256 rows SmolLM2's 49,152 fp32 logits a row are 50 MB written and read back. */
+int linear_bf16w_argmax(const float *x, int64_t xs, int64_t m, const uint16_t *packed, int64_t n, int64_t k,
+                        const float *bias, int64_t *chosen, int threads) {
+    if (m == 0) return 0; /* nothing to choose (chosen may be NULL) */
+    if (chosen == NULL) return -1;
+    return bf16w_linear(x, xs, m, packed, n, k, bias, NULL, 0, threads, chosen);
 }
 
 /* ------------------------------------------------------------------------------------------------
@@ -215,24 +319,6 @@ INLINE int nearest_begin(void) {
 INLINE void nearest_end(int mode) { fesetround(mode); }
 #endif
 
-/* A thread's running greedy choice for each row of a call (the *_argmax kernels): the largest output
- * so far as its bf16 value, its column (the first of ties), and the first NaN's column (-1: none) */
-typedef struct {
-    float *value;
-    int64_t *column, *nan;
-} Best;
-
-/* output `v` (as stored: bf16 widened) of column `col` folded into row 0 of `best`; columns come in
- * order, and the largest moves only to a strictly larger value, so the first of ties stays */
-INLINE void fold_value(float v, int64_t col, Best best) {
-    if (v != v) {
-        if (*best.nan < 0) *best.nan = col;
-    } else if (v > *best.value) {
-        *best.value = v;
-        *best.column = col;
-    }
-}
-
 #ifdef HAVE_AVX512BF16
 /* a row's `np` panels of fp32 outputs (bias added), columns col0.. of which `cols` are live, folded
  * into row 0 of `best` as fold_value would fold them one by one after rounding to bf16 */
@@ -261,45 +347,6 @@ INLINE void fold_panels(__m512 *v, int np, int cols, int64_t col0, Best best) {
     }
 }
 #endif
-
-/* room for `team` threads' choices for m rows (values, then columns: the largest's, then the first
- * NaN's), set to none; 0 where there is no memory */
-static int best_start(int team, int64_t m, float **values, int64_t **columns) {
-    *values = malloc((size_t)(team * m + 1) * sizeof **values);
-    *columns = malloc((size_t)(2 * team * m + 1) * sizeof **columns);
-    if (!*values || !*columns) {
-        free(*values), free(*columns);
-        return 0;
-    }
-    for (int64_t i = 0; i < team * m; i++) (*values)[i] = -INFINITY, (*columns)[i] = 0, (*columns)[team * m + i] = -1;
-    return 1;
-}
-
-/* thread t's Best for rows [0, m) */
-static Best best_of(int t, int team, int64_t m, float *values, int64_t *columns) {
-    return (Best){values + t * m, columns + t * m, columns + team * m + t * m};
-}
-
-/* the threads' choices merged into chosen[m] and freed: the first NaN, else the first largest (by
- * column: the screen interleaves the threads' columns) */
-static void best_finish(int team, int64_t m, float *values, int64_t *columns, int64_t *chosen) {
-    for (int64_t r = 0; r < m; r++) {
-        float top = -INFINITY;
-        int64_t column = 0, nan = -1;
-        for (int t = 0; t < team; t++) {
-            const int64_t i = t * m + r, first_nan = columns[team * m + i];
-            if (first_nan >= 0 && (nan < 0 || first_nan < nan)) nan = first_nan;
-            if (values[i] > top || (values[i] == top && values[i] > -INFINITY && columns[i] < column))
-                top = values[i], column = columns[i];
-        }
-        chosen[r] = nan >= 0 ? nan : column;
-    }
-    free(values), free(columns);
-}
-
-INLINE Best best_at(Best best, int64_t r) {
-    return best.value ? (Best){best.value + r, best.column + r, best.nan + r} : best;
-}
 
 #ifdef HAVE_AVX512BF16
 /* a tile's fp32 sums acc[MR][NP] (rows by panels) + bias, rounded to bf16 and stored, or (best.value)
