@@ -125,13 +125,17 @@ def test_both_bf16_instructions_give_the_same_tokens_and_logprobs(smollm2_dir):
     assert all(r[1] for r in outputs[0][:len(prompts)])
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("arch, fields", [("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 16})],
                          ids=["llama", "qwen2-qkv-bias", "mistral-window"])
-def test_a_steps_layers_in_one_c_call_give_the_python_loops_bits(tmp_path, smollm2_dir, monkeypatch, arch, fields):
-    """bf16 models whose projections all run a C kernel run a step's layers in one C call
-    (kernels/cpu/decoder.py): prompts chunked and mixed with decodes, a qkv bias, a window narrower
-    than the prompts; the same tokens and logprob bits as the Python loop over the layers, and every
-    step in C. Where the projections run oneDNN (no AVX512-BF16) no step can, and both runs are the loop."""
+def test_a_steps_layers_in_one_c_call_give_the_python_loops_bits(tmp_path, smollm2_dir, monkeypatch, arch, fields,
+                                                                 dtype):
+    """Models whose projections all run a C kernel (bf16 ones on AVX512-BF16 or AMX; in float32 the bf16
+    checkpoint's weights stored in bf16) run a step's layers in one C call (kernels/cpu/decoder.py):
+    prompts chunked and mixed with decodes, a qkv bias, a window narrower than the prompts; the same
+    tokens and logprob bits as the Python loop over the layers, and every step in C. Where the
+    projections run oneDNN (bf16 without AVX512-BF16) no step can, and both runs are the loop."""
+    from batchapi.kernels.cpu import matmul
     from batchapi.kernels.cpu.decoder import DecoderLayers
     from tests.utils.tiny_models import build_tiny_model
 
@@ -147,7 +151,7 @@ def test_a_steps_layers_in_one_c_call_give_the_python_loops_bits(tmp_path, smoll
 
     monkeypatch.setattr(DecoderLayers, "run", counted)
     for in_c in (True, False):
-        engine = engine_for(model_dir, dtype="bfloat16", max_num_seqs=3, max_num_batched_tokens=16,
+        engine = engine_for(model_dir, dtype=dtype, max_num_seqs=3, max_num_batched_tokens=16,
                             enable_prefix_caching=False)
         engine.runner.model.layers_in_c = in_c
         results = run(engine, prompts, greedy(24, logprobs=True))
@@ -155,7 +159,9 @@ def test_a_steps_layers_in_one_c_call_give_the_python_loops_bits(tmp_path, smoll
     assert outputs[0] == outputs[1]
     assert all(r[1] for r in outputs[0])
     kinds = engine.runner.linear_kinds
-    in_c_kernels = kinds["avx512-bf16"] + kinds["amx-bf16"] == 4 * engine.runner.model_config.num_layers + 1
+    in_c = kinds["avx512-bf16"] + kinds["amx-bf16"] if dtype == "bfloat16" else kinds["bf16-stored"]
+    in_c_kernels = in_c == 4 * engine.runner.model_config.num_layers + 1
+    assert in_c_kernels or (dtype == "bfloat16" and not matmul.native_bf16())
     assert (len(ran) > 20 and all(ran)) if in_c_kernels else not any(ran)
     model = engine.runner.model
     assert (model._decoder_layers() is not None) == in_c_kernels

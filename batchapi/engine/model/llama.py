@@ -9,7 +9,7 @@ from torch import nn
 
 from batchapi.engine.model.gemma import NORMS, GemmaDecoderLayer, norm_weight, soft_cap
 from batchapi.engine.model.layers import MLP, Attention, AttentionMetadata, RMSNorm, input_norm
-from batchapi.engine.model.linears import AmxBf16Linear, Avx512Bf16Linear
+from batchapi.engine.model.linears import AmxBf16Linear, Avx512Bf16Linear, Bf16StoredLinear
 from batchapi.engine.model.loader import ModelConfig
 from batchapi.engine.model.moe import SparseMoE
 from batchapi.kernels.cpu import attention as cpu_attention
@@ -139,7 +139,7 @@ class CausalLM(nn.Module):
 
     def _make_decoder_layers(self) -> tuple[cpu_decoder.DecoderLayers | None, list[nn.Module]]:
         """(the layers for kernels/cpu/decoder.py or None, their projections in order)."""
-        kernels = {Avx512Bf16Linear: "linear_bf16", AmxBf16Linear: "linear_amx"}
+        kernels = {Avx512Bf16Linear: "linear_bf16", AmxBf16Linear: "linear_amx", Bf16StoredLinear: "linear_bf16w"}
         cfg, out, all_projections = self.cfg, [], []
         if self.embed_scale is not None or not len(self.layers):
             return None, []
@@ -152,8 +152,11 @@ class CausalLM(nn.Module):
             if any(type(p) not in kernels for p in projections) or any(p.bias is not None for p in projections[1:]):
                 return None, []
             all_projections += projections
+            qkv_bias = attn.qkv_proj.bias if type(attn.qkv_proj) is Bf16StoredLinear else attn.qkv_proj.panel_bias
+            if qkv_bias is not None and (qkv_bias.dtype != torch.float32 or not qkv_bias.is_contiguous()):
+                return None, []  # the float32 kernel's bias as matmul.linear would pass it
             out.append(cpu_decoder.Layer(
-                *((kernels[type(p)], p.packed_weight) for p in projections), attn.qkv_proj.panel_bias,
+                *((kernels[type(p)], p.packed_weight) for p in projections), qkv_bias,
                 layer.input_layernorm.weight, layer.post_attention_layernorm.weight, attn.k_cache, attn.v_cache,
                 self.cos_sin_local if attn.local_rope else self.cos_sin, attn.window))
         first = self.layers[0].self_attn

@@ -1,7 +1,8 @@
 """A Llama-family decoder's layers in one C call a step (csrc/decoder.c): the same kernels the model's
 Python calls one by one (elementwise.py's norms, rotary-and-store and SiLU-and-mul, attention.py's
-paged decode, matmul.py's bf16 and AMX linear layers), with the same arguments, so the same bits; the
-Python between them (~300 calls a step: checks, torch.empty, ctypes) is gone.
+paged decode, matmul.py's bf16 and AMX linear layers, or in float32 its bf16-stored ones), with the same
+arguments, so the same bits; the Python between them (~300 calls a step: checks, torch.empty, ctypes)
+is gone.
 
 ``DecoderLayers`` takes each layer's tensors once; ``run`` takes a step, or returns None where the
 step is not one it runs as the Python path would (a prefill run the attention's torch twin takes, a
@@ -19,7 +20,8 @@ from batchapi.kernels.cpu import attention, build
 from batchapi.kernels.cpu.elementwise import MAX_ROTARY_DIM
 
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-LINEAR_KERNELS = ("linear_bf16", "linear_amx")  # matmul.c's entry points a projection may run
+# matmul.c's entry points a projection may run, by the layers' dtype
+LINEAR_KERNELS = {torch.bfloat16: ("linear_bf16", "linear_amx"), torch.float32: ("linear_bf16w",)}
 
 
 class _Kernels(ctypes.Structure):
@@ -35,7 +37,7 @@ class _Layer(ctypes.Structure):
 
 class _Shape(ctypes.Structure):
     _fields_ = [("hidden", _i64), ("inter", _i64), ("hq", _i64), ("hkv", _i64), ("d", _i64), ("block_size", _i64),
-                ("num_slots", _i64), ("eps", _f32), ("scale", _f32)]
+                ("num_slots", _i64), ("eps", _f32), ("scale", _f32), ("bf16", _i32)]
 
 
 class _Step(ctypes.Structure):
@@ -47,9 +49,11 @@ class _Step(ctypes.Structure):
 
 @dataclass
 class Layer:
-    """One layer's tensors. A projection is (its matmul.py kernel, a LINEAR_KERNELS name; its
-    ``pack_pairs`` weight); ``qkv_bias`` in ``panel_bias`` form or None; the caches
-    [num_blocks, block_size, Hkv, D]; ``cos_sin`` [max_pos, D]; ``window`` 0 for the whole context."""
+    """One layer's tensors. A projection is (its matmul.py kernel, a LINEAR_KERNELS name; its packed
+    weight: ``pack_pairs``, or ``pack`` for linear_bf16w); ``qkv_bias`` as that kernel takes it
+    (``panel_bias`` form for the bf16 ones) or None; the caches [num_blocks, block_size, Hkv, D];
+    ``cos_sin`` [max_pos, D]; ``window`` 0 for the whole context. Norms, caches and activations all of
+    one dtype, bf16 or float32."""
 
     qkv: tuple[str, torch.Tensor]
     o: tuple[str, torch.Tensor]
@@ -75,6 +79,7 @@ class DecoderLayers:
                  scale: float):
         self.layers = layers  # held: the C side keeps their addresses
         self.hidden, self.inter, self.hq, self.hkv, self.d = hidden, inter, hq, hkv, d
+        self.dtype = layers[0].input_norm.dtype if layers else torch.bfloat16
         self.lib = build.load_decoder()
         libs = (build.load_elementwise(), build.load(), build.load_matmul())
         self.usable = self.lib is not None and None not in libs and bool(layers) and self._takes(layers)
@@ -82,9 +87,11 @@ class DecoderLayers:
             return
         elementwise, decode, matmul = libs
         self._kernels = _Kernels(_address(elementwise, "rms_norm"), _address(elementwise, "silu_and_mul"),
-                                 _address(elementwise, "rotary_store"), _address(decode, "paged_decode_bf16"))
+                                 _address(elementwise, "rotary_store"),
+                                 _address(decode, f"paged_decode_{build.DTYPES[self.dtype]}"))
         cache = layers[0].k_cache
-        self._shape = _Shape(hidden, inter, hq, hkv, d, cache.shape[1], cache.shape[0] * cache.shape[1], eps, scale)
+        self._shape = _Shape(hidden, inter, hq, hkv, d, cache.shape[1], cache.shape[0] * cache.shape[1], eps, scale,
+                             self.dtype is torch.bfloat16)
         self._windows = sorted({layer.window for layer in layers})
         table = (_Layer * len(layers))()
         for entry, layer in zip(table, layers, strict=True):
@@ -102,7 +109,9 @@ class DecoderLayers:
 
     def _takes(self, layers: list[Layer]) -> bool:
         """The shapes and dtypes each wrapper would pass straight to its kernel."""
-        d, hq, hkv, bf16 = self.d, self.hq, self.hkv, torch.bfloat16
+        d, hq, hkv, dtype = self.d, self.hq, self.hkv, self.dtype
+        if dtype not in LINEAR_KERNELS:
+            return False
         if hkv <= 0 or hq % hkv or hq // hkv > attention.MAX_GROUP or d % 2 or d > min(attention.MAX_HEAD_DIM,
                                                                                          MAX_ROTARY_DIM):
             return False
@@ -111,26 +120,27 @@ class DecoderLayers:
             return False
         for layer in layers:
             caches = (layer.k_cache, layer.v_cache)
-            if any(c.shape != cache.shape or c.dtype != bf16 or not c.is_contiguous() or not c.is_cpu for c in caches):
+            if any(c.shape != cache.shape or c.dtype != dtype or not c.is_contiguous() or not c.is_cpu for c in caches):
                 return False
-            if any(getattr(layer, name)[0] not in LINEAR_KERNELS for name in ("qkv", "o", "gate_up", "down")):
+            if any(getattr(layer, name)[0] not in LINEAR_KERNELS[dtype] for name in ("qkv", "o", "gate_up", "down")):
                 return False
             norms = (layer.input_norm, layer.post_norm)
-            if any(n.shape != (self.hidden,) or n.dtype != bf16 or not n.is_contiguous() for n in norms):
+            if any(n.shape != (self.hidden,) or n.dtype != dtype or not n.is_contiguous() for n in norms):
                 return False
             cos_sin = layer.cos_sin
             if cos_sin.dim() != 2 or cos_sin.shape[1] != d or cos_sin.stride(1) != 1 or cos_sin.dtype not in (
-                    torch.float32, bf16):
+                    torch.float32, torch.bfloat16):
                 return False
         return True
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
             cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, invariant: bool
             ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The layers on the embeddings x [T, hidden] bf16 -> (the last layer's output, its residual), as
-        the Python loop over DecoderLayer.forward gives them; None where the step is not one it runs."""
+        """The layers on the embeddings x [T, hidden] (the layers' dtype) -> (the last layer's output, its
+        residual), as the Python loop over DecoderLayer.forward gives them; None where the step is not one
+        it runs."""
         tokens = x.shape[0]
-        if (not self.usable or tokens == 0 or x.dtype is not torch.bfloat16 or x.shape != (tokens, self.hidden)
+        if (not self.usable or tokens == 0 or x.dtype is not self.dtype or x.shape != (tokens, self.hidden)
                 or not x.is_contiguous() or positions.shape != (tokens,) or slot_mapping.shape != (tokens,)
                 or slot_mapping.dtype not in (torch.int32, torch.int64)):
             return None
@@ -142,12 +152,12 @@ class DecoderLayers:
             return None  # a prefill run goes to the torch twin: the Python path
         positions = positions.to(torch.int64).contiguous()
         slot_mapping = slot_mapping.contiguous()
-        hidden, qs, kvs = self.hidden, self.hq * self.d, self.hkv * self.d
-        mlp_out, residual, other, normed = (torch.empty(tokens, hidden, dtype=torch.bfloat16) for _ in range(4))
-        qkv = torch.empty(tokens, qs + 2 * kvs, dtype=torch.bfloat16)
-        q, attn = torch.empty(tokens, qs, dtype=torch.bfloat16), torch.empty(tokens, qs, dtype=torch.bfloat16)
-        gate_up = torch.empty(tokens, 2 * self.inter, dtype=torch.bfloat16)
-        act = torch.empty(tokens, self.inter, dtype=torch.bfloat16)
+        hidden, qs, kvs, dtype = self.hidden, self.hq * self.d, self.hkv * self.d, self.dtype
+        mlp_out, residual, other, normed = (torch.empty(tokens, hidden, dtype=dtype) for _ in range(4))
+        qkv = torch.empty(tokens, qs + 2 * kvs, dtype=dtype)
+        q, attn = torch.empty(tokens, qs, dtype=dtype), torch.empty(tokens, qs, dtype=dtype)
+        gate_up = torch.empty(tokens, 2 * self.inter, dtype=dtype)
+        act = torch.empty(tokens, self.inter, dtype=dtype)
         step = _Step(tokens, positions.data_ptr(), slot_mapping.data_ptr(), slot_mapping.dtype is torch.int64,
                      plan.tables.data_ptr(), plan.context_lens.data_ptr(), plan.q_rows.data_ptr(),
                      plan.rows.data_ptr(), plan.tables.stride(0), x.data_ptr(), mlp_out.data_ptr(),

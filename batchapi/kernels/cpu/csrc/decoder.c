@@ -7,6 +7,10 @@
  * ctypes) ran on one thread while the other waited: 14-16% of a decode step's wall time at ~60
  * sequences on 2 cores (perf: the OpenMP worker spinning for its next region).
  *
+ * In bf16 (the projections in linear_bf16 or linear_amx) or in float32 (the projections' weights
+ * stored in bf16, linear_bf16w: a CPU without native bf16 matmuls); activations, norms, caches and
+ * rope tables all of the one dtype the Python path would pass its kernels.
+ *
  * The kernels live in their own libraries (each with its own state, such as matmul.c's choice of
  * instructions), so this one takes their entry points as function pointers, from ctypes. Built by
  * batchapi/kernels/cpu/build.py; called by batchapi/kernels/cpu/decoder.py.
@@ -39,11 +43,11 @@ typedef struct {
     attention_fn attention;
 } Kernels;
 
-/* one layer: its four projections (each its kernel and pair-packed weight), norms and caches */
+/* one layer: its four projections (each its kernel and packed weight), norms and caches */
 typedef struct {
     linear_fn qkv_fn, o_fn, gate_up_fn, down_fn;
     const void *qkv, *o, *gate_up, *down;
-    const float *qkv_bias; /* panel form, or NULL */
+    const float *qkv_bias; /* as its kernel takes it (linear_bf16's panel form), or NULL */
     const void *input_norm, *post_norm;
     void *k_cache, *v_cache;
     const void *cos_sin; /* [max_pos, d] */
@@ -55,6 +59,7 @@ typedef struct {
 typedef struct {
     int64_t hidden, inter, hq, hkv, d, block_size, num_slots;
     float eps, scale;
+    int bf16; /* the activations' dtype: bf16, else float32 */
 } Shape;
 
 /* a step: its tokens, the attention plan (attention.py's _Plan) and the buffers the layers write */
@@ -81,16 +86,17 @@ typedef struct {
 int decoder_layers(const Kernels *kn, const Shape *sh, const Layer *layers, int num_layers, const Step *st,
                    int threads) {
     const int64_t t = st->tokens, h = sh->hidden, qs = sh->hq * sh->d, kvs = sh->hkv * sh->d;
-    const int64_t qkv_n = qs + 2 * kvs;
+    const int64_t qkv_n = qs + 2 * kvs, size = sh->bf16 ? 2 : 4;
+    const int bf16 = sh->bf16;
     const void *residual = st->x;
     int next = 0, rc = 0;
     for (int i = 0; i < num_layers; i++) {
         const Layer *ly = layers + i;
         if (i == 0) { /* layer 0: the input norm of x alone, x the residual */
-            rc = kn->norm(st->x, h, NULL, 0, ly->input_norm, st->normed, NULL, t, h, sh->eps, 1, threads);
+            rc = kn->norm(st->x, h, NULL, 0, ly->input_norm, st->normed, NULL, t, h, sh->eps, bf16, threads);
         } else {
             rc = kn->norm(st->mlp_out, h, residual, h, ly->input_norm, st->normed, st->residual[next], t, h,
-                          sh->eps, 1, threads);
+                          sh->eps, bf16, threads);
             residual = st->residual[next];
             next ^= 1;
         }
@@ -98,9 +104,10 @@ int decoder_layers(const Kernels *kn, const Shape *sh, const Layer *layers, int 
         rc = ly->qkv_fn(st->normed, h, t, ly->qkv, qkv_n, h, ly->qkv_bias, st->qkv, qkv_n, threads);
         if (rc) return i + 1;
         const char *qkv = (const char *)st->qkv;
-        rc = kn->rotary_store(qkv, qkv_n, sh->hq, st->q, qkv + qs * 2, qkv_n, qkv + (qs + kvs) * 2, qkv_n, sh->hkv,
-                              ly->k_cache, ly->v_cache, st->slots, st->slots_i64, sh->num_slots, st->positions,
-                              ly->cos_sin, ly->cs_stride, ly->max_pos, ly->cs_bf16, t, sh->d, 1, threads);
+        rc = kn->rotary_store(qkv, qkv_n, sh->hq, st->q, qkv + qs * size, qkv_n, qkv + (qs + kvs) * size, qkv_n,
+                              sh->hkv, ly->k_cache, ly->v_cache, st->slots, st->slots_i64, sh->num_slots,
+                              st->positions, ly->cos_sin, ly->cs_stride, ly->max_pos, ly->cs_bf16, t, sh->d, bf16,
+                              threads);
         if (rc) return i + 1;
         rc = kn->attention(st->q, ly->k_cache, ly->v_cache, st->tables, st->table_stride, st->context_lens,
                            st->q_rows, (int)t, st->rows, (int)t, t, st->attn, (int)sh->hq, (int)sh->hkv, (int)sh->d,
@@ -108,15 +115,15 @@ int decoder_layers(const Kernels *kn, const Shape *sh, const Layer *layers, int 
         if (rc) return i + 1;
         rc = ly->o_fn(st->attn, qs, t, ly->o, h, qs, NULL, st->mlp_out, h, threads);
         if (rc) return i + 1;
-        rc = kn->norm(st->mlp_out, h, residual, h, ly->post_norm, st->normed, st->residual[next], t, h, sh->eps, 1,
-                      threads);
+        rc = kn->norm(st->mlp_out, h, residual, h, ly->post_norm, st->normed, st->residual[next], t, h, sh->eps,
+                      bf16, threads);
         if (rc) return i + 1;
         residual = st->residual[next];
         next ^= 1;
         rc = ly->gate_up_fn(st->normed, h, t, ly->gate_up, 2 * sh->inter, h, NULL, st->gate_up, 2 * sh->inter,
                             threads);
         if (rc) return i + 1;
-        rc = kn->act(st->gate_up, 2 * sh->inter, st->act, t, sh->inter, 1, threads);
+        rc = kn->act(st->gate_up, 2 * sh->inter, st->act, t, sh->inter, bf16, threads);
         if (rc) return i + 1;
         rc = ly->down_fn(st->act, sh->inter, t, ly->down, h, sh->inter, NULL, st->mlp_out, h, threads);
         if (rc) return i + 1;
