@@ -1,7 +1,7 @@
 """The vector units' peak on this CPU: a loop of independent VDPBF16PS (where the CPU has AVX512-BF16),
 of VPDPBUSD (int8, where it has AVX512-VNNI: the greedy lm_head's screen) and of VFMADD231PS on
-registers only, 12 accumulators (more than latency times throughput needs), on each of N threads at
-once. What the bf16 linear layers' kernel (kernels/cpu/csrc/matmul.c) can reach
+registers only (512-bit where the CPU has AVX-512, else 256-bit: AVX2's), 12 accumulators (more than
+latency times throughput needs), on each of N threads at once. What the bf16 linear layers' kernel (kernels/cpu/csrc/matmul.c) can reach
 at most; compare its GFLOP/s (engine_throughput.py's roofline line, kernels_cpu.py --op linear_bf16).
 
 Usage: .venv/bin/python bench/vector_peak.py [--threads 2] [--seconds 1.5]
@@ -19,28 +19,41 @@ SOURCE = r"""
 #include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #define ACC 12
 #define KEEP(a)                                                                                 \
     __asm__ volatile("" ::"v"(a[0]), "v"(a[1]), "v"(a[2]), "v"(a[3]), "v"(a[4]), "v"(a[5]), "v"(a[6]), "v"(a[7]), \
                      "v"(a[8]), "v"(a[9]), "v"(a[10]), "v"(a[11])) /* each sum kept, in its register */
-static double finish(__m512 *a, double t, long n, int flops) {
+#ifdef __AVX512F__
+typedef __m512 vf; /* the widest float vector */
+#define VF_SET1 _mm512_set1_ps
+#define VF_FMA _mm512_fmadd_ps
+#define VF_LANES 16
+#else
+typedef __m256 vf;
+#define VF_SET1 _mm256_set1_ps
+#define VF_FMA _mm256_fmadd_ps
+#define VF_LANES 8
+#endif
+static double finish(const void *a, size_t bytes, double t, long n, int flops) {
     const double seconds = omp_get_wtime() - t;
-    float sum = 0.0f;
-    for (int j = 0; j < ACC; j++) sum += _mm512_reduce_add_ps(a[j]);
+    float sum = 0.0f, lanes[16 * ACC];
+    memcpy(lanes, a, bytes);
+    for (size_t j = 0; j < bytes / sizeof(float); j++) sum += lanes[j];
     if (sum == 1234.5f) puts("");
     return (double)n * ACC * flops / seconds / 1e9; /* FLOP: a product and a sum each */
 }
 static double fma_loop(long n) {
-    __m512 a[ACC];
-    for (int j = 0; j < ACC; j++) a[j] = _mm512_setzero_ps();
-    const __m512 x = _mm512_set1_ps(1.0f), y = _mm512_set1_ps(1e-9f);
+    vf a[ACC];
+    for (int j = 0; j < ACC; j++) a[j] = VF_SET1(0.0f);
+    const vf x = VF_SET1(1.0f), y = VF_SET1(1e-9f);
     const double t = omp_get_wtime();
     for (long i = 0; i < n; i++) {
 #pragma GCC unroll 12
-        for (int j = 0; j < ACC; j++) a[j] = _mm512_fmadd_ps(x, y, a[j]);
+        for (int j = 0; j < ACC; j++) a[j] = VF_FMA(x, y, a[j]);
         KEEP(a);
     }
-    return finish(a, t, n, 32);
+    return finish(a, sizeof a, t, n, 2 * VF_LANES);
 }
 #ifdef __AVX512BF16__
 static double dpbf16_loop(long n) {
@@ -53,7 +66,7 @@ static double dpbf16_loop(long n) {
         for (int j = 0; j < ACC; j++) a[j] = _mm512_dpbf16_ps(a[j], x, y);
         KEEP(a);
     }
-    return finish(a, t, n, 64);
+    return finish(a, sizeof a, t, n, 64);
 }
 #endif
 #ifdef __AVX512VNNI__
@@ -86,7 +99,11 @@ static double loop(int kind, long n) {
 int main(int argc, char **argv) {
     const int threads = atoi(argv[1]);
     const long n = atol(argv[2]);
-    static const char *names[] = {"VFMADD231PS", "VDPBF16PS", "VPDPBUSD (int8)"};
+#ifdef __AVX512F__
+    static const char *names[] = {"VFMADD231PS (512-bit)", "VDPBF16PS", "VPDPBUSD (int8)"};
+#else
+    static const char *names[] = {"VFMADD231PS (256-bit)", "VDPBF16PS", "VPDPBUSD (int8)"};
+#endif
     for (int kind = 2; kind >= 0; kind--) {
 #ifndef __AVX512VNNI__
         if (kind == 2) continue;
