@@ -1,5 +1,6 @@
 """The vector units' peak on this CPU: a loop of independent VDPBF16PS (where the CPU has AVX512-BF16),
-of VPDPBUSD (int8, where it has AVX512-VNNI: the greedy lm_head's screen) and of VFMADD231PS on
+of VPDPBUSD (int8, where it has AVX512-VNNI: the greedy lm_head's screen; on AVX2 alone the three
+instructions that stand in for it) and of VFMADD231PS on
 registers only (512-bit where the CPU has AVX-512, else 256-bit: AVX2's), 12 accumulators (more than
 latency times throughput needs), on each of N threads at once. What the bf16 linear layers' kernel (kernels/cpu/csrc/matmul.c) can reach
 at most; compare its GFLOP/s (engine_throughput.py's roofline line, kernels_cpu.py --op linear_bf16).
@@ -87,7 +88,35 @@ static double dpbusd_loop(long n) { /* int8: 64 products a VPDPBUSD; "GFLOP" as 
     return (double)n * ACC * 128 / seconds / 1e9;
 }
 #endif
+#if defined(__AVX2__) && !defined(__AVX512VNNI__)
+/* int8 without VNNI: VPMADDUBSW (u8 x s8, pairs summed to s16), VPMADDWD by ones (to s32) and VPADDD, 32
+ * products for the three, as an int8 screen would run them on AVX2 */
+static double maddubs_loop(long n) {
+    __m256i q[4], w[4]; /* the products depend on no sum: four sums are enough (one VPADDD a cycle each) */
+    for (int j = 0; j < 4; j++) q[j] = _mm256_setzero_si256(), w[j] = _mm256_set1_epi8((char)(j + 1));
+    const __m256i x = _mm256_set1_epi8(1), ones = _mm256_set1_epi16(1);
+    const double t = omp_get_wtime();
+    for (long i = 0; i < n; i++) {
+#pragma GCC unroll 12
+        for (int j = 0; j < ACC; j++) {
+            const __m256i p = _mm256_maddubs_epi16(x, w[j % 4]);
+            __asm__ volatile("" : "+x"(w[j % 4])); /* w "changes": each product is made afresh */
+            q[j % 4] = _mm256_add_epi32(q[j % 4], _mm256_madd_epi16(p, ones));
+        }
+    }
+    const double seconds = omp_get_wtime() - t;
+    int lanes[8 * 4];
+    long sum = 0;
+    memcpy(lanes, q, sizeof q);
+    for (int j = 0; j < 8 * 4; j++) sum += lanes[j];
+    if (sum == 12345) puts("");
+    return (double)n * ACC * 64 / seconds / 1e9;
+}
+#endif
 static double loop(int kind, long n) {
+#if defined(__AVX2__) && !defined(__AVX512VNNI__)
+    if (kind == 2) return maddubs_loop(n);
+#endif
 #ifdef __AVX512VNNI__
     if (kind == 2) return dpbusd_loop(n);
 #endif
@@ -102,10 +131,10 @@ int main(int argc, char **argv) {
 #ifdef __AVX512F__
     static const char *names[] = {"VFMADD231PS (512-bit)", "VDPBF16PS", "VPDPBUSD (int8)"};
 #else
-    static const char *names[] = {"VFMADD231PS (256-bit)", "VDPBF16PS", "VPDPBUSD (int8)"};
+    static const char *names[] = {"VFMADD231PS (256-bit)", "VDPBF16PS", "VPMADDUBSW + VPMADDWD + VPADDD (int8)"};
 #endif
     for (int kind = 2; kind >= 0; kind--) {
-#ifndef __AVX512VNNI__
+#if !defined(__AVX512VNNI__) && !defined(__AVX2__)
         if (kind == 2) continue;
 #endif
 #ifndef __AVX512BF16__
