@@ -299,9 +299,10 @@ INLINE float flush(float f) { return fabsf(f) < 1.17549435e-38f ? copysignf(0.0f
 INLINE uint16_t f32_to_bf16_daz(float f) { return f32_to_bf16(flush(f)); }
 
 /* The plain-C tiles' sums rounded to nearest even, as VDPBF16PS rounds, whatever the caller's mode
- * (a caller's fesetround applies to fmaf); nearest_end puts the caller's back. Denormals are flushed
- * by `flush` explicitly, so the caller's DAZ and FTZ change nothing either. */
-#if defined(__x86_64__) || defined(__i386__)
+ * (a caller's fesetround applies to fmaf); nearest_end puts the caller's back. On x86-64 denormals
+ * are flushed by `flush` explicitly and MXCSR's DAZ and FTZ are cleared, so the caller's change
+ * nothing either; elsewhere only the rounding mode is set. */
+#if defined(__x86_64__)
 #include <xmmintrin.h>
 INLINE int nearest_begin(void) {
     const unsigned csr = _mm_getcsr();
