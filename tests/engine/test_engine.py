@@ -170,6 +170,53 @@ def test_a_steps_layers_in_one_c_call_give_the_python_loops_bits(tmp_path, smoll
     assert model._decoder_layers() is None
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_steps_that_copy_a_shared_prefix_inside_a_block_run_in_one_c_call(tmp_path, smollm2_dir, monkeypatch, dtype):
+    """Prompts whose shared prefix ends inside a block, admitted while others run: a later prompt takes
+    that block's shared tokens from a running sequence's block (the scheduler's KVCopy, in waves),
+    copied after each layer's KV store. Those steps run in one C call as well, with the Python loop's
+    bits (the same tokens and logprob bits); a copy whose slot lies outside the pool sends the step
+    back to the loop, which raises."""
+    from batchapi.engine.model.layers import AttentionMetadata
+    from batchapi.kernels.cpu.decoder import DecoderLayers
+    from tests.utils.tiny_models import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / "llama", smollm2_dir, "llama", save_dtype="bfloat16")
+    prompts = tokenize(model_dir, [SHARED + p for p in PROMPTS])
+    real = DecoderLayers.run
+    ran, outputs = [], []
+
+    def counted(self, *args):
+        out = real(self, *args)
+        ran.append((out is not None, len(args[-1])))
+        return out
+
+    monkeypatch.setattr(DecoderLayers, "run", counted)
+    for in_c in (True, False):
+        engine = engine_for(model_dir, dtype=dtype, max_num_seqs=2, max_num_batched_tokens=24)
+        engine.runner.model.layers_in_c = in_c
+        results = run(engine, prompts, greedy(12, logprobs=True))
+        outputs.append([(r.outputs[0].token_ids, r.outputs[0].logprobs) for r in results])
+    assert outputs[0] == outputs[1]
+    model = engine.runner.model
+    if model._decoder_layers() is None:  # bf16 projections in oneDNN here: no step runs in C
+        assert not ran
+        return
+    copied = [waves for done, waves in ran if waves]
+    assert copied and all(done for done, _ in ran), ran
+    x = torch.zeros(1, engine.runner.model_config.hidden_size, dtype=engine.runner.dtype)
+    pool = model.layers[0].self_attn.k_cache
+    slots = pool.shape[0] * pool.shape[1]
+    one = torch.zeros(1, dtype=torch.int64)
+    meta = AttentionMetadata(slot_mapping=one, block_tables=torch.zeros(1, 1, dtype=torch.int32),
+                             cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32),
+                             context_lens=torch.ones(1, dtype=torch.int32), max_seqlen_q=1, max_context_len=1,
+                             kv_copies=[(one, torch.tensor([slots]))])
+    assert model._run_layers_in_c(x, one, meta) is None
+    with pytest.raises(IndexError):
+        model.final_hidden(torch.zeros(1, dtype=torch.int64), one, meta, one)
+
+
 def test_the_kv_pool_starts_on_a_page_and_zero(tiny_llama_dir):
     """Each layer's KV cache is zero and starts on a page boundary (calloc's own pointer lies 16 bytes
     past one: every row across one more cache line than it fills)."""

@@ -96,7 +96,7 @@ class CausalLM(nn.Module):
         if self.embed_scale is not None:
             x = x * self.embed_scale
         ropes = (self.cos_sin, self.cos_sin_local)  # [max_pos, D] each: global, local layers
-        ran = self._run_layers_in_c(x, positions, meta) if self.layers_in_c and not meta.kv_copies else None
+        ran = self._run_layers_in_c(x, positions, meta) if self.layers_in_c else None
         if ran is not None:
             x, residual = ran
         else:
@@ -115,7 +115,7 @@ class CausalLM(nn.Module):
         if layers is None:
             return None
         return layers.run(x, positions, meta.slot_mapping, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
-                          self.ops.invariant)
+                          self.ops.invariant, meta.kv_copies)
 
     def _decoder_layers(self) -> cpu_decoder.DecoderLayers | None:
         """The layers for kernels/cpu/decoder.py, made once for these caches and rope tables; None where

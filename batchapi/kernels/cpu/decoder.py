@@ -44,7 +44,8 @@ class _Step(ctypes.Structure):
     _fields_ = [("tokens", _i64), ("positions", _p), ("slots", _p), ("slots_i64", _i32),
                 ("tables", _p), ("context_lens", _p), ("q_rows", _p), ("rows", _p), ("table_stride", _i64),
                 ("x", _p), ("mlp_out", _p), ("residual", _p * 2), ("normed", _p), ("qkv", _p), ("q", _p),
-                ("attn", _p), ("gate_up", _p), ("act", _p)]
+                ("attn", _p), ("gate_up", _p), ("act", _p),
+                ("num_waves", _i64), ("wave_ends", _p), ("copy_src", _p), ("copy_dst", _p), ("copy_rows", _p)]
 
 
 @dataclass
@@ -134,11 +135,12 @@ class DecoderLayers:
         return True
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-            cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, invariant: bool
-            ) -> tuple[torch.Tensor, torch.Tensor] | None:
+            cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, invariant: bool,
+            kv_copies: list[tuple[torch.Tensor, torch.Tensor]] = ()) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The layers on the embeddings x [T, hidden] (the layers' dtype) -> (the last layer's output, its
         residual), as the Python loop over DecoderLayer.forward gives them; None where the step is not one
-        it runs."""
+        it runs. ``kv_copies``: the step's (source slots, destination slots) waves (AttentionMetadata's),
+        copied in every layer after its KV store as the loop copies them."""
         tokens = x.shape[0]
         if (not self.usable or tokens == 0 or x.dtype is not self.dtype or x.shape != (tokens, self.hidden)
                 or not x.is_contiguous() or positions.shape != (tokens,) or slot_mapping.shape != (tokens,)
@@ -158,11 +160,29 @@ class DecoderLayers:
         q, attn = torch.empty(tokens, qs, dtype=dtype), torch.empty(tokens, qs, dtype=dtype)
         gate_up = torch.empty(tokens, 2 * self.inter, dtype=dtype)
         act = torch.empty(tokens, self.inter, dtype=dtype)
+        copies = _copies(kv_copies, kvs, dtype)
+        if copies is None:
+            return None
         step = _Step(tokens, positions.data_ptr(), slot_mapping.data_ptr(), slot_mapping.dtype is torch.int64,
                      plan.tables.data_ptr(), plan.context_lens.data_ptr(), plan.q_rows.data_ptr(),
                      plan.rows.data_ptr(), plan.tables.stride(0), x.data_ptr(), mlp_out.data_ptr(),
                      (_p * 2)(residual.data_ptr(), other.data_ptr()), normed.data_ptr(), qkv.data_ptr(),
-                     q.data_ptr(), attn.data_ptr(), gate_up.data_ptr(), act.data_ptr())
+                     q.data_ptr(), attn.data_ptr(), gate_up.data_ptr(), act.data_ptr(), len(kv_copies),
+                     *(t.data_ptr() for t in copies))
         rc = self.lib.decoder_layers(ctypes.byref(self._kernels), ctypes.byref(self._shape), self._table,
                                      len(self.layers), ctypes.byref(step), torch.get_num_threads())
         return None if rc else (mlp_out, residual)
+
+
+def _copies(kv_copies, row: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...] | None:
+    """(wave ends, source slots, destination slots, a wave's rows) for the C call: int64, contiguous, one
+    array for all waves; None where a wave's slots are not int64 vectors of one length (the loop's indexing
+    says what it says of them)."""
+    if any(s.dtype != torch.int64 or d.dtype != torch.int64 or s.dim() != 1 or s.shape != d.shape
+           for s, d in kv_copies):
+        return None
+    lengths = [s.numel() for s, _ in kv_copies]
+    ends = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+    src = torch.cat([s for s, _ in kv_copies]) if kv_copies else torch.empty(0, dtype=torch.int64)
+    dst = torch.cat([d for _, d in kv_copies]) if kv_copies else torch.empty(0, dtype=torch.int64)
+    return ends, src, dst, torch.empty(max(lengths, default=0), row, dtype=dtype)

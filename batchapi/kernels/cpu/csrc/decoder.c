@@ -17,6 +17,7 @@
  */
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 typedef int (*linear_fn)(const void *x, int64_t xs, int64_t m, const void *packed, int64_t n, int64_t k,
                          const float *bias, void *y, int64_t ys, int threads);
@@ -76,13 +77,46 @@ typedef struct {
     void *normed;                   /* [T, hidden] */
     void *qkv, *q, *attn;           /* [T, hq d + 2 hkv d], [T, hq d], [T, hq d] */
     void *gate_up, *act;            /* [T, 2 inter], [T, inter] */
+    /* prefix reuse inside a block (the scheduler's KVCopy): after each layer's KV store, the rows of
+     * slots copy_src[i] copied to copy_dst[i], wave by wave (wave w: [wave_ends[w-1], wave_ends[w])),
+     * each wave's rows read before any is written, through copy_rows (the longest wave's rows) */
+    int64_t num_waves;
+    const int64_t *wave_ends, *copy_src, *copy_dst;
+    void *copy_rows;
 } Step;
+
+/* the step's copies lie in the pool and its waves in order; else nothing may be copied */
+static int copies_valid(const Step *st, int64_t num_slots) {
+    int64_t from = 0;
+    for (int64_t w = 0; w < st->num_waves; w++) {
+        if (st->wave_ends[w] < from) return 0;
+        for (int64_t i = from; i < st->wave_ends[w]; i++)
+            if (st->copy_src[i] < 0 || st->copy_src[i] >= num_slots || st->copy_dst[i] < 0 ||
+                st->copy_dst[i] >= num_slots)
+                return 0;
+        from = st->wave_ends[w];
+    }
+    return 1;
+}
+
+/* a layer's copies in one cache (rows of `row` bytes): as the Python path's flat[dst] = flat[src] */
+static void copy_kv(const Step *st, char *cache, int64_t row) {
+    int64_t from = 0;
+    for (int64_t w = 0; w < st->num_waves; w++) {
+        const int64_t to = st->wave_ends[w];
+        char *rows = (char *)st->copy_rows;
+        for (int64_t i = from; i < to; i++) memcpy(rows + (i - from) * row, cache + st->copy_src[i] * row, (size_t)row);
+        for (int64_t i = from; i < to; i++) memcpy(cache + st->copy_dst[i] * row, rows + (i - from) * row, (size_t)row);
+        from = to;
+    }
+}
 
 /* Runs `num_layers` layers; after it mlp_out holds the last layer's output and residual[0] its
  * residual (an odd number of fused norms writes residual[0] last). Returns 0, or 1 + the layer whose
  * kernel refused its call: the caller runs the step's layers again in Python, whose wrapper of that
- * kernel raises what it raises. The checks that can refuse (positions, slots, the plan's rows) are
- * the same in every layer, so they refuse in layer 0, before its KV store writes anything. */
+ * kernel raises what it raises. The checks that can refuse (positions, slots, the plan's rows, the
+ * copies' slots) are the same in every layer, so they refuse in layer 0, before its KV store writes
+ * anything. */
 int decoder_layers(const Kernels *kn, const Shape *sh, const Layer *layers, int num_layers, const Step *st,
                    int threads) {
     const int64_t t = st->tokens, h = sh->hidden, qs = sh->hq * sh->d, kvs = sh->hkv * sh->d;
@@ -90,6 +124,7 @@ int decoder_layers(const Kernels *kn, const Shape *sh, const Layer *layers, int 
     const int bf16 = sh->bf16;
     const void *residual = st->x;
     int next = 0, rc = 0;
+    if (!copies_valid(st, sh->num_slots)) return 1;
     for (int i = 0; i < num_layers; i++) {
         const Layer *ly = layers + i;
         if (i == 0) { /* layer 0: the input norm of x alone, x the residual */
@@ -109,6 +144,8 @@ int decoder_layers(const Kernels *kn, const Shape *sh, const Layer *layers, int 
                               st->positions, ly->cos_sin, ly->cs_stride, ly->max_pos, ly->cs_bf16, t, sh->d, bf16,
                               threads);
         if (rc) return i + 1;
+        copy_kv(st, (char *)ly->k_cache, kvs * size);
+        copy_kv(st, (char *)ly->v_cache, kvs * size);
         rc = kn->attention(st->q, ly->k_cache, ly->v_cache, st->tables, st->table_stride, st->context_lens,
                            st->q_rows, (int)t, st->rows, (int)t, t, st->attn, (int)sh->hq, (int)sh->hkv, (int)sh->d,
                            (int)sh->block_size, sh->scale, ly->window, 0.0f, threads);
