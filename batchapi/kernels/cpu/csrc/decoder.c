@@ -1,5 +1,5 @@
 /* A Llama-family decoder's layers in one call: each layer's input norm, qkv projection, rotary and
- * KV store, paged attention, output projection, post-attention norm and gated SiLU MLP, for all
+ * KV store (and the step's copies of a shared prefix's rows inside a block), paged attention, output projection, post-attention norm and gated SiLU MLP, for all
  * layers of a step, by the same C kernels the model's Python calls one by one (elementwise.c,
  * matmul.c, paged_decode.c), with the same arguments: the same bits.
  *
