@@ -1071,6 +1071,7 @@ static int screened_argmax(const uint16_t *x, int64_t xs, int64_t m, const uint3
 #include <unistd.h>
 #define HAVE_AMX 1
 #define AMX_ROWS 32
+#define AMX_L1_WEIGHTS (40 << 10) /* a group's weights (2 panels x K bf16) that L1 (48 KB) keeps beside x's lines */
 
 /* this thread's buffer of AMX_ROWS rows of at least k elements, kept across calls (NULL: no memory) */
 static uint16_t *amx_tail_rows(int64_t k) {
@@ -1122,10 +1123,14 @@ INLINE void fold_best(float (*acc)[2 * PANEL], const float *bias, int rows, int 
 
 /* rows [0, 32) of x (stride xs) against panels p0 and p1 (p1 == p0: one panel), rows < `rows` stored
  * in y, or with best.value set folded into it instead (col0: the group's first column); meanwhile the
- * `ahead` lines (of 64 bytes) from `next` are asked for into L2, spread over the K steps */
-static void amx_tile(const uint16_t *x, int64_t xs, const uint32_t *b0, const uint32_t *b1, int64_t k,
-                     const float *bias, uint16_t *y, int64_t ys, int rows, int cols, const char *next,
-                     int64_t ahead, Best best, int64_t col0) {
+ * `ahead` lines (of 64 bytes) from `next` are asked for into L2, spread over the K steps. `stream`:
+ * x's tiles loaded as data not to be kept in L1 (TILELOADDT1), so that the group's weights, which the
+ * next row tiles load again, stay there */
+static inline __attribute__((always_inline)) void amx_tile(const uint16_t *x, int64_t xs, const uint32_t *b0,
+                                                             const uint32_t *b1, int64_t k, const float *bias,
+                                                             uint16_t *y, int64_t ys, int rows, int cols,
+                                                             const char *next, int64_t ahead, Best best,
+                                                             int64_t col0, const int stream) {
     float acc[AMX_ROWS][2 * PANEL] __attribute__((aligned(64)));
     const int64_t steps = k / 32, per_step = steps ? (ahead + steps - 1) / steps : 0;
     int64_t asked = 0;
@@ -1135,8 +1140,13 @@ static void amx_tile(const uint16_t *x, int64_t xs, const uint32_t *b0, const ui
     _tile_zero(3);
     for (int64_t kc = 0; kc < k; kc += 32) {
         for (int64_t i = 0; i < per_step && asked < ahead; i++, asked++) _mm_prefetch(next + asked * 64, _MM_HINT_T1);
-        _tile_loadd(4, x + kc, xs * 2);
-        _tile_loadd(5, x + 16 * xs + kc, xs * 2);
+        if (stream) {
+            _tile_stream_loadd(4, x + kc, xs * 2);
+            _tile_stream_loadd(5, x + 16 * xs + kc, xs * 2);
+        } else {
+            _tile_loadd(4, x + kc, xs * 2);
+            _tile_loadd(5, x + 16 * xs + kc, xs * 2);
+        }
         _tile_loadd(6, b0 + kc / 2 * PANEL, 64);
         _tile_loadd(7, b1 + kc / 2 * PANEL, 64);
         _tile_dpbf16ps(0, 4, 6);
@@ -1162,6 +1172,18 @@ static void amx_tile(const uint16_t *x, int64_t xs, const uint32_t *b0, const ui
             _mm256_mask_storeu_epi16(y + r * ys + p * PANEL, (__mmask16)(c >= PANEL ? 0xffff : (1u << c) - 1), out);
         }
 }
+
+/* amx_tile with x kept in L1 and with x streamed past it, each compiled for its case */
+typedef void (*amx_tile_fn)(const uint16_t *, int64_t, const uint32_t *, const uint32_t *, int64_t, const float *,
+                            uint16_t *, int64_t, int, int, const char *, int64_t, Best, int64_t);
+#define AMX_TILE_AS(NAME, STREAM)                                                                             \
+    static void NAME(const uint16_t *x, int64_t xs, const uint32_t *b0, const uint32_t *b1, int64_t k,        \
+                     const float *bias, uint16_t *y, int64_t ys, int rows, int cols, const char *next,        \
+                     int64_t ahead, Best best, int64_t col0) {                                                \
+        amx_tile(x, xs, b0, b1, k, bias, y, ys, rows, cols, next, ahead, best, col0, STREAM);                 \
+    }
+AMX_TILE_AS(amx_tile_kept, 0)
+AMX_TILE_AS(amx_tile_streamed, 1)
 #endif
 
 /* 1 where this build and the kernel may use AMX tiles (built for them, and the OS grants them) */
@@ -1181,6 +1203,11 @@ static int amx_linear(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *
     int64_t panels = (n + PANEL - 1) / PANEL, pstride = k / 2 * PANEL, groups = (panels + 1) / 2;
     int64_t whole = m / AMX_ROWS * AMX_ROWS;
     int parallel = threads > 1 && m * n * k >= (1 << 19) && groups > 1;
+    /* x streamed past L1 where a group's weights fit there and more than one row tile loads them: at
+     * 256 rows SmolLM2's K-576 projections 1.3-1.4x. A single row tile keeps x in L1 instead (every
+     * group reads it), and weights of a larger K (its down projection) do not fit: there, as loaded */
+    const amx_tile_fn tile = (m + AMX_ROWS - 1) / AMX_ROWS >= 2 && k * 2 * PANEL * 2 <= AMX_L1_WEIGHTS
+                                 ? amx_tile_streamed : amx_tile_kept;
     int failed = 0, team = parallel ? threads : 1;
     /* the choice: each thread's best of its groups for every row, merged in the threads' order after */
     float *values = NULL;
@@ -1217,13 +1244,13 @@ static int amx_linear(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *
                 int64_t from = 0;
                 for (int64_t r = 0; r < whole; r += AMX_ROWS, from += share) {
                     const int64_t asks = from < lines ? (lines - from < share ? lines - from : share) : 0;
-                    amx_tile(x + r * xs, xs, b0, b1, k, gb, chosen ? NULL : y + r * ys + p0 * PANEL, ys, AMX_ROWS,
-                             cols, asks ? next + from * 64 : next, asks, best_at(mine, r), p0 * PANEL);
+                    tile(x + r * xs, xs, b0, b1, k, gb, chosen ? NULL : y + r * ys + p0 * PANEL, ys, AMX_ROWS, cols,
+                         asks ? next + from * 64 : next, asks, best_at(mine, r), p0 * PANEL);
                 }
                 if (tail) {
                     const int64_t asks = from < lines ? lines - from : 0;
-                    amx_tile(tail, k, b0, b1, k, gb, chosen ? NULL : y + whole * ys + p0 * PANEL, ys, (int)(m - whole),
-                             cols, asks ? next + from * 64 : next, asks, best_at(mine, whole), p0 * PANEL);
+                    tile(tail, k, b0, b1, k, gb, chosen ? NULL : y + whole * ys + p0 * PANEL, ys, (int)(m - whole),
+                         cols, asks ? next + from * 64 : next, asks, best_at(mine, whole), p0 * PANEL);
                 }
             }
             _tile_release();
