@@ -1,7 +1,8 @@
 /* A Llama-family decoder's layers in one call: each layer's input norm, qkv projection, rotary and
- * KV store (and the step's copies of a shared prefix's rows inside a block), paged attention, output projection, post-attention norm and gated SiLU MLP, for all
- * layers of a step, by the same C kernels the model's Python calls one by one (elementwise.c,
- * matmul.c, paged_decode.c), with the same arguments: the same bits.
+ * KV store (and the step's copies of a shared prefix's rows inside a block), paged attention, output
+ * projection, post-attention norm and gated SiLU MLP, for all layers of a step, by the same C kernels
+ * the model's Python calls one by one (elementwise.c, matmul.c, paged_decode.c), with the same
+ * arguments: the same bits.
  *
  * Why: on a small CPU the Python between those ~300 calls a step (argument checks, torch.empty,
  * ctypes) ran on one thread while the other waited: 14-16% of a decode step's wall time at ~60

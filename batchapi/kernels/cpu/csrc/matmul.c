@@ -1203,9 +1203,11 @@ static int amx_linear(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *
     int64_t panels = (n + PANEL - 1) / PANEL, pstride = k / 2 * PANEL, groups = (panels + 1) / 2;
     int64_t whole = m / AMX_ROWS * AMX_ROWS;
     int parallel = threads > 1 && m * n * k >= (1 << 19) && groups > 1;
-    /* x streamed past L1 where a group's weights fit there and more than one row tile loads them: at
-     * 256 rows SmolLM2's K-576 projections 1.3-1.4x. A single row tile keeps x in L1 instead (every
-     * group reads it), and weights of a larger K (its down projection) do not fit: there, as loaded */
+    /* x streamed past L1 where a group's weights fit there and more than one row tile loads them:
+     * SmolLM2's K-576 projections 1.2-1.5x at 256 rows with the weights in cache, 1.2-1.3x at 1,024
+     * rows with them in memory (a decode step's 256 rows, the weights from memory: no change). A
+     * single row tile keeps x in L1 instead (every group reads it), and weights of a larger K (its
+     * down projection) do not fit: there, as loaded */
     const amx_tile_fn tile = (m + AMX_ROWS - 1) / AMX_ROWS >= 2 && k * 2 * PANEL * 2 <= AMX_L1_WEIGHTS
                                  ? amx_tile_streamed : amx_tile_kept;
     int failed = 0, team = parallel ? threads : 1;
