@@ -213,6 +213,7 @@ def test_steps_that_copy_a_shared_prefix_inside_a_block_run_in_one_c_call(tmp_pa
                              context_lens=torch.ones(1, dtype=torch.int32), max_seqlen_q=1, max_context_len=1,
                              kv_copies=[(one, torch.tensor([slots]))])
     assert model._run_layers_in_c(x, one, meta) is None
+    model.layers_in_c = True  # the C call refuses, and the loop raises
     with pytest.raises(IndexError):
         model.final_hidden(torch.zeros(1, dtype=torch.int64), one, meta, one)
 

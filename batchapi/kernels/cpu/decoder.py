@@ -152,37 +152,41 @@ class DecoderLayers:
                                    invariant, window)
         if plan.prefills or plan.rows.numel() != tokens or plan.num_tokens != tokens:
             return None  # a prefill run goes to the torch twin: the Python path
+        hidden, qs, kvs, dtype = self.hidden, self.hq * self.d, self.hkv * self.d, self.dtype
+        copies = _copies(kv_copies, kvs, dtype)
+        if copies is None:
+            return None
         positions = positions.to(torch.int64).contiguous()
         slot_mapping = slot_mapping.contiguous()
-        hidden, qs, kvs, dtype = self.hidden, self.hq * self.d, self.hkv * self.d, self.dtype
         mlp_out, residual, other, normed = (torch.empty(tokens, hidden, dtype=dtype) for _ in range(4))
         qkv = torch.empty(tokens, qs + 2 * kvs, dtype=dtype)
         q, attn = torch.empty(tokens, qs, dtype=dtype), torch.empty(tokens, qs, dtype=dtype)
         gate_up = torch.empty(tokens, 2 * self.inter, dtype=dtype)
         act = torch.empty(tokens, self.inter, dtype=dtype)
-        copies = _copies(kv_copies, kvs, dtype)
-        if copies is None:
-            return None
         step = _Step(tokens, positions.data_ptr(), slot_mapping.data_ptr(), slot_mapping.dtype is torch.int64,
                      plan.tables.data_ptr(), plan.context_lens.data_ptr(), plan.q_rows.data_ptr(),
                      plan.rows.data_ptr(), plan.tables.stride(0), x.data_ptr(), mlp_out.data_ptr(),
                      (_p * 2)(residual.data_ptr(), other.data_ptr()), normed.data_ptr(), qkv.data_ptr(),
                      q.data_ptr(), attn.data_ptr(), gate_up.data_ptr(), act.data_ptr(), len(kv_copies),
-                     *(t.data_ptr() for t in copies))
+                     *(t.data_ptr() for t in copies or _NO_COPIES))
         rc = self.lib.decoder_layers(ctypes.byref(self._kernels), ctypes.byref(self._shape), self._table,
                                      len(self.layers), ctypes.byref(step), torch.get_num_threads())
         return None if rc else (mlp_out, residual)
 
 
+_NO_COPIES = (torch.empty(0, dtype=torch.int64),) * 4  # a step without copies: nothing the C side reads
+
+
 def _copies(kv_copies, row: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...] | None:
     """(wave ends, source slots, destination slots, a wave's rows) for the C call: int64, contiguous, one
-    array for all waves; None where a wave's slots are not int64 vectors of one length (the loop's indexing
-    says what it says of them)."""
+    array for all waves (() for none); None where a wave's slots are not int64 CPU vectors of one length
+    (the loop's indexing says what it says of them)."""
+    if not kv_copies:
+        return ()
     if any(s.dtype != torch.int64 or d.dtype != torch.int64 or s.dim() != 1 or s.shape != d.shape
-           for s, d in kv_copies):
+           or not s.is_cpu or not d.is_cpu for s, d in kv_copies):
         return None
     lengths = [s.numel() for s, _ in kv_copies]
     ends = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
-    src = torch.cat([s for s, _ in kv_copies]) if kv_copies else torch.empty(0, dtype=torch.int64)
-    dst = torch.cat([d for _, d in kv_copies]) if kv_copies else torch.empty(0, dtype=torch.int64)
-    return ends, src, dst, torch.empty(max(lengths, default=0), row, dtype=dtype)
+    src, dst = torch.cat([s for s, _ in kv_copies]), torch.cat([d for _, d in kv_copies])
+    return ends, src, dst, torch.empty(max(lengths), row, dtype=dtype)
