@@ -218,6 +218,45 @@ def test_steps_that_copy_a_shared_prefix_inside_a_block_run_in_one_c_call(tmp_pa
         model.final_hidden(torch.zeros(1, dtype=torch.int64), one, meta, one)
 
 
+def test_the_one_c_call_copies_wave_by_wave_as_the_loop(tmp_path, smollm2_dir, monkeypatch):
+    """A decode step with two waves of in-block copies, the first copying a row the step's own KV
+    store wrote, the second the row the first copied there: the one C call leaves the caches and the
+    hidden state the layers' Python loop leaves (float32: the bf16-stored kernel, in C on every CPU)."""
+    from batchapi.engine.model.layers import AttentionMetadata
+    from batchapi.kernels.cpu.decoder import DecoderLayers
+    from tests.utils.tiny_models import build_tiny_model
+
+    real, ran = DecoderLayers.run, []
+    monkeypatch.setattr(DecoderLayers, "run", lambda self, *args: ran.append(real(self, *args)) or ran[-1])
+
+    model_dir = build_tiny_model(tmp_path / "llama", smollm2_dir, "llama", save_dtype="bfloat16")
+    engine = engine_for(model_dir, dtype="float32")
+    model = engine.runner.model
+    assert model._decoder_layers() is not None
+    caches = [c for layer in model.layers for c in (layer.self_attn.k_cache, layer.self_attn.v_cache)]
+    generator = torch.Generator().manual_seed(0)
+    start = [torch.randn(c.shape, generator=generator, dtype=c.dtype) for c in caches]
+    meta = AttentionMetadata(slot_mapping=torch.tensor([20]), block_tables=torch.tensor([[0, 1]], dtype=torch.int32),
+                             cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32),
+                             context_lens=torch.tensor([21], dtype=torch.int32), max_seqlen_q=1, max_context_len=21,
+                             kv_copies=[(torch.tensor([20, 3]), torch.tensor([40, 41])),
+                                        (torch.tensor([40]), torch.tensor([50]))])
+    outputs = []
+    for in_c in (True, False):
+        for cache, values in zip(caches, start, strict=True):
+            cache.copy_(values)
+        model.layers_in_c = in_c
+        hidden = model.final_hidden(torch.tensor([7]), torch.tensor([20]), meta, torch.tensor([0]))
+        outputs.append((hidden, [c.clone() for c in caches]))
+    (c_hidden, c_caches), (loop_hidden, loop_caches) = outputs
+    assert torch.equal(c_hidden, loop_hidden)
+    assert all(torch.equal(a, b) for a, b in zip(c_caches, loop_caches, strict=True))
+    assert len(ran) == 1 and ran[0] is not None  # the C call ran the step (the loop's run does not call it)
+    rows, before = (c.view(-1, *c.shape[2:]) for c in (loop_caches[0], start[0]))  # layer 0's keys by slot
+    assert torch.equal(rows[50], rows[20]) and not torch.equal(rows[20], before[20])  # the stored row, twice copied
+    assert torch.equal(rows[41], before[3])
+
+
 def test_the_kv_pool_starts_on_a_page_and_zero(tiny_llama_dir):
     """Each layer's KV cache is zero and starts on a page boundary (calloc's own pointer lies 16 bytes
     past one: every row across one more cache line than it fills)."""
