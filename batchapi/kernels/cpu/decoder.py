@@ -168,7 +168,7 @@ class DecoderLayers:
                      plan.rows.data_ptr(), plan.tables.stride(0), x.data_ptr(), mlp_out.data_ptr(),
                      (_p * 2)(residual.data_ptr(), other.data_ptr()), normed.data_ptr(), qkv.data_ptr(),
                      q.data_ptr(), attn.data_ptr(), gate_up.data_ptr(), act.data_ptr(), len(kv_copies),
-                     *(t.data_ptr() for t in copies or _NO_COPIES))
+                     *(t.data_ptr() for t in copies))
         rc = self.lib.decoder_layers(ctypes.byref(self._kernels), ctypes.byref(self._shape), self._table,
                                      len(self.layers), ctypes.byref(step), torch.get_num_threads())
         return None if rc else (mlp_out, residual)
@@ -179,10 +179,10 @@ _NO_COPIES = (torch.empty(0, dtype=torch.int64),) * 4  # a step without copies: 
 
 def _copies(kv_copies, row: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...] | None:
     """(wave ends, source slots, destination slots, a wave's rows) for the C call: int64, contiguous, one
-    array for all waves (() for none); None where a wave's slots are not int64 CPU vectors of one length
+    array for all waves (empty ones for none); None where a wave's slots are not int64 CPU vectors of one length
     (the loop's indexing says what it says of them)."""
     if not kv_copies:
-        return ()
+        return _NO_COPIES
     if any(s.dtype != torch.int64 or d.dtype != torch.int64 or s.dim() != 1 or s.shape != d.shape
            or not s.is_cpu or not d.is_cpu for s, d in kv_copies):
         return None

@@ -102,10 +102,10 @@ static int copies_valid(const Step *st, int64_t num_slots) {
 
 /* a layer's copies in one cache (rows of `row` bytes): as the Python path's flat[dst] = flat[src] */
 static void copy_kv(const Step *st, char *cache, int64_t row) {
+    char *rows = (char *)st->copy_rows;
     int64_t from = 0;
     for (int64_t w = 0; w < st->num_waves; w++) {
         const int64_t to = st->wave_ends[w];
-        char *rows = (char *)st->copy_rows;
         for (int64_t i = from; i < to; i++) memcpy(rows + (i - from) * row, cache + st->copy_src[i] * row, (size_t)row);
         for (int64_t i = from; i < to; i++) memcpy(cache + st->copy_dst[i] * row, rows + (i - from) * row, (size_t)row);
         from = to;
