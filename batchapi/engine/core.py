@@ -24,6 +24,7 @@ what is in flight and reports itself dead (``is_alive``), as a dead engine threa
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import os
@@ -95,6 +96,12 @@ def run_core(config: EngineConfig, conn, compute_turn: AbstractContextManager | 
     except Exception as exc:  # an unsupported model, a missing file: the parent raises it
         conn.send(("error", _sendable(exc)))
         return
+    # what start-up made (torch, the tokenizer, the model: ~300,000 objects) lives as long as the
+    # core: out of the collector's sight, so that no full collection walks it mid-run (one took
+    # 160-210 ms, a step and a half at 256 sequences, on a 2-core EPYC: docs/BENCHMARKS.md);
+    # collected first, so that no start-up garbage is kept for good
+    gc.collect()
+    gc.freeze()
     conn.send(("ready", CoreInfo(engine.system_fingerprint, engine.max_model_len,
                                  frozenset(engine.eos_token_ids), os.getpid())))
     core = _Core(engine, conn, compute_turn or nullcontext())

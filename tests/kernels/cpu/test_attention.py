@@ -164,18 +164,22 @@ def test_block_ids_whose_element_offsets_pass_int32(c_only):
     assert c_only == [3]
 
 
-def test_threads_split_the_work_without_changing_it(c_only):
-    case = make_case([1] * 24, [random.Random(i).randint(1, 200) for i in range(24)], 9, 3, 64, seed=9)
-    threads = torch.get_num_threads()
+@pytest.mark.parametrize(("seqs", "hkv", "threads"), [(24, 3, 2), (24, 3, 3), (24, 3, 7), (1, 1, 4), (2, 2, 5)])
+def test_threads_split_the_work_without_changing_it(seqs, hkv, threads, c_only):
+    # each thread takes a contiguous share of the (sequence, kv head) tasks, weighed by their keys:
+    # every task run once, by one thread, whatever the team (more threads than tasks included)
+    case = make_case([1] * seqs, [random.Random(i).randint(1, 200) for i in range(seqs)], 3 * hkv, hkv, 64, seed=9)
+    before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         one = attention.paged_attention(*case.args(), case.scale)
-        torch.set_num_threads(2)
-        two = attention.paged_attention(*case.args(), case.scale)
-    finally:
         torch.set_num_threads(threads)
-    assert torch.equal(one, two)  # each (sequence, head) is one task: no cross-thread sums
-    assert c_only == [24, 24]
+        many = attention.paged_attention(*case.args(), case.scale)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, many)  # each (sequence, head) is one task: no cross-thread sums
+    torch.testing.assert_close(many, dense_attention(case), atol=1e-4, rtol=1e-4)
+    assert c_only == [seqs, seqs]
 
 
 @pytest.mark.parametrize(("hq", "hkv", "d", "block_size", "dtype"), [

@@ -22,6 +22,9 @@
 #include <string.h>
 
 #include "common.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
@@ -586,6 +589,44 @@ INLINE void decode_task(const void *q, const void *k_cache, const void *v_cache,
 }
 #endif /* AVX-512 */
 
+#define TASK_COST 16 /* keys' worth */
+INLINE int64_t task_work(int len, int window) {
+    const int start = window_start(len, window);
+    return (len > start ? len - start : 0) + TASK_COST;
+}
+
+/* This thread's share [first, last) of the tasks (sequence-major, kv head-minor), contiguous and
+ * weighed by work: a task's keys, plus TASK_COST for what a task costs whatever its length.
+ * Contiguous, because a task asks for the next one's first blocks ahead of time, into its own core's
+ * L2: tasks dealt out in turns (schedule(dynamic, 4) before) began every fourth task cold, a chunk
+ * of tasks on the other core; a step's attention, its keys and values from memory, took 10-20%
+ * longer so on a 2-core EPYC Zen 5 (docs/BENCHMARKS.md). Each thread finds its share alone, from
+ * the same sums, so the shares tile the tasks. */
+INLINE void task_share(const int32_t *seq_ids, int num_seqs, int hkv, const int32_t *context_lens, int window,
+                       int64_t *first, int64_t *last) {
+#ifdef _OPENMP
+    const int64_t me = omp_get_thread_num(), team = omp_get_num_threads();
+#else
+    const int64_t me = 0, team = 1;
+#endif
+    int64_t total = 0;
+    for (int i = 0; i < num_seqs; i++) total += task_work(context_lens[seq_ids[i]], window) * hkv;
+    const int64_t lo = total * me / team, hi = total * (me + 1) / team;
+    const int64_t tasks = (int64_t)num_seqs * hkv;
+    int64_t done = 0, t = 0; /* done: the work of the tasks before t */
+    *first = *last = tasks;
+    for (int i = 0; i < num_seqs && t < tasks; i++) {
+        const int64_t work = task_work(context_lens[seq_ids[i]], window);
+        for (int h = 0; h < hkv; h++, t++, done += work) {
+            if (*first == tasks && done >= lo) *first = t;
+            if (done >= hi) {
+                *last = t;
+                return;
+            }
+        }
+    }
+}
+
 INLINE int run(const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
                int64_t table_stride, const int32_t *context_lens, const int32_t *cu_seqlens_q, int num_tables,
                const int32_t *seq_ids, int num_seqs, int64_t num_q_rows, void *out, int hq, int hkv, int d, int bs,
@@ -598,13 +639,16 @@ INLINE int run(const void *q, const void *k_cache, const void *v_cache, const in
         if (cu_seqlens_q[seq_ids[i]] < 0 || cu_seqlens_q[seq_ids[i]] >= num_q_rows) return 3;
     }
     const int64_t tasks = (int64_t)num_seqs * hkv;
-#pragma omp parallel for schedule(dynamic, 4) num_threads(num_threads)
-    for (int64_t t = 0; t < tasks; t++) {
+#pragma omp parallel num_threads(num_threads)
+    {
+    int64_t first, last;
+    task_share(seq_ids, num_seqs, hkv, context_lens, window, &first, &last);
+    for (int64_t t = first; t < last; t++) {
         const int seq = seq_ids[t / hkv], kvh = (int)(t % hkv);
         const int32_t *table = block_tables + (int64_t)seq * table_stride;
         const int len = context_lens[seq], start = window_start(len, window);
         Upcoming next = {NULL, 0, 0, 0};
-        if (t + 1 < tasks) {
+        if (t + 1 < last) { /* the next task is this thread's too: its first blocks go to this cache */
             const int s = seq_ids[(t + 1) / hkv];
             next = (Upcoming){block_tables + (int64_t)s * table_stride, context_lens[s],
                               window_start(context_lens[s], window) / bs, (int64_t)((t + 1) % hkv) * d};
@@ -619,6 +663,7 @@ INLINE int run(const void *q, const void *k_cache, const void *v_cache, const in
         else
             decode_task(q, k_cache, v_cache, table, len, start, cu_seqlens_q[seq], out, hq, hkv, d, bs, kvh, scale,
                         softcap, bf16, next);
+    }
     }
     return 0;
 }
