@@ -3,6 +3,7 @@
 Prints ms per call for each variant and its ratio to the first (the plain gather + einsum).
 Usage: .venv/bin/python bench/kernels_cpu.py [--batch 96] [--ctx 300] [--spread 50] [--dtype bf16] [--only a,b]
         [--no-mallopt]  (by default glibc keeps freed buffers mapped, as the engine sets it on CPU)
+        [--layers 30]  (the C kernel alone over 30 layers' caches in turn: keys and values from memory)
    or: .venv/bin/python bench/kernels_cpu.py --op apply_token_bitmask [--rows 64] [--vocab 49152]
         (the grammar's token bitmask applied to logits: its torch twin against the C kernel, fp32
         and bf16, for masks that allow a few tokens, nearly all of them, or a random half)
@@ -249,6 +250,33 @@ VARIANTS = [
 ]
 
 
+def bench_native_from_memory(a, dtype):
+    """The engine's C kernel (v_native) over ``a.layers`` layers' caches in turn, each its own blocks in
+    random order, as a decode step calls it: each call's keys and values come from memory, not from the
+    cache the call before left them in (the single-layer timing above reads them from L2 or L3). Best
+    and median ms a call, and the KV bytes a call reads per second."""
+    layers = [make_inputs(a.batch, a.ctx, a.hq, a.hkv, a.dim, 16, dtype, seed=i, spread=a.spread)
+              for i in range(a.layers)]
+    scale = a.dim**-0.5
+
+    def step():
+        for q, kc, vc, tables, lens in layers:
+            v_native(q, kc, vc, tables, lens, scale)
+
+    step()  # warm-up, the library built
+    times = []
+    for _ in range(a.reps):
+        start = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - start) / a.layers * 1e3)
+    times.sort()
+    kv = sum(int(lens.sum()) for *_, lens in layers) / a.layers * a.hkv * a.dim * 2 * (2 if a.dtype == "bf16" else 4)
+    print(f"decode B={a.batch} ctx {a.ctx}+-{a.spread} Hq={a.hq} Hkv={a.hkv} D={a.dim} {a.dtype} "
+          f"threads={torch.get_num_threads()}, {a.layers} layers' caches in turn")
+    print(f"v_native from memory: best {times[0]:.3f} ms  median {times[len(times) // 2]:.3f} ms a call, "
+          f"{kv / 1e6:.1f} MB of keys and values a call, {kv / times[0] / 1e6:.1f} GB/s")
+
+
 def bench_interleaved(fns, args, reps):
     """Best-of-reps ms per call, the variants taking turns so that load from other processes on a
     shared machine hits them alike; the minimum is the least disturbed run."""
@@ -473,6 +501,9 @@ def main():
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--only", default="")
+    ap.add_argument("--layers", type=int, default=1,
+                    help="paged_attention: >1 times the C kernel alone over this many layers' caches in turn, "
+                         "so that each call's keys and values come from memory, as in a step")
     ap.add_argument("--no-mallopt", action="store_true", help="leave glibc returning big buffers to the OS")
     a = ap.parse_args()
     if not a.no_mallopt:  # as the engine does on CPU: no page faults on every step's buffers
@@ -490,6 +521,8 @@ def main():
     if a.op == "lm_head_screen":
         return bench_lm_head_screen(a)
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
+    if a.layers > 1:
+        return bench_native_from_memory(a, dtype)
     q, kc, vc, tables, lens = make_inputs(a.batch, a.ctx, a.hq, a.hkv, a.dim, 16, dtype, spread=a.spread)
     args = (q, kc, vc, tables, lens, a.dim**-0.5)
     ref = v_float(*args).float()
