@@ -182,6 +182,23 @@ def test_threads_split_the_work_without_changing_it(seqs, hkv, threads, c_only):
     assert c_only == [seqs, seqs]
 
 
+@pytest.mark.parametrize("threads", [3, 5])
+def test_threads_split_windowed_rows_and_prefill_rows_without_changing_them(threads):
+    # the shares weigh each task by the keys of its window; prefill rows (each token its own row,
+    # its sequence's table) among decode rows, every token in C (invariant)
+    case = windowed_case(21, 0.0, torch.float32, "nan", 16)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = attention.paged_attention(*case.args(), case.scale, True, window=21)
+        torch.set_num_threads(threads)
+        many = attention.paged_attention(*case.args(), case.scale, True, window=21)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, many)
+    torch.testing.assert_close(many, dense_attention(case), atol=2 * TOL[torch.float32], rtol=2 * TOL[torch.float32])
+
+
 @pytest.mark.parametrize(("hq", "hkv", "d", "block_size", "dtype"), [
     (4, 1, 64, 16, torch.float16),  # no fp16 in the kernel
     (32, 1, 64, 16, torch.float32),  # 32 query heads on one kv head: over 16

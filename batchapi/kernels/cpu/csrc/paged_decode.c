@@ -589,19 +589,20 @@ INLINE void decode_task(const void *q, const void *k_cache, const void *v_cache,
 }
 #endif /* AVX-512 */
 
-#define TASK_COST 16 /* keys' worth */
+#define TASK_COST 16 /* keys' worth; more than 0, so that every task weighs and the last share ends at the end */
 INLINE int64_t task_work(int len, int window) {
     const int start = window_start(len, window);
-    return (len > start ? len - start : 0) + TASK_COST;
+    return (int64_t)(len > start ? len - start : 0) + TASK_COST;
 }
 
 /* This thread's share [first, last) of the tasks (sequence-major, kv head-minor), contiguous and
  * weighed by work: a task's keys, plus TASK_COST for what a task costs whatever its length.
  * Contiguous, because a task asks for the next one's first blocks ahead of time, into its own core's
- * L2: tasks dealt out in turns (schedule(dynamic, 4) before) began every fourth task cold, a chunk
- * of tasks on the other core; a step's attention, its keys and values from memory, took 10-20%
- * longer so on a 2-core EPYC Zen 5 (docs/BENCHMARKS.md). Each thread finds its share alone, from
- * the same sums, so the shares tile the tasks. */
+ * L2: tasks dealt out in turns (schedule(dynamic, 4) before) began every fourth task maybe on the
+ * other core, its first blocks asked for into the wrong cache; a step's attention, its keys and
+ * values from memory, took 1.13-1.19x as long so on a 2-core EPYC Zen 5 (docs/BENCHMARKS.md). Each
+ * thread finds its share alone: thread i's first task is the first whose work before it reaches
+ * total * i / team, its last the next thread's first, so the shares tile the tasks. */
 INLINE void task_share(const int32_t *seq_ids, int num_seqs, int hkv, const int32_t *context_lens, int window,
                        int64_t *first, int64_t *last) {
 #ifdef _OPENMP
@@ -617,6 +618,10 @@ INLINE void task_share(const int32_t *seq_ids, int num_seqs, int hkv, const int3
     *first = *last = tasks;
     for (int i = 0; i < num_seqs && t < tasks; i++) {
         const int64_t work = task_work(context_lens[seq_ids[i]], window);
+        if (done + (hkv - 1) * work < lo) { /* every head's task before this share: a sequence at a time */
+            t += hkv, done += hkv * work;
+            continue;
+        }
         for (int h = 0; h < hkv; h++, t++, done += work) {
             if (*first == tasks && done >= lo) *first = t;
             if (done >= hi) {
@@ -638,7 +643,6 @@ INLINE int run(const void *q, const void *k_cache, const void *v_cache, const in
         if (seq_ids[i] < 0 || seq_ids[i] >= num_tables) return 2;
         if (cu_seqlens_q[seq_ids[i]] < 0 || cu_seqlens_q[seq_ids[i]] >= num_q_rows) return 3;
     }
-    const int64_t tasks = (int64_t)num_seqs * hkv;
 #pragma omp parallel num_threads(num_threads)
     {
     int64_t first, last;
