@@ -1,6 +1,7 @@
 """The C paged attention (kernels.cpu.attention, csrc/paged_decode.c) against dense attention and the twin."""
 
 import random
+import subprocess
 
 import pytest
 import torch
@@ -180,6 +181,58 @@ def test_threads_split_the_work_without_changing_it(seqs, hkv, threads, c_only):
     assert torch.equal(one, many)  # each (sequence, head) is one task: no cross-thread sums
     torch.testing.assert_close(many, dense_attention(case), atol=1e-4, rtol=1e-4)
     assert c_only == [seqs, seqs]
+
+
+# the shares themselves, in C: a task run twice writes the same bits, which no output shows
+SHARES = r"""
+#include SOURCE
+#include <stdio.h>
+static unsigned long long state = 88172645463325252ull;
+static unsigned next(void) { state ^= state << 13; state ^= state >> 7; state ^= state << 17; return (unsigned)state; }
+int main(void) {
+    static int32_t lens[64], ids[64];
+    static int taken[64 * 8];
+    long bad = 0;
+    for (int run = 0; run < 4000; run++) {
+        const int seqs = run % 9 == 0 ? 0 : (int)(next() % 40), hkv = 1 + (int)(next() % 8);
+        const int window = next() % 3 == 0 ? (int)(next() % 40) : 0, team = 1 + (int)(next() % 12);
+        for (int i = 0; i < seqs; i++) {
+            const int kind = (int)(next() % 5);
+            lens[i] = kind == 0 ? 0 : kind == 1 ? -(int)(next() % 1000) : kind == 2 ? 2147483647 - (int)(next() % 64)
+                                                                               : (int)(next() % 500);
+            ids[i] = (int)(next() % (unsigned)seqs);
+        }
+        const int64_t tasks = (int64_t)seqs * hkv;
+        for (int64_t t = 0; t < tasks; t++) taken[t] = 0;
+#pragma omp parallel num_threads(team)
+        {
+            int64_t first, last;
+            task_share(ids, seqs, hkv, lens, window, &first, &last);
+            for (int64_t t = first; t < last; t++) {
+#pragma omp atomic
+                taken[t]++;
+            }
+        }
+        for (int64_t t = 0; t < tasks; t++) bad += taken[t] != 1;
+    }
+    printf("bad %ld\n", bad);
+    return 0;
+}
+"""
+
+
+def test_the_threads_shares_take_every_task_once(tmp_path):
+    # every (sequence, kv head) task taken by exactly one thread, whatever the team, the windows and
+    # the lengths (0, negative, near 2^31: a task's work summed in int64)
+    compiler = build._compiler()
+    assert compiler is not None
+    program = tmp_path / "shares.c"
+    program.write_text(SHARES.replace("#include SOURCE", f'#include "{build.SOURCE}"'))
+    flags = [f for f in build.CFLAGS if f not in ("-shared", "-fPIC")]
+    subprocess.run([compiler, *flags, "-o", str(tmp_path / "shares"), str(program), "-lm"], check=True,
+                   capture_output=True, timeout=120)
+    out = subprocess.run([str(tmp_path / "shares")], check=True, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "bad 0"
 
 
 @pytest.mark.parametrize("threads", [3, 5])
