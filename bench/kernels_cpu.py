@@ -263,18 +263,12 @@ def bench_native_from_memory(a, dtype):
         for q, kc, vc, tables, lens in layers:
             v_native(q, kc, vc, tables, lens, scale)
 
-    step()  # warm-up, the library built
-    times = []
-    for _ in range(a.reps):
-        start = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - start) / a.layers * 1e3)
-    times.sort()
+    best, median = (ms / a.layers for ms in bench_interleaved([step], (), a.reps)[step])
     kv = sum(int(lens.sum()) for *_, lens in layers) / a.layers * a.hkv * a.dim * 2 * (2 if a.dtype == "bf16" else 4)
     print(f"decode B={a.batch} ctx {a.ctx}+-{a.spread} Hq={a.hq} Hkv={a.hkv} D={a.dim} {a.dtype} "
           f"threads={torch.get_num_threads()}, {a.layers} layers' caches in turn")
-    print(f"v_native from memory: best {times[0]:.3f} ms  median {times[len(times) // 2]:.3f} ms a call, "
-          f"{kv / 1e6:.1f} MB of keys and values a call, {kv / times[0] / 1e6:.1f} GB/s")
+    print(f"v_native from memory: best {best:.3f} ms  median {median:.3f} ms a call, "
+          f"{kv / 1e6:.1f} MB of keys and values a call, {kv / best / 1e6:.1f} GB/s")
 
 
 def bench_interleaved(fns, args, reps):

@@ -165,19 +165,24 @@ def test_block_ids_whose_element_offsets_pass_int32(c_only):
     assert c_only == [3]
 
 
+def on_one_thread_and_on(threads: int, call):
+    """call() on one thread, then on `threads`; torch's thread count as it was after."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = call()
+        torch.set_num_threads(threads)
+        return one, call()
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize(("seqs", "hkv", "threads"), [(24, 3, 2), (24, 3, 3), (24, 3, 7), (1, 1, 4), (2, 2, 5)])
 def test_threads_split_the_work_without_changing_it(seqs, hkv, threads, c_only):
     # each thread takes a contiguous share of the (sequence, kv head) tasks, weighed by their keys:
     # every task run once, by one thread, whatever the team (more threads than tasks included)
     case = make_case([1] * seqs, [random.Random(i).randint(1, 200) for i in range(seqs)], 3 * hkv, hkv, 64, seed=9)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = attention.paged_attention(*case.args(), case.scale)
-        torch.set_num_threads(threads)
-        many = attention.paged_attention(*case.args(), case.scale)
-    finally:
-        torch.set_num_threads(before)
+    one, many = on_one_thread_and_on(threads, lambda: attention.paged_attention(*case.args(), case.scale))
     assert torch.equal(one, many)  # each (sequence, head) is one task: no cross-thread sums
     torch.testing.assert_close(many, dense_attention(case), atol=1e-4, rtol=1e-4)
     assert c_only == [seqs, seqs]
@@ -240,14 +245,8 @@ def test_threads_split_windowed_rows_and_prefill_rows_without_changing_them(thre
     # the shares weigh each task by the keys of its window; prefill rows (each token its own row,
     # its sequence's table) among decode rows, every token in C (invariant)
     case = windowed_case(21, 0.0, torch.float32, "nan", 16)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = attention.paged_attention(*case.args(), case.scale, True, window=21)
-        torch.set_num_threads(threads)
-        many = attention.paged_attention(*case.args(), case.scale, True, window=21)
-    finally:
-        torch.set_num_threads(before)
+    one, many = on_one_thread_and_on(threads, lambda: attention.paged_attention(*case.args(), case.scale, True,
+                                                                                 window=21))
     assert torch.equal(one, many)
     torch.testing.assert_close(many, dense_attention(case), atol=2 * TOL[torch.float32], rtol=2 * TOL[torch.float32])
 

@@ -645,29 +645,29 @@ INLINE int run(const void *q, const void *k_cache, const void *v_cache, const in
     }
 #pragma omp parallel num_threads(num_threads)
     {
-    int64_t first, last;
-    task_share(seq_ids, num_seqs, hkv, context_lens, window, &first, &last);
-    for (int64_t t = first; t < last; t++) {
-        const int seq = seq_ids[t / hkv], kvh = (int)(t % hkv);
-        const int32_t *table = block_tables + (int64_t)seq * table_stride;
-        const int len = context_lens[seq], start = window_start(len, window);
-        Upcoming next = {NULL, 0, 0, 0};
-        if (t + 1 < last) { /* the next task is this thread's too: its first blocks go to this cache */
-            const int s = seq_ids[(t + 1) / hkv];
-            next = (Upcoming){block_tables + (int64_t)s * table_stride, context_lens[s],
-                              window_start(context_lens[s], window) / bs, (int64_t)((t + 1) % hkv) * d};
+        int64_t first, last;
+        task_share(seq_ids, num_seqs, hkv, context_lens, window, &first, &last);
+        for (int64_t t = first; t < last; t++) {
+            const int seq = seq_ids[t / hkv], kvh = (int)(t % hkv);
+            const int32_t *table = block_tables + (int64_t)seq * table_stride;
+            const int len = context_lens[seq], start = window_start(len, window);
+            Upcoming next = {NULL, 0, 0, 0};
+            if (t + 1 < last) { /* the next task is this thread's too: its first blocks go to this cache */
+                const int s = seq_ids[(t + 1) / hkv];
+                next = (Upcoming){block_tables + (int64_t)s * table_stride, context_lens[s],
+                                  window_start(context_lens[s], window) / bs, (int64_t)((t + 1) % hkv) * d};
+            }
+            /* the common head sizes as constants, so that their loops unroll */
+            if (d == 64)
+                decode_task(q, k_cache, v_cache, table, len, start, cu_seqlens_q[seq], out, hq, hkv, 64, bs, kvh,
+                            scale, softcap, bf16, next);
+            else if (d == 128)
+                decode_task(q, k_cache, v_cache, table, len, start, cu_seqlens_q[seq], out, hq, hkv, 128, bs, kvh,
+                            scale, softcap, bf16, next);
+            else
+                decode_task(q, k_cache, v_cache, table, len, start, cu_seqlens_q[seq], out, hq, hkv, d, bs, kvh,
+                            scale, softcap, bf16, next);
         }
-        /* the common head sizes as constants, so that their loops unroll */
-        if (d == 64)
-            decode_task(q, k_cache, v_cache, table, len, start, cu_seqlens_q[seq], out, hq, hkv, 64, bs, kvh, scale,
-                        softcap, bf16, next);
-        else if (d == 128)
-            decode_task(q, k_cache, v_cache, table, len, start, cu_seqlens_q[seq], out, hq, hkv, 128, bs, kvh, scale,
-                        softcap, bf16, next);
-        else
-            decode_task(q, k_cache, v_cache, table, len, start, cu_seqlens_q[seq], out, hq, hkv, d, bs, kvh, scale,
-                        softcap, bf16, next);
-    }
     }
     return 0;
 }
