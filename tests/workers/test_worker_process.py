@@ -89,6 +89,8 @@ def serve(tmp_path, tiny_llama_dir):
     server.start()
     yield server
     server.stop()
+    # the service's own log, shown with a failing test's report (pytest keeps a passing test's output to itself)
+    print((tmp_path / "serve.log").read_text(errors="replace")[-20_000:])
 
 
 def in_flight(http: httpx.Client, batch_id: str) -> bool:
