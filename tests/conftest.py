@@ -116,12 +116,15 @@ def any_jobs(request):
 
 # the live server the API tests (tests/api) and the SDK tests (tests/e2e) share
 @pytest.fixture(scope="session")
-def pg_server(tmp_path_factory, pg_url, s3, tiny_llama_dir):
-    """One live server on PostgreSQL and SeaweedFS, no worker; tests stay apart by project."""
-    settings = service_settings(tmp_path_factory.mktemp("api-pg"), tiny_llama_dir, pg_url=pg_url, s3=s3)
-    upgrade(settings)
-    with live_server(settings) as server:
-        yield server
+def pg_server(tmp_path_factory, s3, tiny_llama_dir):
+    """One live server on PostgreSQL and SeaweedFS, no worker; tests stay apart by project. Its
+    database is its own: its sweeper (every 0.5 s, over every project: validations, expiries,
+    leases) must not take up what the tests on ``pg_jobs`` leave in theirs."""
+    with services.fresh_database() as url:
+        settings = service_settings(tmp_path_factory.mktemp("api-pg"), tiny_llama_dir, pg_url=url, s3=s3)
+        upgrade(settings)
+        with live_server(settings) as server:
+            yield server
 
 
 @pytest.fixture
