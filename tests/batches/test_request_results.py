@@ -100,8 +100,8 @@ def test_the_sweeper_keeps_finished_requests_of_a_shard_it_closes(any_jobs):
         session.get(Shard, shard_id).lease_expires_at = 1
         session.get(Batch, batch_id).status = BatchStatus.CANCELLING
 
-    report = sweep(ctx)
-    assert report.closed == [shard_id] and report.finalized == [batch_id]
+    report = sweep(ctx)  # over the whole database: other tests' leftovers may be in its report too
+    assert shard_id in report.closed and batch_id in report.finalized
     batch = batch_row(ctx, batch_id)
     assert batch.status == BatchStatus.CANCELLED
     assert (batch.request_completed, batch.request_failed, batch.request_unrun) == (1, 3, 2)
