@@ -12,7 +12,7 @@ from batchapi.config import DEFAULT_EMBEDDING_MODEL, DEFAULT_MODEL
 from batchapi.context import open_context
 from batchapi.db.migrate import upgrade
 from tests.utils import services
-from tests.utils.batch_service import live_server, new_key, service_settings
+from tests.utils.batch_service import new_key, pg_live_server, service_settings
 from tests.utils.tiny_models import build_thinking_model, build_tiny_model
 
 MODEL_CACHE = Path(os.environ.get("BATCHAPI_MODEL_CACHE", "~/.cache/batchapi")).expanduser()
@@ -117,14 +117,10 @@ def any_jobs(request):
 # the live server the API tests (tests/api) and the SDK tests (tests/e2e) share
 @pytest.fixture(scope="session")
 def pg_server(tmp_path_factory, s3, tiny_llama_dir):
-    """One live server on PostgreSQL and SeaweedFS, no worker; tests stay apart by project. Its
-    database is its own: its sweeper (every 0.5 s, over every project: validations, expiries,
-    leases) must not take up what the tests on ``pg_jobs`` leave in theirs."""
-    with services.fresh_database() as url:
-        settings = service_settings(tmp_path_factory.mktemp("api-pg"), tiny_llama_dir, pg_url=url, s3=s3)
-        upgrade(settings)
-        with live_server(settings) as server:
-            yield server
+    """One live server on PostgreSQL (a database of its own) and SeaweedFS, no worker; tests stay
+    apart by project."""
+    with pg_live_server(tmp_path_factory.mktemp("api-pg"), tiny_llama_dir, s3) as server:
+        yield server
 
 
 @pytest.fixture

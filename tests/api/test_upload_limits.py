@@ -18,8 +18,14 @@ from batchapi.db.migrate import upgrade
 from batchapi.db.models import File
 from batchapi.storage.s3 import S3Storage
 from tests.api.raw_http import chunked, request_head, send_until_answered
-from tests.utils import services
-from tests.utils.batch_service import jsonl, live_server, new_key, request_line, service_settings
+from tests.utils.batch_service import (
+    jsonl,
+    live_server,
+    new_key,
+    pg_live_server,
+    request_line,
+    service_settings,
+)
 
 BOUNDARY = "test-boundary-1234"
 CHUNK = b"x" * (1 << 16)
@@ -75,14 +81,11 @@ def own_tempdir(tmp_path, monkeypatch):
 def small_servers(tmp_path_factory, s3, tiny_llama_dir):
     """A server with a 1 MiB file limit on PostgreSQL (a database of its own) and S3, and one on
     SQLite and a directory."""
-    with services.fresh_database() as url:
-        pg = service_settings(tmp_path_factory.mktemp("small-pg"), tiny_llama_dir, pg_url=url, s3=s3,
-                              max_file_bytes=LIMIT)
-        lite = service_settings(tmp_path_factory.mktemp("small-lite"), tiny_llama_dir, max_file_bytes=LIMIT)
-        upgrade(pg)
-        upgrade(lite)
-        with live_server(pg) as pg_server, live_server(lite) as lite_server:
-            yield {"postgresql+s3": pg_server, "sqlite+local": lite_server}
+    lite = service_settings(tmp_path_factory.mktemp("small-lite"), tiny_llama_dir, max_file_bytes=LIMIT)
+    upgrade(lite)
+    with pg_live_server(tmp_path_factory.mktemp("small-pg"), tiny_llama_dir, s3, max_file_bytes=LIMIT) as pg_server, \
+            live_server(lite) as lite_server:
+        yield {"postgresql+s3": pg_server, "sqlite+local": lite_server}
 
 
 @pytest.fixture(params=["postgresql+s3", "sqlite+local"])

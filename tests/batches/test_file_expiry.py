@@ -41,6 +41,12 @@ def expiring_file(ctx, project: str, seconds: int) -> str:
     return f.id
 
 
+def clear_leftovers(ctx) -> None:
+    """The expired files other tests left in the shared database, removed before a test's own sweep,
+    so that this sweep has only the test's file to take or leave."""
+    files.remove_expired(ctx, _each)
+
+
 def expires_at(ctx, fid: str) -> int:
     with ctx.sessions() as session:
         return session.get(File, fid).expires_at
@@ -84,6 +90,7 @@ def test_a_file_expiring_while_a_batch_is_created_from_it_stays_for_the_batch(an
     sweeper's expiry runs: the expiry waits for the create and then leaves the file to the batch."""
     ctx = any_jobs
     fid = expiring_file(ctx, project, 2)
+    clear_leftovers(ctx)
     key = files.get_file(ctx, project, fid).storage_key
     swept: list[list[str]] = []
     sweeper = threading.Thread(target=lambda: swept.append(files.remove_expired(ctx, _each)))
@@ -106,8 +113,7 @@ def test_a_file_expiring_while_a_batch_is_created_from_it_stays_for_the_batch(an
     finally:
         event.remove(ctx.sessions, "before_commit", before_commit)
     sweeper.join(30)
-    # the sweep may remove other tests' expired files in the shared database: only this one counts
-    assert len(swept) == 1 and fid not in swept[0], "the expiry removed a file a batch was being created from"
+    assert swept == [[]], "the expiry removed a file a batch was being created from"
     assert batch.status == BatchStatus.VALIDATING
     with ctx.sessions() as session:
         assert session.get(File, fid) is not None
@@ -119,16 +125,15 @@ def test_a_create_after_the_expiry_removed_the_file_fails_cleanly(any_jobs, proj
     create fails with NotFound (the API's 404 error) and leaves no batch behind."""
     ctx = any_jobs
     fid = expiring_file(ctx, project, 1)
-    ours = files.get_file(ctx, project, fid).storage_key
+    clear_leftovers(ctx)
     expiry = expires_at(ctx, fid)
     wait_until(lambda: now() >= expiry, timeout=10)
     gate, inside = threading.Event(), threading.Event()
     real_delete = ctx.storage.delete
 
     def slow_delete(key: str) -> None:
-        if key == ours:  # other tests' expired files in the shared database go as they would
-            inside.set()
-            assert gate.wait(30)
+        inside.set()
+        assert gate.wait(30)
         real_delete(key)
 
     ctx.storage.delete = slow_delete  # the test's trick: hold the sweeper mid-removal
@@ -156,6 +161,6 @@ def test_a_create_after_the_expiry_removed_the_file_fails_cleanly(any_jobs, proj
     finally:
         gate.set()
         ctx.storage.delete = real_delete
-    assert len(swept) == 1 and fid in swept[0] and len(failed) == 1 and failed[0].param == "id"
+    assert swept == [[fid]] and len(failed) == 1 and failed[0].param == "id"
     with ctx.sessions() as session:
         assert session.query(Batch).filter(Batch.input_file_id == fid).count() == 0

@@ -10,11 +10,9 @@ from openai import OpenAI
 
 from batchapi.batches.states import BatchStatus
 from batchapi.batches.sweeper import sweep
-from batchapi.db.migrate import upgrade
 from batchapi.db.models import Shard
 from batchapi.db.session import session_scope
-from tests.utils import services
-from tests.utils.batch_service import jsonl, live_server, new_key, request_line, service_settings
+from tests.utils.batch_service import jsonl, new_key, pg_live_server, request_line
 from tests.utils.waiting import PAST_VALIDATION, wait_for_batch, wait_until
 
 
@@ -193,12 +191,8 @@ def big_shard_server(tmp_path_factory, s3, tiny_llama_dir):
     """A server of its own (and a database of its own), with production-sized shards: at the tests'
     4 requests a shard the 50,000-request batch below would be 12,500 shards, which its cancel then
     closes one by one."""
-    with services.fresh_database() as url:
-        settings = service_settings(tmp_path_factory.mktemp("api-big"), tiny_llama_dir, pg_url=url, s3=s3,
-                                    shard_size=1024)
-        upgrade(settings)
-        with live_server(settings) as server:
-            yield server
+    with pg_live_server(tmp_path_factory.mktemp("api-big"), tiny_llama_dir, s3, shard_size=1024) as server:
+        yield server
 
 
 def test_large_file_streams_through_s3_multipart_and_validates(big_shard_server, model_id):

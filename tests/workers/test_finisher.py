@@ -12,14 +12,12 @@ from sqlalchemy import func, select, update
 from batchapi.batches import leases
 from batchapi.batches.service import iter_partial_results
 from batchapi.context import open_context
-from batchapi.db.migrate import upgrade
 from batchapi.db.models import Batch, File, RequestResult, Shard
 from batchapi.db.session import session_scope
 from batchapi.errors import StorageError
 from batchapi.storage import make_storage
 from batchapi.storage.keys import shard_error_key, shard_output_key
-from tests.utils import services
-from tests.utils.batch_service import jsonl, live_server, service_settings, wait_until
+from tests.utils.batch_service import jsonl, pg_live_server, wait_until
 from tests.workers.helpers import lines_for
 
 SETTINGS = dict(shard_size=4, sweep_seconds=0.5, worker_poll_seconds=0.2, max_num_seqs=4, max_num_batched_tokens=256,
@@ -54,12 +52,9 @@ class ShardObjects:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, s3, tiny_llama_dir):
-    with services.fresh_database("batchapi_finisher") as url:
-        settings = service_settings(tmp_path_factory.mktemp("finisher"), tiny_llama_dir, pg_url=url, s3=s3,
-                                    **SETTINGS)
-        upgrade(settings)
-        with live_server(settings) as server:  # validation only: the test's runners run the shards
-            yield server
+    with pg_live_server(tmp_path_factory.mktemp("finisher"), tiny_llama_dir, s3, "finisher",
+                        **SETTINGS) as server:  # validation only: the test's runners run the shards
+        yield server
 
 
 def started_batch(server, prefix: str) -> tuple[str, str]:
