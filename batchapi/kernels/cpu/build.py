@@ -145,8 +145,9 @@ def _load_matmul() -> ctypes.CDLL | None:
         lib.linear_bf16_native.restype = ctypes.c_int
         lib.linear_bf16_instructions.restype = ctypes.c_int
         lib.linear_bf16_instructions.argtypes = [ctypes.c_int]
-        lib.linear_amx.restype = ctypes.c_int
-        lib.linear_amx.argtypes = lib.linear_bf16w.argtypes
+        for linear in (lib.linear_amx, lib.linear_amx_silu):
+            linear.restype = ctypes.c_int
+            linear.argtypes = lib.linear_bf16w.argtypes
         for argmax in (lib.linear_bf16w_argmax, lib.linear_bf16_argmax, lib.linear_amx_argmax):
             argmax.restype = ctypes.c_int
             argmax.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, ctypes.c_int]

@@ -22,6 +22,9 @@ from batchapi.kernels.cpu.elementwise import MAX_ROTARY_DIM
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 # matmul.c's entry points a projection may run, by the layers' dtype
 LINEAR_KERNELS = {torch.bfloat16: ("linear_bf16", "linear_amx"), torch.float32: ("linear_bf16w",)}
+# a gate_up projection's kernel -> the one that also runs SiLU-and-mul (the same bits, its outputs unwritten)
+WITH_ACT = {"linear_amx": "linear_amx_silu"}
+PANEL = 16  # matmul.c's columns a panel: linear_amx_silu takes gate and up halves of whole panels
 
 
 class _Kernels(ctypes.Structure):
@@ -29,7 +32,7 @@ class _Kernels(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("qkv_fn", _p), ("o_fn", _p), ("gate_up_fn", _p), ("down_fn", _p),
+    _fields_ = [("qkv_fn", _p), ("o_fn", _p), ("gate_up_fn", _p), ("down_fn", _p), ("gate_act_fn", _p),
                 ("qkv", _p), ("o", _p), ("gate_up", _p), ("down", _p), ("qkv_bias", _p),
                 ("input_norm", _p), ("post_norm", _p), ("k_cache", _p), ("v_cache", _p), ("cos_sin", _p),
                 ("cs_stride", _i64), ("max_pos", _i64), ("cs_bf16", _i32), ("window", _i32)]
@@ -84,6 +87,7 @@ class DecoderLayers:
         self.lib = build.load_decoder()
         libs = (build.load_elementwise(), build.load(), build.load_matmul())
         self.usable = self.lib is not None and None not in libs and bool(layers) and self._takes(layers)
+        self.act_in_gate_up = False
         if not self.usable:
             return
         elementwise, decode, matmul = libs
@@ -100,6 +104,8 @@ class DecoderLayers:
                 kernel, packed = getattr(layer, name)
                 setattr(entry, name + "_fn", _address(matmul, kernel))
                 setattr(entry, name, packed.data_ptr())
+            kernel = WITH_ACT.get(layer.gate_up[0])
+            entry.gate_act_fn = _address(matmul, kernel) if kernel and inter % PANEL == 0 else None
             entry.qkv_bias = layer.qkv_bias.data_ptr() if layer.qkv_bias is not None else None
             entry.input_norm, entry.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
             entry.k_cache, entry.v_cache = layer.k_cache.data_ptr(), layer.v_cache.data_ptr()
@@ -107,6 +113,7 @@ class DecoderLayers:
             entry.max_pos, entry.cs_bf16 = layer.cos_sin.shape[0], layer.cos_sin.dtype is torch.bfloat16
             entry.window = layer.window
         self._table = table
+        self.act_in_gate_up = all(entry.gate_act_fn for entry in table)  # SiLU-and-mul in every gate_up: none writes it
 
     def _takes(self, layers: list[Layer]) -> bool:
         """The shapes and dtypes each wrapper would pass straight to its kernel."""
@@ -161,8 +168,8 @@ class DecoderLayers:
         mlp_out, residual, other, normed = (torch.empty(tokens, hidden, dtype=dtype) for _ in range(4))
         qkv = torch.empty(tokens, qs + 2 * kvs, dtype=dtype)
         q, attn = torch.empty(tokens, qs, dtype=dtype), torch.empty(tokens, qs, dtype=dtype)
-        gate_up = torch.empty(tokens, 2 * self.inter, dtype=dtype)
         act = torch.empty(tokens, self.inter, dtype=dtype)
+        gate_up = act if self.act_in_gate_up else torch.empty(tokens, 2 * self.inter, dtype=dtype)
         step = _Step(tokens, positions.data_ptr(), slot_mapping.data_ptr(), slot_mapping.dtype is torch.int64,
                      plan.tables.data_ptr(), plan.context_lens.data_ptr(), plan.q_rows.data_ptr(),
                      plan.rows.data_ptr(), plan.tables.stride(0), x.data_ptr(), mlp_out.data_ptr(),

@@ -314,6 +314,37 @@ def test_amx_linear_gives_f_linears_values_and_the_same_bits_at_every_row_count_
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize(("inter", "in_features"), [(1536, 576), (48, 64)])
+def test_amx_gate_up_with_silu_gives_silu_and_mul_of_its_outputs_bit_for_bit(inter, in_features):
+    """linear_amx_silu (an MLP's gate and up projections with SiLU-and-mul in their epilogue, where the
+    kernel has AMX tiles, else refused): the bits of elementwise.silu_and_mul on linear_amx's outputs,
+    at row counts about a tile's, on 1 and 2 threads, with rows of zeros, an infinite and a NaN input
+    and large values (SiLU's exp past its range); shapes whose halves are not whole panels refused."""
+    from batchapi.kernels.cpu import elementwise
+
+    g = torch.Generator().manual_seed(5)
+    weight = (torch.randn(2 * inter, in_features, generator=g) / in_features**0.5).bfloat16()
+    packed = matmul.pack_pairs(weight)
+    x = (3 * torch.randn(203, in_features, generator=g)).bfloat16()
+    x[1], x[2, 0], x[3, 1], x[4, 2] = 0.0, float("inf"), float("nan"), 3e4
+    if not matmul.native_amx():
+        with pytest.raises(RuntimeError, match="refused"):
+            matmul.linear_amx_silu(x, packed, 2 * inter, in_features)
+        return
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for rows in (0, 1, 5, 31, 32, 33, 96, 203):
+                expected = elementwise.silu_and_mul(matmul.linear_amx(x[:rows], packed, 2 * inter, in_features, None))
+                got = matmul.linear_amx_silu(x[:rows], packed, 2 * inter, in_features)
+                assert torch.equal(got.view(torch.int16), expected.view(torch.int16)), (rows, n)
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(ValueError, match="multiple"):
+        matmul.linear_amx_silu(x, matmul.pack_pairs(weight[:2 * inter - 16]), 2 * inter - 16, in_features)
+
+
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize(("linear", "argmax", "native"), [
     (matmul.linear_bf16, matmul.linear_bf16_argmax, lambda: True),  # AVX512-BF16, else the same sums in plain C

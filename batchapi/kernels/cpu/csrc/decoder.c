@@ -45,9 +45,11 @@ typedef struct {
     attention_fn attention;
 } Kernels;
 
-/* one layer: its four projections (each its kernel and packed weight), norms and caches */
+/* one layer: its four projections (each its kernel and packed weight), norms and caches; gate_act_fn,
+ * where not NULL, the gate_up projection and SiLU-and-mul in one kernel (matmul.c's linear_amx_silu:
+ * the same bits as gate_up_fn then the act kernel), which writes act without gate_up */
 typedef struct {
-    linear_fn qkv_fn, o_fn, gate_up_fn, down_fn;
+    linear_fn qkv_fn, o_fn, gate_up_fn, down_fn, gate_act_fn;
     const void *qkv, *o, *gate_up, *down;
     const float *qkv_bias; /* as its kernel takes it (linear_bf16's panel form), or NULL */
     const void *input_norm, *post_norm;
@@ -158,10 +160,14 @@ int decoder_layers(const Kernels *kn, const Shape *sh, const Layer *layers, int 
         if (rc) return i + 1;
         residual = st->residual[next];
         next ^= 1;
-        rc = ly->gate_up_fn(st->normed, h, t, ly->gate_up, 2 * sh->inter, h, NULL, st->gate_up, 2 * sh->inter,
-                            threads);
-        if (rc) return i + 1;
-        rc = kn->act(st->gate_up, 2 * sh->inter, st->act, t, sh->inter, bf16, threads);
+        if (ly->gate_act_fn) {
+            rc = ly->gate_act_fn(st->normed, h, t, ly->gate_up, 2 * sh->inter, h, NULL, st->act, sh->inter, threads);
+        } else {
+            rc = ly->gate_up_fn(st->normed, h, t, ly->gate_up, 2 * sh->inter, h, NULL, st->gate_up, 2 * sh->inter,
+                                threads);
+            if (rc) return i + 1;
+            rc = kn->act(st->gate_up, 2 * sh->inter, st->act, t, sh->inter, bf16, threads);
+        }
         if (rc) return i + 1;
         rc = ly->down_fn(st->act, sh->inter, t, ly->down, h, sh->inter, NULL, st->mlp_out, h, threads);
         if (rc) return i + 1;

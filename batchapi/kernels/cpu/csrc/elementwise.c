@@ -33,6 +33,8 @@ INLINE float element(const void *p, int64_t i, int bf16) {
  * elementwise, so any layout works as long as all operands share it. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
 #include <immintrin.h>
+
+#include "silu16.h"
 #define STEP 32
 typedef __m512 vec;
 
@@ -43,17 +45,8 @@ INLINE vec sub(vec a, vec b) { return _mm512_sub_ps(a, b); }
 INLINE vec mul(vec a, vec b) { return _mm512_mul_ps(a, b); }
 INLINE vec splat(float x) { return _mm512_set1_ps(x); }
 
-/* x rounded to bf16 (kept in fp32) when bf16, else x. Without torch's NaN test: every value that
- * reaches it came from bf16 storage or from arithmetic on such values, so a NaN's low 16 bits are
- * zero (x86 keeps a NaN operand's payload, and makes new NaNs 0xffc00000) and the carry below
- * cannot reach its exponent. */
-INLINE vec rnd(vec x, int bf16) {
-    if (!bf16) return x;
-    const __m512i u = _mm512_castps_si512(x);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)); /* ties to even */
-    const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
-}
+/* x rounded to bf16 (kept in fp32) when bf16, else x (silu16.h: without torch's NaN test) */
+INLINE vec rnd(vec x, int bf16) { return bf16 ? round_bf16_16(x) : x; }
 
 typedef struct {
     vec a, b;
@@ -83,26 +76,9 @@ INLINE void store(void *p, int64_t i, int64_t left, pair x, int bf16) {
     _mm512_mask_storeu_ps((float *)p + i + 16, (__mmask16)(m >> 16), x.b);
 }
 
-/* e^x within about 1 ulp (Cephes expf: x = n ln2 + r, |r| <= ln2/2, e^r by a polynomial, times 2^n
- * by scalef, which also gives inf above 88.7 and denormals, then 0, below -87.3). |x| is clamped
- * to 89 first, keeping its sign (vrangeps; NaN passes), so that n stays finite: inf - inf is NaN. */
-INLINE vec vexp(vec x) {
-    x = _mm512_range_ps(x, splat(89.0f), 0x02); /* the smaller magnitude, x's sign */
-    const vec n = _mm512_roundscale_ps(mul(x, splat(1.44269504088896341f)),
-                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    vec r = _mm512_fnmadd_ps(n, splat(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, splat(-2.12194440e-4f), r);
-    vec p = splat(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, splat(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, splat(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, splat(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, splat(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, splat(5.0000001201e-1f));
-    p = add(_mm512_fmadd_ps(p, mul(r, r), r), splat(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
-INLINE vec silu(vec g) { return _mm512_div_ps(g, add(splat(1.0f), vexp(_mm512_sub_ps(_mm512_setzero_ps(), g)))); }
+/* e^x within about 1 ulp and SiLU: silu16.h's, which matmul.c's linear_amx_silu shares */
+INLINE vec vexp(vec x) { return exp16(x); }
+INLINE vec silu(vec g) { return silu16(g); }
 
 #else
 /* portable C: pairs of two elements, plain float arithmetic */

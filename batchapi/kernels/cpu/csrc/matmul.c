@@ -1069,6 +1069,8 @@ static int screened_argmax(const uint16_t *x, int64_t xs, int64_t m, const uint3
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(HAVE_AVX512BF16)
 #include <sys/syscall.h>
 #include <unistd.h>
+
+#include "silu16.h"
 #define HAVE_AMX 1
 #define AMX_ROWS 32
 #define AMX_L1_WEIGHTS (40 << 10) /* a group's weights (2 panels x K bf16) that L1 (48 KB) keeps beside x's lines */
@@ -1123,14 +1125,17 @@ INLINE void fold_best(float (*acc)[2 * PANEL], const float *bias, int rows, int 
 
 /* rows [0, 32) of x (stride xs) against panels p0 and p1 (p1 == p0: one panel), rows < `rows` stored
  * in y, or with best.value set folded into it instead (col0: the group's first column); meanwhile the
- * `ahead` lines (of 64 bytes) from `next` are asked for into L2, spread over the K steps. `stream`:
- * x's tiles loaded as data not to be kept in L1 (TILELOADDT1), so that the group's weights, which the
- * next row tiles load again, stay there */
+ * `ahead` lines (of 64 bytes) from `next` (the first `split` of them, the rest from `next2`) are asked
+ * for into L2, spread over the K steps. `stream`: x's tiles loaded as data not to be kept in L1
+ * (TILELOADDT1), so that the group's weights, which the next row tiles load again, stay there.
+ * `silu`: p0 a gate panel and p1 its up panel; what goes to y is silu(gate) * up, as silu_and_mul
+ * (elementwise.c) computes it on the outputs rounded to bf16: `cols` (<= 16) columns a row */
 static inline __attribute__((always_inline)) void amx_tile(const uint16_t *x, int64_t xs, const uint32_t *b0,
                                                              const uint32_t *b1, int64_t k, const float *bias,
                                                              uint16_t *y, int64_t ys, int rows, int cols,
-                                                             const char *next, int64_t ahead, Best best,
-                                                             int64_t col0, const int stream) {
+                                                             const char *next, int64_t split, const char *next2,
+                                                             int64_t ahead, Best best, int64_t col0,
+                                                             const int stream, const int silu) {
     float acc[AMX_ROWS][2 * PANEL] __attribute__((aligned(64)));
     const int64_t steps = k / 32, per_step = steps ? (ahead + steps - 1) / steps : 0;
     int64_t asked = 0;
@@ -1139,7 +1144,8 @@ static inline __attribute__((always_inline)) void amx_tile(const uint16_t *x, in
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t kc = 0; kc < k; kc += 32) {
-        for (int64_t i = 0; i < per_step && asked < ahead; i++, asked++) _mm_prefetch(next + asked * 64, _MM_HINT_T1);
+        for (int64_t i = 0; i < per_step && asked < ahead; i++, asked++) /* split lines from next, then next2 */
+            _mm_prefetch(asked < split ? next + asked * 64 : next2 + (asked - split) * 64, _MM_HINT_T1);
         if (stream) {
             _tile_stream_loadd(4, x + kc, xs * 2);
             _tile_stream_loadd(5, x + 16 * xs + kc, xs * 2);
@@ -1162,6 +1168,18 @@ static inline __attribute__((always_inline)) void amx_tile(const uint16_t *x, in
         fold_best(acc, bias, rows, cols, col0, best);
         return;
     }
+    if (silu) { /* the outputs as stored (bf16), widened, through silu_and_mul's arithmetic */
+        const __mmask16 live = (__mmask16)(cols >= PANEL ? 0xffff : (1u << cols) - 1);
+        for (int r = 0; r < rows; r++) {
+            const __m512 gate = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(&acc[r][0]))), 16));
+            const __m512 up = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(&acc[r][PANEL]))), 16));
+            const __m512i out = _mm512_srli_epi32(_mm512_castps_si512(silu_mul_bf16_16(gate, up)), 16);
+            _mm256_mask_storeu_epi16(y + r * ys, live, _mm512_cvtepi32_epi16(out));
+        }
+        return;
+    }
     for (int r = 0; r < rows; r++)
         for (int p = 0; p < 2; p++) {
             int c = cols - p * PANEL;
@@ -1173,17 +1191,21 @@ static inline __attribute__((always_inline)) void amx_tile(const uint16_t *x, in
         }
 }
 
-/* amx_tile with x kept in L1 and with x streamed past it, each compiled for its case */
+/* amx_tile with x kept in L1 and with x streamed past it, each with and without SiLU, compiled for
+ * its case */
 typedef void (*amx_tile_fn)(const uint16_t *, int64_t, const uint32_t *, const uint32_t *, int64_t, const float *,
-                            uint16_t *, int64_t, int, int, const char *, int64_t, Best, int64_t);
-#define AMX_TILE_AS(NAME, STREAM)                                                                             \
+                            uint16_t *, int64_t, int, int, const char *, int64_t, const char *, int64_t, Best,
+                            int64_t);
+#define AMX_TILE_AS(NAME, STREAM, SILU)                                                                       \
     static void NAME(const uint16_t *x, int64_t xs, const uint32_t *b0, const uint32_t *b1, int64_t k,        \
                      const float *bias, uint16_t *y, int64_t ys, int rows, int cols, const char *next,        \
-                     int64_t ahead, Best best, int64_t col0) {                                                \
-        amx_tile(x, xs, b0, b1, k, bias, y, ys, rows, cols, next, ahead, best, col0, STREAM);                 \
+                     int64_t split, const char *next2, int64_t ahead, Best best, int64_t col0) {              \
+        amx_tile(x, xs, b0, b1, k, bias, y, ys, rows, cols, next, split, next2, ahead, best, col0, STREAM, SILU); \
     }
-AMX_TILE_AS(amx_tile_kept, 0)
-AMX_TILE_AS(amx_tile_streamed, 1)
+AMX_TILE_AS(amx_tile_kept, 0, 0)
+AMX_TILE_AS(amx_tile_streamed, 1, 0)
+AMX_TILE_AS(amx_tile_kept_silu, 0, 1)
+AMX_TILE_AS(amx_tile_streamed_silu, 1, 1)
 #endif
 
 /* 1 where this build and the kernel may use AMX tiles (built for them, and the OS grants them) */
@@ -1196,11 +1218,16 @@ int linear_amx_native(void) {
 }
 
 #ifdef HAVE_AMX
-/* linear_amx's work: outputs into y, or (chosen != NULL) each row's greedy choice into chosen[m] */
+/* linear_amx's work: outputs into y, or (chosen != NULL) each row's greedy choice into chosen[m], or
+ * (silu) silu(gate) * up into y for a weight [gate; up], each half whole panels: a group is then gate
+ * panel g and up panel g (half the panels on) */
 static int amx_linear(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *packed, int64_t n, int64_t k,
-                      const float *bias, uint16_t *y, int64_t ys, int threads, int64_t *chosen) {
-    if (m < 0 || n < 0 || k < 0 || xs < k || (!chosen && ys < n) || k % 32 || !amx_permitted()) return -1;
-    int64_t panels = (n + PANEL - 1) / PANEL, pstride = k / 2 * PANEL, groups = (panels + 1) / 2;
+                      const float *bias, uint16_t *y, int64_t ys, int threads, int64_t *chosen, int silu) {
+    if (m < 0 || n < 0 || k < 0 || xs < k || (!chosen && ys < (silu ? n / 2 : n)) || k % 32 || !amx_permitted())
+        return -1;
+    if (silu && (bias || chosen || n % (2 * PANEL))) return -1;
+    int64_t panels = (n + PANEL - 1) / PANEL, pstride = k / 2 * PANEL, half = silu ? panels / 2 : 0;
+    int64_t groups = silu ? half : (panels + 1) / 2;
     int64_t whole = m / AMX_ROWS * AMX_ROWS;
     int parallel = threads > 1 && m * n * k >= (1 << 19) && groups > 1;
     /* x streamed past L1 where a group's weights fit there and more than one row tile loads them:
@@ -1208,8 +1235,9 @@ static int amx_linear(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *
      * rows with them in memory (a decode step's 256 rows, the weights from memory: no change). A
      * single row tile keeps x in L1 instead (every group reads it), and weights of a larger K (its
      * down projection) do not fit: there, as loaded */
-    const amx_tile_fn tile = (m + AMX_ROWS - 1) / AMX_ROWS >= 2 && k * 2 * PANEL * 2 <= AMX_L1_WEIGHTS
-                                 ? amx_tile_streamed : amx_tile_kept;
+    const int streamed = (m + AMX_ROWS - 1) / AMX_ROWS >= 2 && k * 2 * PANEL * 2 <= AMX_L1_WEIGHTS;
+    const amx_tile_fn tile = silu ? (streamed ? amx_tile_streamed_silu : amx_tile_kept_silu)
+                                  : (streamed ? amx_tile_streamed : amx_tile_kept);
     int failed = 0, team = parallel ? threads : 1;
     /* the choice: each thread's best of its groups for every row, merged in the threads' order after */
     float *values = NULL;
@@ -1231,28 +1259,33 @@ static int amx_linear(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *
         if (!failed && first < last) {
             amx_configure();
             for (int64_t g = first; g < last; g++) {
-                int64_t p0 = 2 * g, p1 = p0 + 1 < panels ? p0 + 1 : p0;
-                int cols = (int)(n - p0 * PANEL < 2 * PANEL ? n - p0 * PANEL : 2 * PANEL);
+                int64_t p0 = silu ? g : 2 * g, p1 = silu ? g + half : p0 + 1 < panels ? p0 + 1 : p0;
+                int cols = (int)(silu ? PANEL : n - p0 * PANEL < 2 * PANEL ? n - p0 * PANEL : 2 * PANEL);
                 if (p1 == p0 && cols > PANEL) cols = PANEL;
                 const uint32_t *b0 = packed + p0 * pstride, *b1 = packed + p1 * pstride;
                 const float *gb = bias ? bias + p0 * PANEL : NULL;
+                uint16_t *gy = chosen ? NULL : y + (silu ? g : p0) * PANEL; /* the group's first output column */
                 /* the thread's next group of panels, asked for while this one runs (blocks of weights
                  * lie where the hardware prefetchers do not look past a page), its lines shared out
-                 * over this group's row tiles */
-                const int64_t tiles = whole / AMX_ROWS + (tail != NULL), next_p0 = p0 + 2;
-                const int64_t lines = g + 1 < last ? (next_p0 + 1 < panels ? 2 : 1) * pstride * 4 / 64 : 0;
+                 * over this group's row tiles: one run of 2 panels, or with silu a gate panel and its
+                 * up panel */
+                const int64_t tiles = whole / AMX_ROWS + (tail != NULL), panel_lines = pstride * 4 / 64;
+                const int64_t next_p0 = silu ? g + 1 : p0 + 2;
+                const int64_t lines = g + 1 < last ? (silu || next_p0 + 1 < panels ? 2 : 1) * panel_lines : 0;
                 const int64_t share = tiles ? (lines + tiles - 1) / tiles : 0; /* no rows: no tiles */
                 const char *next = lines ? (const char *)(packed + next_p0 * pstride) : (const char *)b0;
+                const char *next2 = silu && lines ? (const char *)(packed + (next_p0 + half) * pstride) : next;
+                const int64_t split = silu ? panel_lines : lines; /* lines from next, then from next2 */
                 int64_t from = 0;
                 for (int64_t r = 0; r < whole; r += AMX_ROWS, from += share) {
                     const int64_t asks = from < lines ? (lines - from < share ? lines - from : share) : 0;
-                    tile(x + r * xs, xs, b0, b1, k, gb, chosen ? NULL : y + r * ys + p0 * PANEL, ys, AMX_ROWS, cols,
-                         asks ? next + from * 64 : next, asks, best_at(mine, r), p0 * PANEL);
+                    tile(x + r * xs, xs, b0, b1, k, gb, gy ? gy + r * ys : NULL, ys, AMX_ROWS, cols, next + from * 64,
+                         split - from, next2, asks, best_at(mine, r), p0 * PANEL);
                 }
                 if (tail) {
                     const int64_t asks = from < lines ? lines - from : 0;
-                    tile(tail, k, b0, b1, k, gb, chosen ? NULL : y + whole * ys + p0 * PANEL, ys, (int)(m - whole),
-                         cols, asks ? next + from * 64 : next, asks, best_at(mine, whole), p0 * PANEL);
+                    tile(tail, k, b0, b1, k, gb, gy ? gy + whole * ys : NULL, ys, (int)(m - whole), cols,
+                         next + from * 64, split - from, next2, asks, best_at(mine, whole), p0 * PANEL);
                 }
             }
             _tile_release();
@@ -1267,7 +1300,22 @@ static int amx_linear(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *
 int linear_amx(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *packed, int64_t n, int64_t k,
                const float *bias, uint16_t *y, int64_t ys, int threads) {
 #ifdef HAVE_AMX
-    return amx_linear(x, xs, m, packed, n, k, bias, y, ys, threads, NULL);
+    return amx_linear(x, xs, m, packed, n, k, bias, y, ys, threads, NULL, 0);
+#else
+    (void)x, (void)xs, (void)m, (void)packed, (void)n, (void)k, (void)bias, (void)y, (void)ys, (void)threads;
+    return -1;
+#endif
+}
+
+/* silu(x W_gate^T) * (x W_up^T) into y [m, n / 2] (stride ys), for W = [W_gate; W_up] [n, k] packed as
+ * linear_amx reads it (pack_pairs), each half whole panels (n a multiple of 32), no bias: the bits of
+ * silu_and_mul (elementwise.c) on linear_amx's outputs, without them written and read back (an MLP's
+ * gate_up at 256 rows is 1.5 MB of outputs for SmolLM2). -1 where the build or the OS has no AMX, or
+ * the shapes are not these. */
+int linear_amx_silu(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *packed, int64_t n, int64_t k,
+                    const float *bias, uint16_t *y, int64_t ys, int threads) {
+#ifdef HAVE_AMX
+    return amx_linear(x, xs, m, packed, n, k, bias, y, ys, threads, NULL, 1);
 #else
     (void)x, (void)xs, (void)m, (void)packed, (void)n, (void)k, (void)bias, (void)y, (void)ys, (void)threads;
     return -1;
@@ -1282,7 +1330,7 @@ int linear_amx_argmax(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *
 #ifdef HAVE_AMX
     if (m == 0 && k % 32 == 0 && amx_permitted()) return 0; /* nothing to choose (chosen may be NULL) */
     if (chosen == NULL) return -1;
-    return amx_linear(x, xs, m, packed, n, k, bias, NULL, 0, threads, chosen);
+    return amx_linear(x, xs, m, packed, n, k, bias, NULL, 0, threads, chosen, 0);
 #else
     (void)x, (void)xs, (void)m, (void)packed, (void)n, (void)k, (void)bias, (void)chosen, (void)threads;
     return -1;
