@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from batchapi.engine.model.loader import ModelConfig
+from batchapi.kernels.cpu import elementwise as cpu_elementwise
 
 
 @dataclass
@@ -102,4 +103,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward(self.act_and_mul(self.gate_up_proj.forward(x)))  # [T, H]
+        gate_up = self.gate_up_proj
+        if self.act_and_mul is cpu_elementwise.silu_and_mul and getattr(gate_up, "fuses_silu", False):
+            return self.down_proj.forward(gate_up.silu_and_mul(x))  # on AMX tiles, SiLU in their epilogue
+        return self.down_proj.forward(self.act_and_mul(gate_up.forward(x)))  # [T, H]

@@ -211,6 +211,17 @@ class AmxBf16Linear(Avx512Bf16Linear):
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         return matmul.linear_amx_argmax(x, self.packed_weight, self.out_features, self.in_features, self.panel_bias)
 
+    @property
+    def fuses_silu(self) -> bool:
+        """Whether ``silu_and_mul`` runs here: no bias, halves of whole panels, and ``forward`` not
+        replaced on the instance (a profiler's wrapper must see the call)."""
+        return self.bias is None and self.out_features % (2 * matmul.PANEL) == 0 and "forward" not in self.__dict__
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``elementwise.silu_and_mul(self.forward(x))`` for a gated MLP's [gate; up] projection, in one
+        kernel (``matmul.linear_amx_silu``): the same bits, the projection's outputs never written."""
+        return matmul.linear_amx_silu(x, self.packed_weight, self.out_features, self.in_features)
+
 
 def can_run_amx(module: nn.Module) -> bool:
     """A bf16 CPU nn.Linear of whole 32-element chunks of K, where the C kernel built with AMX-BF16
