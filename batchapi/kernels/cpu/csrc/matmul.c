@@ -1245,8 +1245,12 @@ static int amx_linear(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *
     if (chosen && !best_start(team, m, &values, &columns)) return -1;
 #pragma omp parallel num_threads(team) if (parallel) reduction(| : failed)
     {
-        int64_t first, last;
-        thread_share(groups, &first, &last);
+        /* the work in halves of groups (a group's first half of its row tiles, then the rest), dealt
+         * contiguously: an odd number of groups (SmolLM2's o and down projections have 9) splits
+         * evenly, the group in the middle by its rows */
+        const int64_t tiles = whole / AMX_ROWS + (whole < m), halfway = tiles / 2; /* row tiles; the last maybe short */
+        int64_t first, last; /* this thread's halves */
+        thread_share(2 * groups, &first, &last);
         const Best mine = chosen ? best_of(thread_index(), team, m, values, columns) : (Best){NULL, NULL, NULL};
         /* the last rows (under 32) in a tile of their own, copied once for all groups */
         uint16_t *tail = NULL;
@@ -1258,7 +1262,8 @@ static int amx_linear(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *
         }
         if (!failed && first < last) {
             amx_configure();
-            for (int64_t g = first; g < last; g++) {
+            for (int64_t g = first / 2; g <= (last - 1) / 2; g++) {
+                const int64_t t0 = first > 2 * g ? halfway : 0, t1 = last < 2 * g + 2 ? halfway : tiles;
                 int64_t p0 = silu ? g : 2 * g, p1 = silu ? g + half : p0 + 1 < panels ? p0 + 1 : p0;
                 int cols = (int)(silu ? PANEL : n - p0 * PANEL < 2 * PANEL ? n - p0 * PANEL : 2 * PANEL);
                 if (p1 == p0 && cols > PANEL) cols = PANEL;
@@ -1269,23 +1274,19 @@ static int amx_linear(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *
                  * lie where the hardware prefetchers do not look past a page), its lines shared out
                  * over this group's row tiles: one run of 2 panels, or with silu a gate panel and its
                  * up panel */
-                const int64_t tiles = whole / AMX_ROWS + (tail != NULL), panel_lines = pstride * 4 / 64;
-                const int64_t next_p0 = silu ? g + 1 : p0 + 2;
-                const int64_t lines = g + 1 < last ? (silu || next_p0 + 1 < panels ? 2 : 1) * panel_lines : 0;
-                const int64_t share = tiles ? (lines + tiles - 1) / tiles : 0; /* no rows: no tiles */
+                const int64_t panel_lines = pstride * 4 / 64, next_p0 = silu ? g + 1 : p0 + 2;
+                const int64_t lines = 2 * g + 2 < last ? (silu || next_p0 + 1 < panels ? 2 : 1) * panel_lines : 0;
+                const int64_t share = t1 > t0 ? (lines + t1 - t0 - 1) / (t1 - t0) : 0; /* no rows: no tiles */
                 const char *next = lines ? (const char *)(packed + next_p0 * pstride) : (const char *)b0;
                 const char *next2 = silu && lines ? (const char *)(packed + (next_p0 + half) * pstride) : next;
                 const int64_t split = silu ? panel_lines : lines; /* lines from next, then from next2 */
                 int64_t from = 0;
-                for (int64_t r = 0; r < whole; r += AMX_ROWS, from += share) {
-                    const int64_t asks = from < lines ? (lines - from < share ? lines - from : share) : 0;
-                    tile(x + r * xs, xs, b0, b1, k, gb, gy ? gy + r * ys : NULL, ys, AMX_ROWS, cols, next + from * 64,
-                         split - from, next2, asks, best_at(mine, r), p0 * PANEL);
-                }
-                if (tail) {
-                    const int64_t asks = from < lines ? lines - from : 0;
-                    tile(tail, k, b0, b1, k, gb, gy ? gy + whole * ys : NULL, ys, (int)(m - whole), cols,
-                         next + from * 64, split - from, next2, asks, best_at(mine, whole), p0 * PANEL);
+                for (int64_t i = t0; i < t1; i++, from += share) {
+                    const int64_t r = i * AMX_ROWS, asks = from < lines ? (lines - from < share ? lines - from : share) : 0;
+                    const int short_tile = r + AMX_ROWS > m; /* the tail's copy */
+                    tile(short_tile ? tail : x + r * xs, short_tile ? k : xs, b0, b1, k, gb, gy ? gy + r * ys : NULL, ys,
+                         (int)(short_tile ? m - r : AMX_ROWS), cols, next + from * 64, split - from, next2, asks,
+                         best_at(mine, r), p0 * PANEL);
                 }
             }
             _tile_release();
