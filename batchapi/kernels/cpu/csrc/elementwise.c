@@ -76,8 +76,7 @@ INLINE void store(void *p, int64_t i, int64_t left, pair x, int bf16) {
     _mm512_mask_storeu_ps((float *)p + i + 16, (__mmask16)(m >> 16), x.b);
 }
 
-/* e^x within about 1 ulp and SiLU: silu16.h's, which matmul.c's linear_amx_silu shares */
-INLINE vec vexp(vec x) { return exp16(x); }
+/* SiLU: silu16.h's (e^x within about 1 ulp), which matmul.c's linear_amx_silu shares */
 INLINE vec silu(vec g) { return silu16(g); }
 
 #else

@@ -1282,10 +1282,11 @@ static int amx_linear(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *
                 const int64_t split = silu ? panel_lines : lines; /* lines from next, then from next2 */
                 int64_t from = 0;
                 for (int64_t i = t0; i < t1; i++, from += share) {
-                    const int64_t r = i * AMX_ROWS, asks = from < lines ? (lines - from < share ? lines - from : share) : 0;
+                    const int64_t r = i * AMX_ROWS;
+                    const int64_t asks = from < lines ? (lines - from < share ? lines - from : share) : 0;
                     const int short_tile = r + AMX_ROWS > m; /* the tail's copy */
-                    tile(short_tile ? tail : x + r * xs, short_tile ? k : xs, b0, b1, k, gb, gy ? gy + r * ys : NULL, ys,
-                         (int)(short_tile ? m - r : AMX_ROWS), cols, next + from * 64, split - from, next2, asks,
+                    tile(short_tile ? tail : x + r * xs, short_tile ? k : xs, b0, b1, k, gb, gy ? gy + r * ys : NULL,
+                         ys, (int)(short_tile ? m - r : AMX_ROWS), cols, next + from * 64, split - from, next2, asks,
                          best_at(mine, r), p0 * PANEL);
                 }
             }

@@ -23,7 +23,7 @@ INLINE __m512 round_bf16_16(__m512 x) {
 /* e^x within about 1 ulp (Cephes expf: x = n ln2 + r, |r| <= ln2/2, e^r by a polynomial, times 2^n
  * by scalef, which also gives inf above 88.7 and denormals, then 0, below -87.3). |x| is clamped
  * to 89 first, keeping its sign (vrangeps; NaN passes), so that n stays finite: inf - inf is NaN. */
-INLINE __m512 exp16(__m512 x) {
+INLINE __m512 cephes_exp16(__m512 x) {
     x = _mm512_range_ps(x, _mm512_set1_ps(89.0f), 0x02); /* the smaller magnitude, x's sign */
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -40,7 +40,7 @@ INLINE __m512 exp16(__m512 x) {
 }
 
 INLINE __m512 silu16(__m512 g) {
-    return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), cephes_exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
 }
 
 /* silu(g) * u as torch computes it on bf16 tensors: each op's result rounded to bf16 */
