@@ -1286,8 +1286,8 @@ static int amx_linear(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *
                     const int64_t asks = from < lines ? (lines - from < share ? lines - from : share) : 0;
                     const int short_tile = r + AMX_ROWS > m; /* the tail's copy */
                     tile(short_tile ? tail : x + r * xs, short_tile ? k : xs, b0, b1, k, gb, gy ? gy + r * ys : NULL,
-                         ys, (int)(short_tile ? m - r : AMX_ROWS), cols, next + from * 64, split - from, next2, asks,
-                         best_at(mine, r), p0 * PANEL);
+                         ys, (int)(short_tile ? m - r : AMX_ROWS), cols, asks ? next + from * 64 : next, split - from,
+                         next2, asks, best_at(mine, r), p0 * PANEL);
                 }
             }
             _tile_release();
