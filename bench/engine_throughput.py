@@ -694,7 +694,13 @@ def compare_end_to_end(engine: LLMEngine, config: EngineConfig, args, count: int
     tokenize, engine, detokenize, render, write), its front started once and warmed up: the engine
     core in a child process (the default) and on a thread of this process; beside the bare engine
     on the same prompts, and vLLM's ``LLM.chat`` (template and detokenizing included) where given.
-    Wall time: the child's CPU is not this process's. The two outputs must be the same lines."""
+    Wall time: the child's CPU is not this process's. The two outputs must be the same lines.
+
+    The bare engine and the child process take turns; the thread's front lives only in a phase of
+    its own after them. While a second thread of this process that has run OpenMP work is alive,
+    OpenMP's team waits turn from spinning to sleeping almost at once (more OpenMP threads than
+    CPUs: libgomp throttles the spin), and every parallel region of this thread's steps pays a
+    wake-up: the bare engine ran 15-25% slower beside an idle thread front (docs/BENCHMARKS.md)."""
     from batchapi.engine.core import start_engine
     from batchapi.workers.run_batch import run_batch
 
@@ -702,7 +708,7 @@ def compare_end_to_end(engine: LLMEngine, config: EngineConfig, args, count: int
     tokenizer = AutoTokenizer.from_pretrained(config.model_path)
     prompts = chat_prompts(tokenizer, count)
     greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    bare = []  # the bare engine before each round's two runs and after the last: the best counts
+    bare = []  # the bare engine before each round's run and after the last: the best counts
     rates, outputs = {"process": 0.0, "thread": 0.0}, {}
     with tempfile.TemporaryDirectory(prefix="e2e_") as tmp:
         batch, warm = Path(tmp) / "batch.jsonl", Path(tmp) / "warm.jsonl"
@@ -710,22 +716,21 @@ def compare_end_to_end(engine: LLMEngine, config: EngineConfig, args, count: int
                                  for i, text in enumerate(texts)))
         warm.write_text("".join(json.dumps(chat_line(f"w{i}", text, 8)) + "\n"
                                 for i, text in enumerate(chat_texts(8, seed=1))))
-        fronts = {mode: start_engine(replace(config, max_num_seqs=args.max_num_seqs), process=mode == "process")
-                  for mode in ("process", "thread")}
-        try:
-            for front in fronts.values():
+        for mode in ("process", "thread"):
+            front = start_engine(replace(config, max_num_seqs=args.max_num_seqs), process=mode == "process")
+            try:
                 run_batch(warm, Path(tmp) / "warm.out", front=front, progress=False)
-            for _ in range(args.e2e_rounds):
-                bare.append(run_engine(engine, prompts, greedy))
-                for mode, front in fronts.items():
+                for _ in range(args.e2e_rounds):
+                    if mode == "process":
+                        bare.append(run_engine(engine, prompts, greedy))
                     start = time.perf_counter()
                     counts = run_batch(batch, Path(tmp) / f"{mode}.out", front=front, progress=False)
                     rates[mode] = max(rates[mode], counts.completion_tokens / (time.perf_counter() - start))
                     outputs[mode] = [comparable(line) for line in (Path(tmp) / f"{mode}.out").read_text().splitlines()]
-        finally:
-            for front in fronts.values():
+            finally:
                 front.shutdown()
-    bare.append(run_engine(engine, prompts, greedy))
+            if mode == "process":
+                bare.append(run_engine(engine, prompts, greedy))
     cached = sum(a != b for a, b in zip(outputs["process"], outputs["thread"], strict=True))
     for lines in outputs.values():
         for record in lines:
@@ -738,8 +743,8 @@ def compare_end_to_end(engine: LLMEngine, config: EngineConfig, args, count: int
     base = max(b.tokens / b.wall for b in bare)
     print(f"end to end, {count} chat lines through run_batch (front started once): engine core in a child "
           f"process {rates['process']:.1f} tok/s wall ({rates['process'] / base:.0%} of the bare engine's "
-          f"{base:.1f} on the same prompts; the best of {args.e2e_rounds} interleaved rounds each), on a thread {rates['thread']:.1f} ({rates['thread'] / base:.0%}); "
-          f"outputs {same}")
+          f"{base:.1f} on the same prompts; the best of {args.e2e_rounds} interleaved rounds each), on a thread "
+          f"(in a phase of its own) {rates['thread']:.1f} ({rates['thread'] / base:.0%}); outputs {same}")
     if args.vllm_python:
         conversations = [[{"role": "user", "content": text}] for text in texts]
         peer = run_vllm(args.vllm_python, config.model_path, conversations, args.max_tokens,

@@ -314,6 +314,38 @@ def test_amx_linear_gives_f_linears_values_and_the_same_bits_at_every_row_count_
         torch.set_num_threads(threads)
 
 
+def test_amx_work_taken_from_other_threads_shares_gives_the_same_bits_and_choices():
+    """The AMX kernels deal their work in shares a thread done with its own takes units from the back
+    of (common.h's Deal): with more threads than cores a thread often runs late and loses units, so
+    each call's units run in an order and on threads that vary. Outputs, SiLU-and-mul outputs and
+    greedy choices (ties across groups: small integer weights, whose later group may now be folded
+    first) are those of one thread, call after call."""
+    g = torch.Generator().manual_seed(6)
+    weight = torch.randint(-2, 3, (1152, 64), generator=g).bfloat16()  # 36 groups; gate and up halves of 576
+    packed = matmul.pack_pairs(weight)
+    x = torch.randint(-2, 3, (70, 64), generator=g).bfloat16()
+    if not matmul.native_amx():
+        with pytest.raises(RuntimeError, match="refused"):
+            matmul.linear_amx_argmax(x, packed, 1152, 64, None)
+        return
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = {rows: (matmul.linear_amx(x[:rows], packed, 1152, 64, None),
+                      matmul.linear_amx_silu(x[:rows], packed, 1152, 64),
+                      matmul.linear_amx_argmax(x[:rows], packed, 1152, 64, None)) for rows in (1, 33, 70)}
+        assert any(int((row == row.max()).sum()) > 1 for row in one[70][0].float())  # ties are there to break
+        for n in (3, 5, 8):
+            torch.set_num_threads(n)
+            for _ in range(4):
+                for rows, (out, silu, chosen) in one.items():
+                    assert torch.equal(matmul.linear_amx(x[:rows], packed, 1152, 64, None), out), (n, rows)
+                    assert torch.equal(matmul.linear_amx_silu(x[:rows], packed, 1152, 64), silu), (n, rows)
+                    assert torch.equal(matmul.linear_amx_argmax(x[:rows], packed, 1152, 64, None), chosen), (n, rows)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize(("inter", "in_features"), [(1536, 576), (48, 64)])
 def test_amx_gate_up_with_silu_gives_silu_and_mul_of_its_outputs_bit_for_bit(inter, in_features):
     """linear_amx_silu (an MLP's gate and up projections with SiLU-and-mul in their epilogue, where the

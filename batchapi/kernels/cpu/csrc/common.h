@@ -22,4 +22,59 @@ INLINE uint16_t f32_to_bf16(float f) {
     return (uint16_t)(bits >> 16);
 }
 
+/* Work dealt to a team of threads in contiguous shares, each thread's taken from its front by
+ * itself and, once a thread has done its own, from the back by the others: a thread that runs
+ * slower (a vCPU the host runs less, a share whose memory comes slower) no longer keeps the team
+ * waiting at the region's end, and a share still runs in order, so that what a unit asks the
+ * memory for ahead of time is mostly its own thread's next unit. A unit's result never depends on
+ * the thread that computes it. A share is one 64-bit word: its next unit (low half) and its end. */
+#define MAX_TEAM 256
+typedef struct {
+    uint64_t share[MAX_TEAM];
+    int team;
+} Deal;
+
+INLINE uint64_t deal_word(int64_t front, int64_t end) { return (uint64_t)(uint32_t)front | (uint64_t)end << 32; }
+
+/* thread t's share [bounds[t], bounds[t + 1]); units under 2^31; team at most MAX_TEAM */
+INLINE void deal_set(Deal *deal, int team, const int64_t *bounds) {
+    deal->team = team;
+    for (int t = 0; t < team; t++) deal->share[t] = deal_word(bounds[t], bounds[t + 1]);
+}
+
+/* the next unit of thread t's share from its front, or -1 where none is left */
+INLINE int64_t deal_own(Deal *deal, int t) {
+    uint64_t w = __atomic_load_n(&deal->share[t], __ATOMIC_ACQUIRE);
+    for (;;) {
+        const int64_t front = (uint32_t)w, end = (int64_t)(w >> 32);
+        if (front >= end) return -1;
+        if (__atomic_compare_exchange_n(&deal->share[t], &w, deal_word(front + 1, end), 0, __ATOMIC_ACQ_REL,
+                                        __ATOMIC_ACQUIRE))
+            return front;
+    }
+}
+
+/* the last unit of the share with the most left, taken from its back by thread t, or -1 where no
+ * share has any left */
+INLINE int64_t deal_steal(Deal *deal, int t) {
+    for (;;) {
+        int victim = -1;
+        int64_t most = 0;
+        for (int v = 0; v < deal->team; v++) {
+            const uint64_t w = __atomic_load_n(&deal->share[v], __ATOMIC_ACQUIRE);
+            const int64_t left = (int64_t)(w >> 32) - (int64_t)(uint32_t)w;
+            if (v != t && left > most) most = left, victim = v;
+        }
+        if (victim < 0) return -1;
+        uint64_t w = __atomic_load_n(&deal->share[victim], __ATOMIC_ACQUIRE);
+        const int64_t front = (uint32_t)w, end = (int64_t)(w >> 32);
+        if (front < end && __atomic_compare_exchange_n(&deal->share[victim], &w, deal_word(front, end - 1), 0,
+                                                       __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            return end - 1;
+    }
+}
+
+/* the end of thread t's share as it stands (the units others have not taken from it) */
+INLINE int64_t deal_end(Deal *deal, int t) { return (int64_t)(__atomic_load_n(&deal->share[t], __ATOMIC_ACQUIRE) >> 32); }
+
 #endif

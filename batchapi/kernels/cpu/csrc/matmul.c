@@ -322,7 +322,9 @@ INLINE void nearest_end(int mode) { fesetround(mode); }
 
 #ifdef HAVE_AVX512BF16
 /* a row's `np` panels of fp32 outputs (bias added), columns col0.. of which `cols` are live, folded
- * into row 0 of `best` as fold_value would fold them one by one after rounding to bf16 */
+ * into row 0 of `best` as fold_value would fold them one by one after rounding to bf16, but in any
+ * order of calls (a dealt unit may come after a later one): a tie keeps the first column, and the
+ * first NaN is the first by column */
 INLINE void fold_panels(__m512 *v, int np, int cols, int64_t col0, Best best) {
     const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
     __m512 most = minus_inf;
@@ -331,17 +333,18 @@ INLINE void fold_panels(__m512 *v, int np, int cols, int64_t col0, Best best) {
         const __mmask16 live = (__mmask16)(c >= PANEL ? 0xffff : c > 0 ? (1u << c) - 1 : 0);
         v[p] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v[p])), 16));
         const __mmask16 nan = _mm512_mask_cmp_ps_mask(live, v[p], v[p], _CMP_UNORD_Q);
-        if (nan && *best.nan < 0) *best.nan = col0 + p * PANEL + __builtin_ctz(nan);
+        if (nan && (*best.nan < 0 || col0 + p * PANEL + __builtin_ctz(nan) < *best.nan))
+            *best.nan = col0 + p * PANEL + __builtin_ctz(nan);
         v[p] = _mm512_mask_blend_ps(live & (__mmask16)~nan, minus_inf, v[p]);
         most = _mm512_max_ps(most, v[p]);
     }
     const float top = _mm512_reduce_max_ps(most);
-    if (top > *best.value) {
-        *best.value = top;
+    if (top > *best.value || (top == *best.value && top > -INFINITY)) { /* a tie: the first column */
         for (int p = 0; p < np; p++) {
             const __mmask16 at = _mm512_cmp_ps_mask(v[p], _mm512_set1_ps(top), _CMP_EQ_OQ);
             if (at) {
-                *best.column = col0 + p * PANEL + __builtin_ctz(at);
+                const int64_t column = col0 + p * PANEL + __builtin_ctz(at);
+                if (top > *best.value || column < *best.column) *best.value = top, *best.column = column;
                 break;
             }
         }
@@ -1243,55 +1246,72 @@ static int amx_linear(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *
     float *values = NULL;
     int64_t *columns = NULL;
     if (chosen && !best_start(team, m, &values, &columns)) return -1;
+    /* the work in halves of groups (a group's first half of its row tiles, then the rest; whole groups
+     * where there is one row tile), dealt in contiguous shares (common.h's Deal: a thread done with
+     * its own takes the last units of another's): an odd number of groups (SmolLM2's o and down
+     * projections have 9) splits evenly, and a thread that runs slower does fewer */
+    const int64_t tiles = whole / AMX_ROWS + (whole < m), halfway = tiles / 2; /* row tiles; the last maybe short */
+    const int64_t halves = tiles >= 2 ? 2 : 1, units = halves * groups;
+    Deal deal;
+    {
+        int64_t bounds[MAX_TEAM + 1];
+        for (int t = 0; t <= team; t++) bounds[t] = units * t / team;
+        deal_set(&deal, team, bounds);
+    }
 #pragma omp parallel num_threads(team) if (parallel) reduction(| : failed)
     {
-        /* the work in halves of groups (a group's first half of its row tiles, then the rest), dealt
-         * contiguously: an odd number of groups (SmolLM2's o and down projections have 9) splits
-         * evenly, the group in the middle by its rows */
-        const int64_t tiles = whole / AMX_ROWS + (whole < m), halfway = tiles / 2; /* row tiles; the last maybe short */
-        int64_t first, last; /* this thread's halves */
-        thread_share(2 * groups, &first, &last);
-        const Best mine = chosen ? best_of(thread_index(), team, m, values, columns) : (Best){NULL, NULL, NULL};
-        /* the last rows (under 32) in a tile of their own, copied once for all groups */
-        uint16_t *tail = NULL;
-        if (whole < m && first < last) {
-            tail = amx_tail_rows(k);
-            if (tail == NULL) failed = 1;
-            else
-                for (int64_t r = whole; r < m; r++) memcpy(tail + (r - whole) * k, x + r * xs, (size_t)k * 2);
-        }
-        if (!failed && first < last) {
-            amx_configure();
-            for (int64_t g = first / 2; g <= (last - 1) / 2; g++) {
-                const int64_t t0 = first > 2 * g ? halfway : 0, t1 = last < 2 * g + 2 ? halfway : tiles;
-                int64_t p0 = silu ? g : 2 * g, p1 = silu ? g + half : p0 + 1 < panels ? p0 + 1 : p0;
-                int cols = (int)(silu ? PANEL : n - p0 * PANEL < 2 * PANEL ? n - p0 * PANEL : 2 * PANEL);
-                if (p1 == p0 && cols > PANEL) cols = PANEL;
-                const uint32_t *b0 = packed + p0 * pstride, *b1 = packed + p1 * pstride;
-                const float *gb = bias ? bias + p0 * PANEL : NULL;
-                uint16_t *gy = chosen ? NULL : y + (silu ? g : p0) * PANEL; /* the group's first output column */
-                /* the thread's next group of panels, asked for while this one runs (blocks of weights
-                 * lie where the hardware prefetchers do not look past a page), its lines shared out
-                 * over this group's row tiles: one run of 2 panels, or with silu a gate panel and its
-                 * up panel */
-                const int64_t panel_lines = pstride * 4 / 64, next_p0 = silu ? g + 1 : p0 + 2;
-                const int64_t lines = 2 * g + 2 < last ? (silu || next_p0 + 1 < panels ? 2 : 1) * panel_lines : 0;
-                const int64_t share = t1 > t0 ? (lines + t1 - t0 - 1) / (t1 - t0) : 0; /* no rows: no tiles */
-                const char *next = lines ? (const char *)(packed + next_p0 * pstride) : (const char *)b0;
-                const char *next2 = silu && lines ? (const char *)(packed + (next_p0 + half) * pstride) : next;
-                const int64_t split = silu ? panel_lines : lines; /* lines from next, then from next2 */
-                int64_t from = 0;
-                for (int64_t i = t0; i < t1; i++, from += share) {
-                    const int64_t r = i * AMX_ROWS;
-                    const int64_t asks = from < lines ? (lines - from < share ? lines - from : share) : 0;
-                    const int short_tile = r + AMX_ROWS > m; /* the tail's copy */
-                    tile(short_tile ? tail : x + r * xs, short_tile ? k : xs, b0, b1, k, gb, gy ? gy + r * ys : NULL,
-                         ys, (int)(short_tile ? m - r : AMX_ROWS), cols, asks ? next + from * 64 : next, split - from,
-                         next2, asks, best_at(mine, r), p0 * PANEL);
-                }
+        const int me = thread_index();
+        const Best mine = chosen ? best_of(me, team, m, values, columns) : (Best){NULL, NULL, NULL};
+        uint16_t *tail = NULL; /* the last rows (under 32) in a tile of their own, copied once for all groups */
+        int configured = 0;
+        for (int64_t u, prev = -1; !failed; prev = u) {
+            int stolen = 0;
+            if ((u = deal_own(&deal, me)) < 0) {
+                if ((u = deal_steal(&deal, me)) < 0) break;
+                stolen = 1;
             }
-            _tile_release();
+            const int64_t g = u / halves, h = u % halves;
+            const int64_t t0 = h ? halfway : 0, t1 = h || halves == 1 ? tiles : halfway;
+            if (t0 == t1) continue;
+            if (whole < m && t1 * AMX_ROWS > m && tail == NULL) {
+                if ((tail = amx_tail_rows(k)) == NULL) {
+                    failed = 1;
+                    break;
+                }
+                for (int64_t r = whole; r < m; r++) memcpy(tail + (r - whole) * k, x + r * xs, (size_t)k * 2);
+            }
+            if (!configured) amx_configure(), configured = 1;
+            int64_t p0 = silu ? g : 2 * g, p1 = silu ? g + half : p0 + 1 < panels ? p0 + 1 : p0;
+            int cols = (int)(silu ? PANEL : n - p0 * PANEL < 2 * PANEL ? n - p0 * PANEL : 2 * PANEL);
+            if (p1 == p0 && cols > PANEL) cols = PANEL;
+            const uint32_t *b0 = packed + p0 * pstride, *b1 = packed + p1 * pstride;
+            const float *gb = bias ? bias + p0 * PANEL : NULL;
+            uint16_t *gy = chosen ? NULL : y + (silu ? g : p0) * PANEL; /* the group's first output column */
+            /* the thread's next group of panels, asked for while this one runs (blocks of weights lie
+             * where the hardware prefetchers do not look past a page), its lines shared out over the
+             * row tiles this thread runs of this group: one run of 2 panels, or with silu a gate panel
+             * and its up panel. Not from a unit taken from another's share: its next is not this one's */
+            const int64_t own_end = deal_end(&deal, me);
+            const int64_t from_tile = h && prev == u - 1 ? 0 : t0; /* this group's tiles this thread runs */
+            const int64_t to_tile = !h && halves == 2 && u + 1 < own_end ? tiles : t1;
+            const int64_t panel_lines = pstride * 4 / 64, next_p0 = silu ? g + 1 : p0 + 2;
+            const int64_t lines = !stolen && halves * (g + 1) < own_end
+                                      ? (silu || next_p0 + 1 < panels ? 2 : 1) * panel_lines : 0;
+            const int64_t share = (lines + to_tile - from_tile - 1) / (to_tile - from_tile);
+            const char *next = lines ? (const char *)(packed + next_p0 * pstride) : (const char *)b0;
+            const char *next2 = silu && lines ? (const char *)(packed + (next_p0 + half) * pstride) : next;
+            const int64_t split = silu ? panel_lines : lines; /* lines from next, then from next2 */
+            int64_t from = (t0 - from_tile) * share;
+            for (int64_t i = t0; i < t1; i++, from += share) {
+                const int64_t r = i * AMX_ROWS;
+                const int64_t asks = from < lines ? (lines - from < share ? lines - from : share) : 0;
+                const int short_tile = r + AMX_ROWS > m; /* the tail's copy */
+                tile(short_tile ? tail : x + r * xs, short_tile ? k : xs, b0, b1, k, gb, gy ? gy + r * ys : NULL,
+                     ys, (int)(short_tile ? m - r : AMX_ROWS), cols, asks ? next + from * 64 : next, split - from,
+                     next2, asks, best_at(mine, r), p0 * PANEL);
+            }
         }
+        if (configured) _tile_release();
     }
     if (chosen) best_finish(team, m, values, columns, chosen);
     return failed ? -1 : 0;
