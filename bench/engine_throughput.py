@@ -385,7 +385,7 @@ def step_breakdown(engine: LLMEngine, prompts, params, run=None) -> str:
     saved_ops = {op: getattr(ops, op) for ops_ in STEP_PARTS.values() for op in ops_}
     linears = [m for m in runner.model.modules() if isinstance(m, LINEARS) or hasattr(m, "inner")]
     linears = [m for m in linears if not any(m is getattr(o, "inner", None) for o in linears)]  # outermost only
-    saved_forward = {m: m.forward for m in linears}
+    saved_forward = {m: m.__dict__.get("forward") for m in linears}  # None: the class's (most)
     saved_sampler = runner.sampler
     in_c, runner.model.layers_in_c = runner.model.layers_in_c, False
     try:
@@ -393,7 +393,7 @@ def step_breakdown(engine: LLMEngine, prompts, params, run=None) -> str:
             for op in names:
                 object.__setattr__(ops, op, timed(part, saved_ops[op]))
         for m in linears:
-            m.forward = timed("linear layers", saved_forward[m])
+            m.forward = timed("linear layers", m.forward)
             if hasattr(m, "argmax"):  # a greedy step's lm_head (CausalLM.greedy)
                 m.argmax = timed("linear layers", m.argmax)
         sampler = type("TimedSampler", (), {})()
@@ -405,8 +405,11 @@ def step_breakdown(engine: LLMEngine, prompts, params, run=None) -> str:
     finally:
         for op, fn in saved_ops.items():
             object.__setattr__(ops, op, fn)
-        for m, fn in saved_forward.items():
-            m.forward = fn
+        for m, fn in saved_forward.items():  # as it was: a `forward` left on the instance, even the class's
+            if fn is None:  # own, would keep every later step's layers out of the one C call
+                m.__dict__.pop("forward", None)
+            else:
+                m.forward = fn
             if "argmax" in m.__dict__:
                 del m.argmax
         runner.sampler = saved_sampler

@@ -255,7 +255,7 @@ def bench_native_from_memory(a, dtype):
     random order, as a decode step calls it: each call's keys and values come from memory, not from the
     cache the call before left them in (the single-layer timing above reads them from L2 or L3). Best
     and median ms a call, and the KV bytes a call reads per second."""
-    layers = [make_inputs(a.batch, a.ctx, a.hq, a.hkv, a.dim, 16, dtype, seed=i, spread=a.spread)
+    layers = [make_inputs(a.batch, a.ctx, a.hq, a.hkv, a.dim, a.block_size, dtype, seed=i, spread=a.spread)
               for i in range(a.layers)]
     scale = a.dim**-0.5
 
@@ -266,7 +266,7 @@ def bench_native_from_memory(a, dtype):
     best, median = (ms / a.layers for ms in bench_interleaved([step], (), a.reps)[step])
     kv = sum(int(lens.sum()) for *_, lens in layers) / a.layers * a.hkv * a.dim * 2 * (2 if a.dtype == "bf16" else 4)
     print(f"decode B={a.batch} ctx {a.ctx}+-{a.spread} Hq={a.hq} Hkv={a.hkv} D={a.dim} {a.dtype} "
-          f"threads={torch.get_num_threads()}, {a.layers} layers' caches in turn")
+          f"block size {a.block_size}, threads={torch.get_num_threads()}, {a.layers} layers' caches in turn")
     print(f"v_native from memory: best {best:.3f} ms  median {median:.3f} ms a call, "
           f"{kv / 1e6:.1f} MB of keys and values a call, {kv / best / 1e6:.1f} GB/s")
 
@@ -492,6 +492,7 @@ def main():
     ap.add_argument("--hq", type=int, default=9)
     ap.add_argument("--hkv", type=int, default=3)
     ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=16, help="paged_attention with --layers: tokens a KV block")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--only", default="")
