@@ -1264,9 +1264,12 @@ static int amx_linear(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *
         const Best mine = chosen ? best_of(me, team, m, values, columns) : (Best){NULL, NULL, NULL};
         uint16_t *tail = NULL; /* the last rows (under 32) in a tile of their own, copied once for all groups */
         int configured = 0;
+        int64_t claimed = 0, claim_end = 0; /* units taken from this thread's share, not yet run */
         for (int64_t u, prev = -1; !failed; prev = u) {
             int stolen = 0;
-            if ((u = deal_own(&deal, me)) < 0) {
+            if (claimed < claim_end || deal_own(&deal, me, &claimed, &claim_end)) {
+                u = claimed++;
+            } else {
                 if ((u = deal_steal(&deal, me)) < 0) break;
                 stolen = 1;
             }
