@@ -1233,12 +1233,17 @@ static int amx_linear(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *
     int64_t groups = silu ? half : (panels + 1) / 2;
     int64_t whole = m / AMX_ROWS * AMX_ROWS;
     int parallel = threads > 1 && m * n * k >= (1 << 19) && groups > 1;
-    /* x streamed past L1 where a group's weights fit there and more than one row tile loads them:
-     * SmolLM2's K-576 projections 1.2-1.5x at 256 rows with the weights in cache, 1.2-1.3x at 1,024
-     * rows with them in memory (a decode step's 256 rows, the weights from memory: no change). A
-     * single row tile keeps x in L1 instead (every group reads it), and weights of a larger K (its
-     * down projection) do not fit: there, as loaded */
-    const int streamed = (m + AMX_ROWS - 1) / AMX_ROWS >= 2 && k * 2 * PANEL * 2 <= AMX_L1_WEIGHTS;
+    /* x streamed past L1 where a group's weights fit there and more than two row tiles load them,
+     * or two whole ones: SmolLM2's K-576 projections 1.2-1.5x at 256 rows with the weights in cache,
+     * 1.2-1.3x at 1,024 rows with them in memory (a decode step's 256 rows, the weights from memory:
+     * no change). A single row tile keeps x in L1 instead (every group reads it), and so do a row
+     * tile and a short one: at 40-60 rows, the weights from memory, SmolLM2's gate_up, qkv and greedy
+     * lm_head took 1.13-1.25x as long streamed, and a decode step of 40 or 48 sequences 1.05-1.07x;
+     * at 64 rows streaming won (a step 0.96x). Weights of a larger K (its down projection) do not
+     * fit: there, as loaded */
+    const int64_t row_tiles = (m + AMX_ROWS - 1) / AMX_ROWS;
+    const int streamed = (row_tiles >= 3 || (row_tiles == 2 && m % AMX_ROWS == 0)) &&
+                         k * 2 * PANEL * 2 <= AMX_L1_WEIGHTS;
     const amx_tile_fn tile = silu ? (streamed ? amx_tile_streamed_silu : amx_tile_kept_silu)
                                   : (streamed ? amx_tile_streamed : amx_tile_kept);
     int failed = 0, team = parallel ? threads : 1;
