@@ -1141,32 +1141,39 @@ static inline __attribute__((always_inline)) void amx_tile(const uint16_t *x, in
                                                              const int stream, const int silu) {
     float acc[AMX_ROWS][2 * PANEL] __attribute__((aligned(64)));
     const int64_t steps = k / 32, per_step = steps ? (ahead + steps - 1) / steps : 0;
+    const int upper = rows > 16; /* rows 16-31 have a row to store: their tiles run (a row's sums are its own) */
     int64_t asked = 0;
     _tile_zero(0);
     _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    if (upper) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
     for (int64_t kc = 0; kc < k; kc += 32) {
         for (int64_t i = 0; i < per_step && asked < ahead; i++, asked++) /* split lines from next, then next2 */
             _mm_prefetch(asked < split ? next + asked * 64 : next2 + (asked - split) * 64, _MM_HINT_T1);
         if (stream) {
             _tile_stream_loadd(4, x + kc, xs * 2);
-            _tile_stream_loadd(5, x + 16 * xs + kc, xs * 2);
+            if (upper) _tile_stream_loadd(5, x + 16 * xs + kc, xs * 2);
         } else {
             _tile_loadd(4, x + kc, xs * 2);
-            _tile_loadd(5, x + 16 * xs + kc, xs * 2);
+            if (upper) _tile_loadd(5, x + 16 * xs + kc, xs * 2);
         }
         _tile_loadd(6, b0 + kc / 2 * PANEL, 64);
         _tile_loadd(7, b1 + kc / 2 * PANEL, 64);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
+        if (upper) {
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
     }
     _tile_stored(0, &acc[0][0], sizeof acc[0]);
     _tile_stored(1, &acc[0][PANEL], sizeof acc[0]);
-    _tile_stored(2, &acc[16][0], sizeof acc[0]);
-    _tile_stored(3, &acc[16][PANEL], sizeof acc[0]);
+    if (upper) {
+        _tile_stored(2, &acc[16][0], sizeof acc[0]);
+        _tile_stored(3, &acc[16][PANEL], sizeof acc[0]);
+    }
     if (best.value) {
         fold_best(acc, bias, rows, cols, col0, best);
         return;
