@@ -24,7 +24,7 @@ def test_the_step_breakdown_leaves_the_engine_running_as_before(tiny_llama_dir):
         projections = [m for m in model.modules() if isinstance(m, engine_throughput.LINEARS)]
         assert projections
         parts = engine_throughput.step_breakdown(
-            engine, None, None, run=lambda: engine_throughput.step_times(engine, (2,), steps=3))
+            engine, None, None, run=lambda e=engine: engine_throughput.step_times(e, (2,), steps=3))
         assert "linear layers" in parts and parts.endswith(" s")
         assert not [m for m in projections if "forward" in m.__dict__ or "argmax" in m.__dict__], dtype
         assert (model._decoder_layers() is not None) == in_c, dtype  # the one C call where it ran before
