@@ -1253,7 +1253,7 @@ static int amx_linear(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *
                          k * 2 * PANEL * 2 <= AMX_L1_WEIGHTS;
     const amx_tile_fn tile = silu ? (streamed ? amx_tile_streamed_silu : amx_tile_kept_silu)
                                   : (streamed ? amx_tile_streamed : amx_tile_kept);
-    int failed = 0, team = parallel ? threads : 1;
+    int failed = 0, team = parallel ? (threads < MAX_TEAM ? threads : MAX_TEAM) : 1; /* Deal's most */
     /* the choice: each thread's best of its groups for every row, merged in the threads' order after */
     float *values = NULL;
     int64_t *columns = NULL;
