@@ -701,9 +701,9 @@ def compare_end_to_end(engine: LLMEngine, config: EngineConfig, args, count: int
 
     The bare engine and the child process take turns; the thread's front lives only in a phase of
     its own after them. While a second thread of this process that has run OpenMP work is alive,
-    OpenMP's team waits turn from spinning to sleeping almost at once (more OpenMP threads than
-    CPUs: libgomp throttles the spin), and every parallel region of this thread's steps pays a
-    wake-up: the bare engine ran 15-25% slower beside an idle thread front (docs/BENCHMARKS.md)."""
+    libgomp has more threads than CPUs and its waiting threads sleep almost at once instead of
+    spinning, so every parallel region of this thread's steps pays a wake-up: the bare engine ran
+    15-25% slower beside an idle thread front (docs/BENCHMARKS.md)."""
     from batchapi.engine.core import start_engine
     from batchapi.workers.run_batch import run_batch
 

@@ -40,10 +40,10 @@ typedef struct {
 
 INLINE uint64_t deal_word(int64_t front, int64_t end) { return (uint64_t)(uint32_t)front | (uint64_t)end << 32; }
 
-/* thread t's share [bounds[t], bounds[t + 1]); units under 2^31; team at most MAX_TEAM */
-INLINE void deal_set(Deal *deal, int team, const int64_t *bounds) {
+/* `units` (under 2^31) in `team` (at most MAX_TEAM) even shares: thread t's from units * t / team */
+INLINE void deal_even(Deal *deal, int team, int64_t units) {
     deal->team = team;
-    for (int t = 0; t < team; t++) deal->share[t].word = deal_word(bounds[t], bounds[t + 1]);
+    for (int t = 0; t < team; t++) deal->share[t].word = deal_word(units * t / team, units * (t + 1) / team);
 }
 
 /* units of thread t's share from its front, [*first, *last): a quarter of what is left (at least
@@ -69,17 +69,17 @@ INLINE int64_t deal_steal(Deal *deal, int t) {
     for (;;) {
         int victim = -1;
         int64_t most = 0;
+        uint64_t seen = 0; /* the victim's word as read */
         for (int v = 0; v < deal->team; v++) {
             const uint64_t w = __atomic_load_n(&deal->share[v].word, __ATOMIC_ACQUIRE);
             const int64_t left = (int64_t)(w >> 32) - (int64_t)(uint32_t)w;
-            if (v != t && left > most) most = left, victim = v;
+            if (v != t && left > most) most = left, victim = v, seen = w;
         }
         if (victim < 0) return -1;
-        uint64_t w = __atomic_load_n(&deal->share[victim].word, __ATOMIC_ACQUIRE);
-        const int64_t front = (uint32_t)w, end = (int64_t)(w >> 32);
-        if (front < end && __atomic_compare_exchange_n(&deal->share[victim].word, &w, deal_word(front, end - 1), 0,
-                                                       __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
-            return end - 1;
+        const int64_t front = (uint32_t)seen, end = (int64_t)(seen >> 32);
+        if (__atomic_compare_exchange_n(&deal->share[victim].word, &seen, deal_word(front, end - 1), 0,
+                                        __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            return end - 1; /* else the share moved since: look again */
     }
 }
 

@@ -1248,9 +1248,8 @@ static int amx_linear(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *
      * lm_head took 1.13-1.25x as long streamed, and a decode step of 40 or 48 sequences 1.05-1.07x;
      * at 64 rows streaming won (a step 0.96x). Weights of a larger K (its down projection) do not
      * fit: there, as loaded */
-    const int64_t row_tiles = (m + AMX_ROWS - 1) / AMX_ROWS;
-    const int streamed = (row_tiles >= 3 || (row_tiles == 2 && m % AMX_ROWS == 0)) &&
-                         k * 2 * PANEL * 2 <= AMX_L1_WEIGHTS;
+    const int64_t tiles = whole / AMX_ROWS + (whole < m), halfway = tiles / 2; /* row tiles; the last maybe short */
+    const int streamed = (tiles >= 3 || (tiles == 2 && whole == m)) && k * 2 * PANEL * 2 <= AMX_L1_WEIGHTS;
     const amx_tile_fn tile = silu ? (streamed ? amx_tile_streamed_silu : amx_tile_kept_silu)
                                   : (streamed ? amx_tile_streamed : amx_tile_kept);
     int failed = 0, team = parallel ? (threads < MAX_TEAM ? threads : MAX_TEAM) : 1; /* Deal's most */
@@ -1262,14 +1261,9 @@ static int amx_linear(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *
      * where there is one row tile), dealt in contiguous shares (common.h's Deal: a thread done with
      * its own takes the last units of another's): an odd number of groups (SmolLM2's o and down
      * projections have 9) splits evenly, and a thread that runs slower does fewer */
-    const int64_t tiles = whole / AMX_ROWS + (whole < m), halfway = tiles / 2; /* row tiles; the last maybe short */
-    const int64_t halves = tiles >= 2 ? 2 : 1, units = halves * groups;
+    const int64_t halves = tiles >= 2 ? 2 : 1;
     Deal deal;
-    {
-        int64_t bounds[MAX_TEAM + 1];
-        for (int t = 0; t <= team; t++) bounds[t] = units * t / team;
-        deal_set(&deal, team, bounds);
-    }
+    deal_even(&deal, team, halves * groups);
 #pragma omp parallel num_threads(team) if (parallel) reduction(| : failed)
     {
         const int me = thread_index();
