@@ -25,8 +25,8 @@ INLINE uint16_t f32_to_bf16(float f) {
 /* Work dealt to a team of threads in contiguous shares, each thread's taken from its front by
  * itself and, once a thread has done its own, from the back by the others: a thread that runs
  * slower (a vCPU the host runs less, a share whose memory comes slower) no longer keeps the team
- * waiting at the region's end, and a share still runs in order, so that what a unit asks the
- * memory for ahead of time is mostly its own thread's next unit. A unit's result never depends on
+ * waiting at the region's end, and a share still runs in order, so that a thread reads its part of
+ * the memory as one stream, which the hardware's prefetchers follow. A unit's result never depends on
  * the thread that computes it. A share is one 64-bit word: its next unit (low half) and its end. */
 #define MAX_TEAM 256
 typedef struct {
@@ -82,8 +82,5 @@ INLINE int64_t deal_steal(Deal *deal, int t) {
             return end - 1; /* else the share moved since: look again */
     }
 }
-
-/* the end of thread t's share as it stands (the units others have not taken from it) */
-INLINE int64_t deal_end(Deal *deal, int t) { return (int64_t)(__atomic_load_n(&deal->share[t].word, __ATOMIC_ACQUIRE) >> 32); }
 
 #endif

@@ -1127,22 +1127,21 @@ INLINE void fold_best(float (*acc)[2 * PANEL], const float *bias, int rows, int 
 }
 
 /* rows [0, 32) of x (stride xs) against panels p0 and p1 (p1 == p0: one panel), rows < `rows` stored
- * in y, or with best.value set folded into it instead (col0: the group's first column); meanwhile the
- * `ahead` lines (of 64 bytes) from `next` (the first `split` of them, the rest from `next2`) are asked
- * for into L2, spread over the K steps. `stream`: x's tiles loaded as data not to be kept in L1
+ * in y, or with best.value set folded into it instead (col0: the group's first column). The weights
+ * come from memory by the hardware's prefetchers, which follow each thread's groups in order (one run
+ * of memory): a software prefetch of the next group (into L2, spread over this one's K steps) held a
+ * fill buffer of the 16 a core has until its line came, the same buffers x's tile loads from L2 need,
+ * and a decode step at 96-160 sequences ran 1.05-1.10x longer with it. `stream`: x's tiles loaded as
+ * data not to be kept in L1
  * (TILELOADDT1), so that the group's weights, which the next row tiles load again, stay there.
  * `silu`: p0 a gate panel and p1 its up panel; what goes to y is silu(gate) * up, as silu_and_mul
  * (elementwise.c) computes it on the outputs rounded to bf16: `cols` (<= 16) columns a row */
 static inline __attribute__((always_inline)) void amx_tile(const uint16_t *x, int64_t xs, const uint32_t *b0,
                                                              const uint32_t *b1, int64_t k, const float *bias,
-                                                             uint16_t *y, int64_t ys, int rows, int cols,
-                                                             const char *next, int64_t split, const char *next2,
-                                                             int64_t ahead, Best best, int64_t col0,
-                                                             const int stream, const int silu) {
+                                                             uint16_t *y, int64_t ys, int rows, int cols, Best best,
+                                                             int64_t col0, const int stream, const int silu) {
     float acc[AMX_ROWS][2 * PANEL] __attribute__((aligned(64)));
-    const int64_t steps = k / 32, per_step = steps ? (ahead + steps - 1) / steps : 0;
     const int upper = rows > 16; /* rows 16-31 have a row to store: their tiles run (a row's sums are its own) */
-    int64_t asked = 0;
     _tile_zero(0);
     _tile_zero(1);
     if (upper) {
@@ -1150,8 +1149,6 @@ static inline __attribute__((always_inline)) void amx_tile(const uint16_t *x, in
         _tile_zero(3);
     }
     for (int64_t kc = 0; kc < k; kc += 32) {
-        for (int64_t i = 0; i < per_step && asked < ahead; i++, asked++) /* split lines from next, then next2 */
-            _mm_prefetch(asked < split ? next + asked * 64 : next2 + (asked - split) * 64, _MM_HINT_T1);
         if (stream) {
             _tile_stream_loadd(4, x + kc, xs * 2);
             if (upper) _tile_stream_loadd(5, x + 16 * xs + kc, xs * 2);
@@ -1204,13 +1201,11 @@ static inline __attribute__((always_inline)) void amx_tile(const uint16_t *x, in
 /* amx_tile with x kept in L1 and with x streamed past it, each with and without SiLU, compiled for
  * its case */
 typedef void (*amx_tile_fn)(const uint16_t *, int64_t, const uint32_t *, const uint32_t *, int64_t, const float *,
-                            uint16_t *, int64_t, int, int, const char *, int64_t, const char *, int64_t, Best,
-                            int64_t);
+                            uint16_t *, int64_t, int, int, Best, int64_t);
 #define AMX_TILE_AS(NAME, STREAM, SILU)                                                                       \
     static void NAME(const uint16_t *x, int64_t xs, const uint32_t *b0, const uint32_t *b1, int64_t k,        \
-                     const float *bias, uint16_t *y, int64_t ys, int rows, int cols, const char *next,        \
-                     int64_t split, const char *next2, int64_t ahead, Best best, int64_t col0) {              \
-        amx_tile(x, xs, b0, b1, k, bias, y, ys, rows, cols, next, split, next2, ahead, best, col0, STREAM, SILU); \
+                     const float *bias, uint16_t *y, int64_t ys, int rows, int cols, Best best, int64_t col0) { \
+        amx_tile(x, xs, b0, b1, k, bias, y, ys, rows, cols, best, col0, STREAM, SILU);                        \
     }
 AMX_TILE_AS(amx_tile_kept, 0, 0)
 AMX_TILE_AS(amx_tile_streamed, 1, 0)
@@ -1271,14 +1266,10 @@ static int amx_linear(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *
         uint16_t *tail = NULL; /* the last rows (under 32) in a tile of their own, copied once for all groups */
         int configured = 0;
         int64_t claimed = 0, claim_end = 0; /* units taken from this thread's share, not yet run */
-        for (int64_t u, prev = -1; !failed; prev = u) {
-            int stolen = 0;
-            if (claimed < claim_end || deal_own(&deal, me, &claimed, &claim_end)) {
-                u = claimed++;
-            } else {
-                if ((u = deal_steal(&deal, me)) < 0) break;
-                stolen = 1;
-            }
+        while (!failed) {
+            int64_t u;
+            if (claimed < claim_end || deal_own(&deal, me, &claimed, &claim_end)) u = claimed++;
+            else if ((u = deal_steal(&deal, me)) < 0) break;
             const int64_t g = u / halves, h = u % halves;
             const int64_t t0 = h ? halfway : 0, t1 = h || halves == 1 ? tiles : halfway;
             if (t0 == t1) continue;
@@ -1296,28 +1287,11 @@ static int amx_linear(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *
             const uint32_t *b0 = packed + p0 * pstride, *b1 = packed + p1 * pstride;
             const float *gb = bias ? bias + p0 * PANEL : NULL;
             uint16_t *gy = chosen ? NULL : y + (silu ? g : p0) * PANEL; /* the group's first output column */
-            /* the thread's next group of panels, asked for while this one runs (blocks of weights lie
-             * where the hardware prefetchers do not look past a page), its lines shared out over the
-             * row tiles this thread runs of this group: one run of 2 panels, or with silu a gate panel
-             * and its up panel. Not from a unit taken from another's share: its next is not this one's */
-            const int64_t own_end = deal_end(&deal, me);
-            const int64_t from_tile = h && prev == u - 1 ? 0 : t0; /* this group's tiles this thread runs */
-            const int64_t to_tile = !h && halves == 2 && u + 1 < own_end ? tiles : t1;
-            const int64_t panel_lines = pstride * 4 / 64, next_p0 = silu ? g + 1 : p0 + 2;
-            const int64_t lines = !stolen && halves * (g + 1) < own_end
-                                      ? (silu || next_p0 + 1 < panels ? 2 : 1) * panel_lines : 0;
-            const int64_t share = (lines + to_tile - from_tile - 1) / (to_tile - from_tile);
-            const char *next = lines ? (const char *)(packed + next_p0 * pstride) : (const char *)b0;
-            const char *next2 = silu && lines ? (const char *)(packed + (next_p0 + half) * pstride) : next;
-            const int64_t split = silu ? panel_lines : lines; /* lines from next, then from next2 */
-            int64_t from = (t0 - from_tile) * share;
-            for (int64_t i = t0; i < t1; i++, from += share) {
+            for (int64_t i = t0; i < t1; i++) {
                 const int64_t r = i * AMX_ROWS;
-                const int64_t asks = from < lines ? (lines - from < share ? lines - from : share) : 0;
                 const int short_tile = r + AMX_ROWS > m; /* the tail's copy */
                 tile(short_tile ? tail : x + r * xs, short_tile ? k : xs, b0, b1, k, gb, gy ? gy + r * ys : NULL,
-                     ys, (int)(short_tile ? m - r : AMX_ROWS), cols, asks ? next + from * 64 : next, split - from,
-                     next2, asks, best_at(mine, r), p0 * PANEL);
+                     ys, (int)(short_tile ? m - r : AMX_ROWS), cols, best_at(mine, r), p0 * PANEL);
             }
         }
         if (configured) _tile_release();
