@@ -1129,11 +1129,12 @@ INLINE void fold_best(float (*acc)[2 * PANEL], const float *bias, int rows, int 
 /* rows [0, 32) of x (stride xs) against panels p0 and p1 (p1 == p0: one panel), rows < `rows` stored
  * in y, or with best.value set folded into it instead (col0: the group's first column). The weights
  * come from memory by the hardware's prefetchers, which follow each thread's groups in order (one run
- * of memory): a software prefetch of the next group (into L2, spread over this one's K steps) held a
- * fill buffer of the 16 a core has until its line came, the same buffers x's tile loads from L2 need,
- * and a decode step at 96-160 sequences ran 1.05-1.10x longer with it. `stream`: x's tiles loaded as
- * data not to be kept in L1
- * (TILELOADDT1), so that the group's weights, which the next row tiles load again, stay there.
+ * of memory). A software prefetch of the next group (into L2, spread over this one's K steps) held a
+ * fill buffer of the 16 a core has until its line came, the same buffers x's tile loads from L2 need:
+ * a decode step at 96-160 sequences ran 1.05-1.10x longer with it. (On the Xeon measured, a core's
+ * stream from memory does not run under its tiles at all: the two times add up; docs/BENCHMARKS.md.)
+ * `stream`: x's tiles loaded as data not to be kept in L1 (TILELOADDT1), so that the group's weights,
+ * which the next row tiles load again, stay there.
  * `silu`: p0 a gate panel and p1 its up panel; what goes to y is silu(gate) * up, as silu_and_mul
  * (elementwise.c) computes it on the outputs rounded to bf16: `cols` (<= 16) columns a row */
 static inline __attribute__((always_inline)) void amx_tile(const uint16_t *x, int64_t xs, const uint32_t *b0,

@@ -400,8 +400,7 @@ INLINE const char *rows_ahead(const Task *tk, Chunk c, const void *cache) {
 /* chunk c's rows of `cache` asked for into L1 (nothing where c is past the context): the next chunk's
  * keys while this one's softmax runs, its values while this one's are summed. AHEAD brought them to
  * L2; their loads from there still stalled the sums (a sixth of attention's samples sat on the value
- * rows' loads): with this, a step's attention from memory 1.08-1.10x faster (bench/kernels_cpu.py's
- * harness, 96-256 sequences) */
+ * rows' loads) */
 INLINE void ask_l1(const Task *tk, Chunk c, const void *cache) {
     const int esize = tk->bf16 ? 2 : 4;
     if (!c.n) return;
@@ -411,7 +410,8 @@ INLINE void ask_l1(const Task *tk, Chunk c, const void *cache) {
 }
 
 /* the rows of the chunk after this one into L1: `next` of this task, or past its end the next task's
- * first (short contexts: a step's attention 1.11x faster at 40 keys a sequence on average) */
+ * first. bench/kernels_cpu.py --layers 30 (keys and values from memory), 256 sequences: 1.15x faster
+ * at 40+-30 keys, 1.00-1.02x at 90+-50 (a C program calling the kernel: 1.07-1.10x there) */
 INLINE void ask_l1_after(const Task *tk, Chunk next, const void *cache) {
     if (next.n) {
         ask_l1(tk, next, cache);
