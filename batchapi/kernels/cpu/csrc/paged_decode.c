@@ -95,7 +95,7 @@ INLINE int window_start(int context_len, int window) {
 /* the task after this one, whose first blocks a task asks the memory for ahead of time */
 typedef struct {
     const int32_t *table; /* NULL: none */
-    int context_len, start, first_block; /* start: its window's first key; first_block: that key's block */
+    int context_len, start; /* start: its window's first key */
     int64_t head_at; /* its kv head's element offset in a token's row */
 } Upcoming;
 
@@ -391,7 +391,7 @@ INLINE void score_chunk(const Task *tk, Chunk c, __m512 (*qv)[VECS], __m512 *s) 
 INLINE const char *rows_ahead(const Task *tk, Chunk c, const void *cache) {
     const int esize = tk->bf16 ? 2 : 4, block = c.block + AHEAD, past = block - (tk->context_len + tk->bs - 1) / tk->bs;
     if (past < 0) return (const char *)cache + (block_at(tk, block) + c.offset * tk->token_stride) * esize;
-    const int next_block = tk->next.first_block + past;
+    const int next_block = tk->next.start / tk->bs + past;
     if (!tk->next.table || next_block * tk->bs + c.offset >= tk->next.context_len) return NULL;
     return (const char *)cache + ((int64_t)tk->next.table[next_block] * tk->block_stride + tk->next.head_at +
                                   c.offset * tk->token_stride) * esize;
@@ -680,12 +680,11 @@ INLINE int run(const void *q, const void *k_cache, const void *v_cache, const in
             const int seq = seq_ids[t / hkv], kvh = (int)(t % hkv);
             const int32_t *table = block_tables + (int64_t)seq * table_stride;
             const int len = context_lens[seq], start = window_start(len, window);
-            Upcoming next = {NULL, 0, 0, 0, 0};
+            Upcoming next = {NULL, 0, 0, 0};
             if (t + 1 < last) { /* the next task is this thread's too: its first blocks go to this cache */
                 const int s = seq_ids[(t + 1) / hkv];
-                const int next_start = window_start(context_lens[s], window);
-                next = (Upcoming){block_tables + (int64_t)s * table_stride, context_lens[s], next_start, next_start / bs,
-                                  (int64_t)((t + 1) % hkv) * d};
+                next = (Upcoming){block_tables + (int64_t)s * table_stride, context_lens[s],
+                                  window_start(context_lens[s], window), (int64_t)((t + 1) % hkv) * d};
             }
             /* the common head sizes as constants, so that their loops unroll */
             if (d == 64)
