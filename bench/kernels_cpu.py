@@ -342,39 +342,45 @@ def bench_linear_bf16(a):
     weight read from memory, as in a step, not from cache), bf16: the C kernel for AVX512-BF16 on each
     of its instructions (VDPBF16PS, "C dpbf16"; FMAs in its order, "C fma": the same bits) and, where
     the CPU has AMX, the C kernel on AMX tiles, against oneDNN's packed bf16 layers, at each row count,
-    taking turns."""
+    taking turns. The C kernels' weights lie in huge pages, as the engine's (kernels/cpu/memory.py); the
+    fastest kernel runs once more on the same weights on the small pages torch gives ("4K pages")."""
     from batchapi.engine.model import onednn
-    from batchapi.kernels.cpu import matmul
+    from batchapi.kernels.cpu import matmul, memory
 
     if not matmul.native_bf16():
         raise SystemExit("linear_bf16: this CPU (or this build) has no AVX512-BF16")
     g = torch.Generator().manual_seed(0)
     shapes = [*SMOLLM2_LAYER.values()] * 30 + [(49152, 576)]
     weights = [torch.randn(shape, generator=g).bfloat16() for shape in shapes]
-    c_layers = [(matmul.pack_pairs(w), *w.shape) for w in weights]
+    arena = memory.Arena()  # the weights in huge pages, as the engine packs them (engine/model/linears.py)
+    small_pages = [(matmul.pack_pairs(w), *w.shape) for w in weights]
+    c_layers = [(arena.copy(packed), n, k) for packed, n, k in small_pages]
     onednn_layers = [onednn.pack(w, 256) for w in weights]
     params = sum(w.numel() for w in weights)
     chosen = matmul.bf16_instructions()
-    kernels = {f"C {name}": (matmul.linear_bf16, name) for name in matmul.INSTRUCTIONS}
+    kernels = {f"C {name}": (matmul.linear_bf16, name, c_layers) for name in matmul.INSTRUCTIONS}
     if matmul.native_amx():
-        kernels["AMX"] = (matmul.linear_amx, None)
+        kernels["AMX"] = (matmul.linear_amx, None, c_layers)
+    fastest = "AMX" if matmul.native_amx() else f"C {chosen}"
+    kernels[f"{fastest} 4K pages"] = (kernels[fastest][0], kernels[fastest][1], small_pages)
     print(f"the process's choice at load: {chosen}")
     print(f"bf16 linear layers of a SmolLM2-135M decode step ({params / 1e6:.1f}M weights, {len(shapes)} calls), "
           f"threads={torch.get_num_threads()}; GFLOP/s and each C kernel's speed-up over oneDNN")
     for rows in map(int, a.row_counts.split(",")):
         xs = {k: torch.randn(rows, k, generator=g).bfloat16() for _, k in shapes}
 
-        def c_step(xs, kernel, instructions):
+        def c_step(xs, kernel, instructions, layers):
             if instructions:
                 matmul.bf16_instructions(instructions)
-            for packed, n, k in c_layers:
+            for packed, n, k in layers:
                 kernel(xs[k], packed, n, k, None)
 
         def onednn_step(xs):
             for (_, k), packed in zip(shapes, onednn_layers, strict=True):
                 onednn.linear(xs[k], packed, None)
 
-        steps = [lambda xs, kernel=kernel, on=on: c_step(xs, kernel, on) for kernel, on in kernels.values()]
+        steps = [lambda xs, kernel=kernel, on=on, layers=layers: c_step(xs, kernel, on, layers)
+                 for kernel, on, layers in kernels.values()]
         reps = max(3, min(a.reps, int(2e10 / (rows * params))))
         *mine, (o, _) = bench_interleaved([*steps, onednn_step], (xs,), reps).values()
         flops = 2 * rows * params / 1e6  # per ms: GFLOP/s

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 from itertools import chain
 
 import numpy as np
@@ -22,6 +21,7 @@ from batchapi.engine.sampler import OutputTokens, Sampler, SampleRow
 from batchapi.engine.scheduler import ScheduledBatch
 from batchapi.engine.sequence import Sequence
 from batchapi.kernels import get_ops
+from batchapi.kernels.cpu import memory
 from batchapi.kernels.torch.rope import rope_type
 
 log = logging.getLogger(__name__)
@@ -253,22 +253,18 @@ def materialize(model: nn.Module, device: torch.device) -> nn.Module:
     return model
 
 
-PAGE = 4096
-
-
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed tensor. On the CPU its memory comes from calloc (through numpy), whose large
-    blocks are fresh pages of the OS, zero until first written: a pool of gigabytes costs nothing
-    at start, and only the blocks a run touches are ever faulted in (``torch.zeros`` writes every
-    byte first: half a second a 2 GiB pool). It starts on a page: calloc's pointer lies 16 bytes
-    past one, which put every KV row across one more cache line than it fills, and every 64-byte
-    load of the attention kernel across two (7-9% of its time, bench/kernels_cpu.py's shapes)."""
+    """A zeroed tensor. On the CPU its memory is fresh pages of the OS (kernels/cpu/memory.py), zero
+    until first written: a pool of gigabytes costs nothing at start, and only the blocks a run touches
+    are ever faulted in (``torch.zeros`` writes every byte first: half a second a 2 GiB pool). The
+    pages are huge ones where the OS gives them, so that a step's walk over blocks anywhere in the
+    pool does not miss the TLB at nearly every block; and it starts on a page (calloc's pointer, used
+    before, lay 16 bytes past one, which put every KV row across one more cache line than it fills,
+    and every 64-byte load of the attention kernel across two: 7-9% of its time,
+    bench/kernels_cpu.py's shapes)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    count = math.prod(shape) * dtype.itemsize
-    raw = np.zeros(count + PAGE, dtype=np.uint8)
-    start = -raw.ctypes.data % PAGE
-    return torch.from_numpy(raw[start:start + count]).view(dtype).view(shape)
+    return memory.zeroed(shape, dtype)
 
 
 class StepInputs:

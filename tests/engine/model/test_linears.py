@@ -18,7 +18,7 @@ from batchapi.engine.model.linears import (
     probe_input,
     probe_row_counts,
 )
-from batchapi.kernels.cpu import matmul
+from batchapi.kernels.cpu import matmul, memory
 
 
 def _linear(bias: bool, dtype=torch.bfloat16, in_features: int = 96) -> nn.Linear:
@@ -95,6 +95,7 @@ def test_a_bf16_layer_runs_the_avx512_bf16_kernel_where_the_cpu_has_it_and_no_am
     assert counts == {"bf16-stored": 0, "amx-bf16": 0, "avx512-bf16": 1, "onednn": 0}
     layer = model["head"]
     assert isinstance(layer, Avx512Bf16Linear) and torch.equal(layer.weight, model["emb"].weight)
+    assert layer.packed_weight.data_ptr() % memory.HUGE_PAGE == 0  # the arena's first tensor: in huge pages
     assert "weight" not in dict(layer.named_parameters())  # the packed copy is the layer's only one
     torch.testing.assert_close(layer(x).float(), expected.float(), rtol=1e-2, atol=0.05)
     assert torch.equal(layer(x[2:5]), layer(x)[2:5])
@@ -122,6 +123,7 @@ def test_a_bf16_layer_runs_on_amx_tiles_where_the_kernel_has_them():
     assert counts["amx-bf16"] == 1 and isinstance(model["head"], AmxBf16Linear)
     assert not isinstance(model["odd"], AmxBf16Linear)  # K = 80 is not whole 32-element chunks
     layer = model["head"]
+    assert layer.packed_weight.data_ptr() % memory.HUGE_PAGE == 0  # the arena's first tensor: in huge pages
     assert "weight" not in dict(layer.named_parameters())
     torch.testing.assert_close(layer(x).float(), expected.float(), rtol=1e-2, atol=0.05)
     full = layer(x)
