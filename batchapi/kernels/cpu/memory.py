@@ -5,8 +5,10 @@ on 4 KiB pages that is a TLB miss every 4 KiB of weights and nearly every KV blo
 the page tables. Linux backs anonymous memory with transparent huge pages where a region asks for
 them (``madvise(MADV_HUGEPAGE)``; the common ``enabled`` setting is ``madvise``), and a 2 MiB page
 covers 512 of the small ones. Measured on a 2-core Xeon with AMX (family 6 model 207): SmolLM2-135M's
-decode-step linear layers 1.02-1.04x as fast at 1-256 rows with their weights so, its paged attention
-1.04x (docs/BENCHMARKS.md).
+decode-step AMX layers 1.00-1.03x as fast at 1-256 rows with their weights so (best of 20 rounds;
+bench/kernels_cpu.py --op linear_bf16 prints both), its paged attention 1.04x (docs/BENCHMARKS.md).
+numpy asks for huge pages for its own large arrays; torch, which allocates the packed weights, does
+not.
 
 The memory is an anonymous private mapping, zero until written and faulted in as touched, as
 calloc's large blocks are; it starts on a 2 MiB boundary (so on a page, and on a cache line). Where
