@@ -123,13 +123,13 @@ class PackedLinear(nn.Linear):
 
 class CKernelLinear(nn.Module):
     """A linear layer in one of kernels/cpu/matmul.py's C kernels, its weight kept only packed for it
-    (``pack``); each output one chain of sums in a fixed order, so invariant as it is. With an
-    ``arena`` (``pack_linears``'), the packed weight lies in its huge pages (kernels/cpu/memory.py)."""
+    (``pack``), in the huge pages of ``arena`` (kernels/cpu/memory.py; ``pack_linears`` has one a
+    model); each output one chain of sums in a fixed order, so invariant as it is."""
 
-    def __init__(self, linear: nn.Linear, pack: Callable[[torch.Tensor], torch.Tensor], arena: Arena | None = None):
+    def __init__(self, linear: nn.Linear, pack: Callable[[torch.Tensor], torch.Tensor], arena: Arena):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed_weight = pack(linear.weight) if arena is None else arena.copy(pack(linear.weight))
+        self.packed_weight = arena.copy(pack(linear.weight))
         self.bias = linear.bias
 
 
@@ -137,7 +137,7 @@ class Bf16StoredLinear(CKernelLinear):
     """A float32 linear layer whose weight, exact in bf16, is stored in bf16 (packed for the C kernel);
     ``weight`` widens it back on demand (for the probe and tests, never on a step)."""
 
-    def __init__(self, linear: nn.Linear, arena: Arena | None = None):
+    def __init__(self, linear: nn.Linear, arena: Arena):
         super().__init__(linear, matmul.pack, arena)
 
     @property
@@ -157,14 +157,14 @@ class Avx512Bf16Linear(CKernelLinear):
     ``linear_bf16``), its weight packed in pairs; ``weight`` unpacks it on demand (for the probe and
     tests, never on a step)."""
 
-    def __init__(self, linear: nn.Linear, screen: bool = False, arena: Arena | None = None):
+    def __init__(self, linear: nn.Linear, arena: Arena, screen: bool = False):
         """``screen``: a greedy lm_head's, whose ``argmax`` bounds most outputs in int8 first (the same
         choice; ``matmul.linear_bf16_argmax_screened``), where the kernel screens here."""
         super().__init__(linear, matmul.pack_pairs, arena)
         # the kernel's form of the bias (float32, whole panels), made once rather than on every call
         self.panel_bias = None if self.bias is None else matmul.panel_bias(self.bias, self.out_features)
         self.screen = matmul.pack_screen(linear.weight) if screen and matmul.screen_native() else None
-        if self.screen is not None and arena is not None:
+        if self.screen is not None:
             self.screen = dataclasses.replace(self.screen, quads=arena.copy(self.screen.quads))
         self.screened_rows = self.exact_groups = 0  # the screen's tally, until it proves itself or is dropped
 
@@ -274,12 +274,12 @@ def pack_linears(model: nn.Module, batch_hint: int, bf16_weights: bool = False) 
             setattr(parent, name, Bf16StoredLinear(child, arena))
             counts["bf16-stored"] += 1
         elif bf16_weights and can_run_amx(child):
-            setattr(parent, name, AmxBf16Linear(child, arena=arena))
+            setattr(parent, name, AmxBf16Linear(child, arena))
             counts["amx-bf16"] += 1
         elif bf16_weights and can_run_avx512_bf16(child):
             # a greedy lm_head (no softcap between it and the argmax) screened in int8
             head = parent is model and name == "lm_head" and not getattr(model, "final_softcap", None)
-            setattr(parent, name, Avx512Bf16Linear(child, screen=head, arena=arena))
+            setattr(parent, name, Avx512Bf16Linear(child, arena, screen=head))
             counts["avx512-bf16"] += 1
         elif can_pack(child):
             setattr(parent, name, PackedLinear.from_linear(child, batch_hint))

@@ -42,9 +42,13 @@ def zeroed_pages(nbytes: int) -> np.ndarray:
     return raw[start:start + nbytes]
 
 
+def _tensor(raw: np.ndarray, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.from_numpy(raw).view(dtype).view(shape)
+
+
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero CPU tensor in ``zeroed_pages``."""
-    return torch.from_numpy(zeroed_pages(math.prod(shape) * dtype.itemsize)).view(dtype).view(shape)
+    return _tensor(zeroed_pages(math.prod(shape) * dtype.itemsize), shape, dtype)
 
 
 class Arena:
@@ -69,6 +73,6 @@ class Arena:
                 self._region, self._used = zeroed_pages(self.CHUNK), 0
             raw = self._region[self._used:self._used + nbytes]
             self._used += -(-nbytes // self.ALIGN) * self.ALIGN
-        out = torch.from_numpy(raw).view(t.dtype).view(t.shape)
+        out = _tensor(raw, tuple(t.shape), t.dtype)
         out.copy_(t)
         return out
