@@ -169,6 +169,9 @@ def _load() -> ctypes.CDLL | None:
         fn.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int]
                        + [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int] * 4
                        + [ctypes.c_float, ctypes.c_int, ctypes.c_float, ctypes.c_int])  # scale window softcap threads
+    lib.paged_check_tables.restype = ctypes.c_int
+    lib.paged_check_tables.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
+                                       ctypes.c_int, ctypes.c_int, ctypes.c_int64]
     return lib
 
 

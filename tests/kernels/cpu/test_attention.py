@@ -314,6 +314,29 @@ def test_a_context_length_near_2_31_does_not_wrap_the_check():
                                       lens, case.scale)
 
 
+def test_the_tables_check_reports_each_kind_of_fault_over_every_row_first():
+    """paged_check_tables (C, once a step): an empty context before a short table before a bad id,
+    whichever row holds each, in a decode step and in a step with a prefill run."""
+    case = make_case([1, 1], [40, 20], 4, 2, 64, seed=6)
+    tables = case.block_tables.clone()
+    tables[0, 1] = -1  # a bad id in row 0
+    lens = torch.tensor([40, 0], dtype=torch.int32)  # and an empty context in row 1
+    with pytest.raises(ValueError, match="empty context"):
+        attention.paged_attention(case.q, case.k_cache, case.v_cache, tables, case.cu_seqlens_q, lens, case.scale)
+    lens = torch.tensor([40, 16 * tables.shape[1] + 1], dtype=torch.int32)  # row 1's context past its table
+    with pytest.raises(ValueError, match="shorter than its context"):
+        attention.paged_attention(case.q, case.k_cache, case.v_cache, tables, case.cu_seqlens_q, lens, case.scale)
+    with pytest.raises(ValueError, match="outside the KV pool"):
+        attention.paged_attention(case.q, case.k_cache, case.v_cache, tables, case.cu_seqlens_q, case.context_lens,
+                                  case.scale)
+    mixed = make_case([3, 1], [40, 20], 4, 2, 64, seed=6)  # a prefill run of three tokens, then a decode token
+    tables = mixed.block_tables.clone()
+    tables[1, 0] = mixed.k_cache.shape[0]  # one past the pool
+    with pytest.raises(ValueError, match="outside the KV pool"):
+        attention.paged_attention(mixed.q, mixed.k_cache, mixed.v_cache, tables, mixed.cu_seqlens_q,
+                                  mixed.context_lens, mixed.scale)
+
+
 def test_a_decreasing_cu_seqlens_is_refused():
     case = make_case([1, 1], [4, 5], 4, 2, 64, seed=6)
     with pytest.raises(ValueError, match="never decrease"):

@@ -715,3 +715,25 @@ INLINE int run(const void *q, const void *k_cache, const void *v_cache, const in
 
 ENTRY(paged_decode_f32, 0)
 ENTRY(paged_decode_bf16, 1)
+
+/* The blocks each of `rows` rows' windows cover (its whole context where window is 0), checked before
+ * the kernel reads them, once a step (kernels/cpu/attention.py): 0, or 1 where a row's context is empty,
+ * 2 where a table is shorter than its context, 3 where an id within a window lies outside the pool of
+ * num_blocks blocks; each over all rows before the next (the entries before a window may be -1). */
+int paged_check_tables(const int32_t *tables, int64_t stride, int64_t max_blocks, const int32_t *context_lens,
+                       int rows, int bs, int window, int64_t num_blocks) {
+    if (bs <= 0) return 2;
+    for (int r = 0; r < rows; r++)
+        if (context_lens[r] < 1) return 1;
+    for (int r = 0; r < rows; r++)
+        if (((int64_t)context_lens[r] + bs - 1) / bs > max_blocks) return 2;
+    for (int r = 0; r < rows; r++) {
+        const int len = context_lens[r];
+        const int64_t end = ((int64_t)len + bs - 1) / bs; /* within max_blocks (above) */
+        for (int64_t b = window_start(len, window) / bs; b < end; b++) {
+            const int32_t id = tables[(int64_t)r * stride + b];
+            if (id < 0 || id >= num_blocks) return 3;
+        }
+    }
+    return 0;
+}
