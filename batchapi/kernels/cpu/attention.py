@@ -79,7 +79,9 @@ def _make_plan(key, block_tables, cu_seqlens_q, context_lens, num_blocks: int, b
     q_lens = starts[1:] - starts[:-1]
     if starts[0] != 0 or (q_lens < 0).any():
         raise ValueError("cu_seqlens_q must start at 0 and never decrease")
-    if (q_lens == 1).all():  # a decode step: a row a sequence, the tensors as they come
+    if (q_lens == 1).all() and min(block_tables.shape[0], context_lens.shape[0]) >= len(q_lens):
+        # a decode step: a row a sequence, the tensors as they come (where they cover every sequence;
+        # else the general path's indexing refuses them)
         return _Plan(key, (num_blocks, block_size), int(starts[-1]), torch.arange(len(q_lens), dtype=torch.int32),
                      block_tables.to(torch.int32).contiguous(), cu_seqlens_q.to(torch.int32).contiguous(),
                      context_lens.to(torch.int32).contiguous(), [])

@@ -323,12 +323,19 @@ def test_the_tables_check_reports_each_kind_of_fault_over_every_row_first():
     lens = torch.tensor([40, 0], dtype=torch.int32)  # and an empty context in row 1
     with pytest.raises(ValueError, match="empty context"):
         attention.paged_attention(case.q, case.k_cache, case.v_cache, tables, case.cu_seqlens_q, lens, case.scale)
-    lens = torch.tensor([40, 16 * tables.shape[1] + 1], dtype=torch.int32)  # row 1's context past its table
+    block_size = case.k_cache.shape[1]
+    lens = torch.tensor([40, block_size * tables.shape[1] + 1], dtype=torch.int32)  # row 1's context past its table
     with pytest.raises(ValueError, match="shorter than its context"):
         attention.paged_attention(case.q, case.k_cache, case.v_cache, tables, case.cu_seqlens_q, lens, case.scale)
     with pytest.raises(ValueError, match="outside the KV pool"):
         attention.paged_attention(case.q, case.k_cache, case.v_cache, tables, case.cu_seqlens_q, case.context_lens,
                                   case.scale)
+    with pytest.raises(IndexError):  # a decode step whose tables or lengths miss a sequence: never read past them
+        attention.paged_attention(case.q, case.k_cache, case.v_cache, tables[:1], case.cu_seqlens_q,
+                                  case.context_lens, case.scale)
+    with pytest.raises(IndexError):
+        attention.paged_attention(case.q, case.k_cache, case.v_cache, case.block_tables, case.cu_seqlens_q,
+                                  case.context_lens[:1], case.scale)
     mixed = make_case([3, 1], [40, 20], 4, 2, 64, seed=6)  # a prefill run of three tokens, then a decode token
     tables = mixed.block_tables.clone()
     tables[1, 0] = mixed.k_cache.shape[0]  # one past the pool
