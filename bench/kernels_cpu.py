@@ -31,6 +31,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from batchapi.kernels.cpu import memory
+
 
 def make_inputs(batch, ctx, hq, hkv, d, block_size, dtype, seed=0, spread=50):
     g = torch.Generator().manual_seed(seed)
@@ -40,8 +42,11 @@ def make_inputs(batch, ctx, hq, hkv, d, block_size, dtype, seed=0, spread=50):
     perm = torch.randperm(num_blocks, generator=g)[: batch * max_blocks].view(batch, max_blocks).int()
     nblk = (lens + block_size - 1) // block_size
     tables = torch.where(torch.arange(max_blocks)[None] < nblk[:, None], perm, -1).int()
-    k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g).to(dtype)
+    # the pool in huge pages where the OS gives them, as the engine's (kernels/cpu/memory.py)
+    k_cache = memory.zeroed((num_blocks, block_size, hkv, d), dtype)
+    k_cache.copy_(torch.randn(num_blocks, block_size, hkv, d, generator=g))
+    v_cache = memory.zeroed((num_blocks, block_size, hkv, d), dtype)
+    v_cache.copy_(torch.randn(num_blocks, block_size, hkv, d, generator=g))
     q = torch.randn(batch, hq, d, generator=g).to(dtype)
     return q, k_cache, v_cache, tables, lens
 

@@ -1077,6 +1077,8 @@ static int screened_argmax(const uint16_t *x, int64_t xs, int64_t m, const uint3
 #define HAVE_AMX 1
 #define AMX_ROWS 32
 #define AMX_L1_WEIGHTS (40 << 10) /* a group's weights (2 panels x K bf16) that L1 (48 KB) keeps beside x's lines */
+#define AMX_AHEAD 2       /* K steps ahead whose weights a group's first row tile asks for (see amx_tile) */
+#define AMX_AHEAD_TILES 4 /* ... in calls of up to this many row tiles (128 rows) */
 
 /* this thread's buffer of AMX_ROWS rows of at least k elements, kept across calls (NULL: no memory) */
 static uint16_t *amx_tail_rows(int64_t k) {
@@ -1133,6 +1135,12 @@ INLINE void fold_best(float (*acc)[2 * PANEL], const float *bias, int rows, int 
  * fill buffer of the 16 a core has until its line came, the same buffers x's tile loads from L2 need:
  * a decode step at 96-160 sequences ran 1.05-1.10x longer with it. (On the Xeon measured, a core's
  * stream from memory does not run under its tiles at all: the two times add up; docs/BENCHMARKS.md.)
+ * `ahead`: the group's weights come from memory here (its first row tile, in a call of up to
+ * AMX_AHEAD_TILES), and the step AMX_AHEAD on is asked for into L1 as each step's tiles load: a tile
+ * load waits for all 16 of its lines and its register for the step before's products, so the stream
+ * otherwise stalls at every step. A decode step of SmolLM2 at 1 / 32 / 96 sequences 0.97 / 0.94 /
+ * 0.97x as long with it (steps taking turns with and without, on the Xeon AMX model 167); at 192 and
+ * 256 rows, where the products bound the call, 1.01-1.02x: not there.
  * `stream`: x's tiles loaded as data not to be kept in L1 (TILELOADDT1), so that the group's weights,
  * which the next row tiles load again, stay there.
  * `silu`: p0 a gate panel and p1 its up panel; what goes to y is silu(gate) * up, as silu_and_mul
@@ -1140,8 +1148,10 @@ INLINE void fold_best(float (*acc)[2 * PANEL], const float *bias, int rows, int 
 static inline __attribute__((always_inline)) void amx_tile(const uint16_t *x, int64_t xs, const uint32_t *b0,
                                                              const uint32_t *b1, int64_t k, const float *bias,
                                                              uint16_t *y, int64_t ys, int rows, int cols, Best best,
-                                                             int64_t col0, const int stream, const int silu) {
+                                                             int64_t col0, int ahead, const int stream,
+                                                             const int silu) {
     float acc[AMX_ROWS][2 * PANEL] __attribute__((aligned(64)));
+    const int64_t ahead_to = ahead ? k - AMX_AHEAD * 32 : 0; /* the K steps whose step AMX_AHEAD on is asked for */
     const int upper = rows > 16; /* rows 16-31 have a row to store: their tiles run (a row's sums are its own) */
     _tile_zero(0);
     _tile_zero(1);
@@ -1156,6 +1166,11 @@ static inline __attribute__((always_inline)) void amx_tile(const uint16_t *x, in
         } else {
             _tile_loadd(4, x + kc, xs * 2);
             if (upper) _tile_loadd(5, x + 16 * xs + kc, xs * 2);
+        }
+        if (kc < ahead_to) {
+            const char *a0 = (const char *)(b0 + (kc / 2 + AMX_AHEAD * 16) * PANEL);
+            const char *a1 = (const char *)(b1 + (kc / 2 + AMX_AHEAD * 16) * PANEL);
+            for (int i = 0; i < 16 * PANEL * 4; i += 64) _mm_prefetch(a0 + i, _MM_HINT_T0), _mm_prefetch(a1 + i, _MM_HINT_T0);
         }
         _tile_loadd(6, b0 + kc / 2 * PANEL, 64);
         _tile_loadd(7, b1 + kc / 2 * PANEL, 64);
@@ -1202,11 +1217,12 @@ static inline __attribute__((always_inline)) void amx_tile(const uint16_t *x, in
 /* amx_tile with x kept in L1 and with x streamed past it, each with and without SiLU, compiled for
  * its case */
 typedef void (*amx_tile_fn)(const uint16_t *, int64_t, const uint32_t *, const uint32_t *, int64_t, const float *,
-                            uint16_t *, int64_t, int, int, Best, int64_t);
+                            uint16_t *, int64_t, int, int, Best, int64_t, int);
 #define AMX_TILE_AS(NAME, STREAM, SILU)                                                                       \
     static void NAME(const uint16_t *x, int64_t xs, const uint32_t *b0, const uint32_t *b1, int64_t k,        \
-                     const float *bias, uint16_t *y, int64_t ys, int rows, int cols, Best best, int64_t col0) { \
-        amx_tile(x, xs, b0, b1, k, bias, y, ys, rows, cols, best, col0, STREAM, SILU);                        \
+                     const float *bias, uint16_t *y, int64_t ys, int rows, int cols, Best best, int64_t col0, \
+                     int ahead) {                                                                             \
+        amx_tile(x, xs, b0, b1, k, bias, y, ys, rows, cols, best, col0, ahead, STREAM, SILU);                 \
     }
 AMX_TILE_AS(amx_tile_kept, 0, 0)
 AMX_TILE_AS(amx_tile_streamed, 1, 0)
@@ -1292,7 +1308,8 @@ static int amx_linear(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *
                 const int64_t r = i * AMX_ROWS;
                 const int short_tile = r + AMX_ROWS > m; /* the tail's copy */
                 tile(short_tile ? tail : x + r * xs, short_tile ? k : xs, b0, b1, k, gb, gy ? gy + r * ys : NULL,
-                     ys, (int)(short_tile ? m - r : AMX_ROWS), cols, best_at(mine, r), p0 * PANEL);
+                     ys, (int)(short_tile ? m - r : AMX_ROWS), cols, best_at(mine, r), p0 * PANEL,
+                     i == 0 && tiles <= AMX_AHEAD_TILES);
             }
         }
         if (configured) _tile_release();
