@@ -1079,6 +1079,7 @@ static int screened_argmax(const uint16_t *x, int64_t xs, int64_t m, const uint3
 #define AMX_L1_WEIGHTS (40 << 10) /* a group's weights (2 panels x K bf16) that L1 (48 KB) keeps beside x's lines */
 #define AMX_AHEAD 2       /* K steps ahead whose weights a group's first row tile asks for (see amx_tile) */
 #define AMX_AHEAD_TILES 4 /* ... in calls of up to this many row tiles (128 rows) */
+#define AMX_PARALLEL_WEIGHTS (128 << 10) /* elements (256 KB): a weight both threads stream, whatever the rows */
 
 /* this thread's buffer of AMX_ROWS rows of at least k elements, kept across calls (NULL: no memory) */
 static uint16_t *amx_tail_rows(int64_t k) {
@@ -1251,7 +1252,10 @@ static int amx_linear(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *
     int64_t panels = (n + PANEL - 1) / PANEL, pstride = k / 2 * PANEL, half = silu ? panels / 2 : 0;
     int64_t groups = silu ? half : (panels + 1) / 2;
     int64_t whole = m / AMX_ROWS * AMX_ROWS;
-    int parallel = threads > 1 && m * n * k >= (1 << 19) && groups > 1;
+    /* both threads where the products are many, or the weight is large enough that streaming it on
+     * both cores beats the region's start (SmolLM2's 576 x 576 o_proj at one row: a decode step of 1
+     * sequence 0.96x as long so) */
+    int parallel = threads > 1 && (m * n * k >= (1 << 19) || (m > 0 && n * k >= AMX_PARALLEL_WEIGHTS)) && groups > 1;
     /* x streamed past L1 where a group's weights fit there and more than two row tiles load them,
      * or two whole ones: SmolLM2's K-576 projections 1.2-1.5x at 256 rows with the weights in cache,
      * 1.2-1.3x at 1,024 rows with them in memory (a decode step's 256 rows, the weights from memory:
