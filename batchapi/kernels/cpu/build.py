@@ -172,6 +172,10 @@ def _load() -> ctypes.CDLL | None:
     lib.paged_check_tables.restype = ctypes.c_int
     lib.paged_check_tables.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
                                        ctypes.c_int, ctypes.c_int, ctypes.c_int64]
+    lib.paged_decode_amx.restype = ctypes.c_int  # 1: bf16 decode runs on AMX tiles (head sizes a multiple of 32)
+    lib.paged_decode_amx.argtypes = []
+    lib.paged_decode_set_amx.restype = None  # 0 keeps it on the vector units (tests and benches compare them)
+    lib.paged_decode_set_amx.argtypes = [ctypes.c_int]
     return lib
 
 

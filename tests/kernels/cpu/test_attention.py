@@ -106,10 +106,14 @@ def test_a_maximum_that_keeps_rising_matches_dense(step, c_only):
 
 
 # the kernel has an AVX-512 path (with dpbf16 where the CPU has AVX512_BF16), an AVX2 one and plain
-# C: those the -march=native build of the other tests may not take, built here for a CPU that has
-# them and checked against dense attention
+# C: those the -march=native build of the other tests may not take (on a CPU with AMX, its bf16 rows
+# run on the tiles), built here for a CPU that has them and checked against dense attention
+AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+
+
 @pytest.mark.parametrize(("march", "needs"), [("x86-64", {"sse2"}), ("haswell", {"avx2", "fma"}),
-                                              ("skylake-avx512", {"avx512f", "avx512bw", "avx512vl", "avx512dq"})])
+                                              ("skylake-avx512", AVX512),
+                                              ("cooperlake", AVX512 | {"avx512_bf16"})])
 def test_every_vector_path_matches_dense(march, needs, tmp_path, monkeypatch):
     if not build_for(march, needs, build.SOURCE, tmp_path, monkeypatch):
         return  # a CPU without them: built, not run
@@ -133,6 +137,56 @@ def test_every_vector_path_matches_dense(march, needs, tmp_path, monkeypatch):
             assert not out.isnan().any(), "a freed block was read"
             torch.testing.assert_close(out, dense_attention(case, softcap=30.0), atol=2 * TOL[dtype],
                                        rtol=2 * TOL[dtype])
+
+
+def on_tiles_and_on_vectors(call):
+    """``call()`` with bf16 decode on AMX tiles (where this build and the OS have them) and kept on
+    the vector units."""
+    lib = build.load()
+    try:
+        lib.paged_decode_set_amx(1)
+        tiles = call()
+        lib.paged_decode_set_amx(0)
+        return tiles, call()
+    finally:
+        lib.paged_decode_set_amx(1)
+
+
+@pytest.mark.parametrize(("hkv", "group", "d", "block_size"),
+                         [(3, 3, 64, 16), (1, 16, 128, 32), (2, 4, 96, 17), (1, 1, 256, 8), (2, 7, 64, 16)])
+def test_bf16_decode_on_tiles_and_on_vectors_both_match_dense(hkv, group, d, block_size, c_only):
+    # chunks of 16 in pairs on the tiles: contexts that end in each half of a pair, a window that
+    # starts mid-chunk with NaN blocks before it, a soft cap; probabilities rounded to bf16 there
+    ctx_lens = [1, 15, 16, 17, 31, 32, 33, 50, 97, 300]
+    for window, softcap in [(0, 0.0), (21, 30.0)]:
+        case = make_case([1] * len(ctx_lens), ctx_lens, hkv * group, hkv, d, block_size=block_size,
+                         dtype=torch.bfloat16, seed=d + group, window=window, freed="nan" if window else "")
+        if softcap:
+            case.q.mul_(10.0)
+        expected = dense_attention(case, softcap=softcap)
+        tiles, vectors = on_tiles_and_on_vectors(
+            lambda case=case, window=window, softcap=softcap: attention.paged_attention(
+                *case.args(), case.scale, window=window, softcap=softcap))
+        for out in (tiles, vectors):
+            assert not out.isnan().any(), "a row past the context, or a freed block, was read"
+            torch.testing.assert_close(out, expected, atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
+        if not build.load().paged_decode_amx():
+            assert torch.equal(tiles, vectors)  # no tiles here: the vector units both times
+
+
+def test_a_row_on_the_tiles_is_the_same_whatever_the_batch(c_only):
+    # each (sequence, kv head) alone on the tiles: its bits are those it has on its own
+    ctx_lens = [random.Random(i).randint(1, 300) for i in range(12)]
+    case = make_case([1] * 12, ctx_lens, 9, 3, 64, dtype=torch.bfloat16, seed=4)
+    together = attention.paged_attention(*case.args(), case.scale)
+    for i in (0, 5, 11):
+        alone = make_case([1], [ctx_lens[i]], 9, 3, 64, dtype=torch.bfloat16, seed=4)
+        alone.q.copy_(case.q[i:i + 1])
+        for b in range((ctx_lens[i] + 15) // 16):
+            src, dst = int(case.block_tables[i, b]), int(alone.block_tables[0, b])
+            alone.k_cache[dst].copy_(case.k_cache[src])
+            alone.v_cache[dst].copy_(case.v_cache[src])
+        assert torch.equal(attention.paged_attention(*alone.args(), alone.scale), together[i:i + 1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

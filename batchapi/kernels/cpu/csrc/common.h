@@ -83,4 +83,25 @@ INLINE int64_t deal_steal(Deal *deal, int t) {
     }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(_GNU_SOURCE)
+/* AMX's tile registers, for the sources that use them (they define _GNU_SOURCE before their includes,
+ * for syscall()): Linux hands a process their state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM),
+ * and a kernel loads its tiles' shapes (a TileConfig) in each thread before it uses them, and
+ * releases them after */
+#include <sys/syscall.h>
+#include <unistd.h>
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+static inline int amx_permitted(void) {
+    static int state = 0; /* 0 unasked, 1 granted, -1 refused */
+    if (state == 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0 ? 1 : -1;
+    return state == 1;
+}
+#endif
+
 #endif

@@ -1070,9 +1070,6 @@ static int screened_argmax(const uint16_t *x, int64_t xs, int64_t m, const uint3
  * from earlier calls and never stored, and a row's bits depend on nothing but its own values.
  * Linux hands a process AMX's tile state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM). */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(HAVE_AVX512BF16)
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include "silu16.h"
 #define HAVE_AMX 1
 #define AMX_ROWS 32
@@ -1094,18 +1091,6 @@ static uint16_t *amx_tail_rows(int64_t k) {
     }
     return rows;
 }
-
-static int amx_permitted(void) {
-    static int state = 0; /* 0 unasked, 1 granted, -1 refused */
-    if (state == 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0 ? 1 : -1;
-    return state == 1;
-}
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
 
 static void amx_configure(void) {
     TileConfig c;

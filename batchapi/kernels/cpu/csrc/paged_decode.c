@@ -15,8 +15,13 @@
  * Three builds of the same algorithm, chosen by the compiler's target: AVX-512 (the main one,
  * described at its code), AVX2 with FMA, and plain C for any other CPU. Each reads no key or
  * value row past the context and no element past a row; the AVX-512 one asks for (prefetches)
- * the rows of later blocks, which reads nothing into the result.
+ * the rows of later blocks, which reads nothing into the result. Where the CPU has AMX (and the OS
+ * grants its tiles), bf16 storage with head sizes a multiple of 32 runs on the tile unit instead,
+ * the probabilities rounded to bf16 for their products with the values (described at its code):
+ * a decode step of SmolLM2 with 1,000-token contexts at 16 / 64 sequences 0.91 / 0.82x as long, with
+ * 100-token ones at 32 / 96 sequences 0.97x, at 8 and 256 the same (docs/BENCHMARKS.md).
  */
+#define _GNU_SOURCE /* syscall(), for AMX's permission */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -474,6 +479,169 @@ INLINE void decode_task(const void *q, const void *k_cache, const void *v_cache,
         }
     }
 }
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+/* AMX, for bf16 storage and head sizes a multiple of 32: a task's chunks two at a time (up to 32
+ * keys) on the tile unit, whose products run at many times the vector units' rate.
+ * Q.K: a chunk's 16 key rows are an A tile as they lie in their block (16 rows of 32 elements, a
+ * token's row apart), the task's query heads one B tile (a row a pair of q's elements, a column a
+ * head), so one TDPBF16PS a 32 elements gives the chunk's scores, a row a key; each head's column
+ * is gathered into a vector for the softmax above (chunk_softmax, as the vector path).
+ * P.V: the two chunks' probabilities, rounded to bf16, are an A tile (a row a head, 32 keys); the
+ * value rows, interleaved two keys at a time into B tiles of 16 columns, give each head's sums over
+ * the 32 keys in fp32, which are added to its accumulators. The interleave is unpack's, which works
+ * in quarters of a vector: a tile's columns are, of their 32, 0-3, 8-11, 16-19, 24-27 (or 4-7,
+ * 12-15, ...); the accumulators keep that order, put back once at the output.
+ * Rounding: bf16 products exact and summed in fp32, as the vector path, in the tile unit's order;
+ * the probabilities rounded to bf16 for their products with the values (as flash attention does on
+ * GPUs), the softmax's denominator summed from them unrounded. A row's result depends on its own
+ * keys alone, in the same order whatever the batch. Nothing past the context is read: a chunk of
+ * fewer than 16 keys is copied with masked loads into a buffer whose rows after them are zero. */
+#define HAVE_AMX_ATTENTION 1
+/* the tile registers' uses (numbers: the intrinsics paste them into the instruction) */
+#define T_K 0
+#define T_Q 1
+#define T_S 2
+#define T_P 3
+#define T_V 4
+#define T_O 5
+
+static void amx_attention_configure(int group) {
+    TileConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    c.rows[T_K] = 16, c.colsb[T_K] = 64;                        /* 16 keys x 32 elements */
+    c.rows[T_Q] = 16, c.colsb[T_Q] = (uint16_t)(4 * group);     /* 16 element pairs x the heads */
+    c.rows[T_S] = 16, c.colsb[T_S] = (uint16_t)(4 * group);     /* 16 keys x the heads' scores */
+    c.rows[T_P] = (uint8_t)group, c.colsb[T_P] = 64;            /* the heads x 32 keys */
+    c.rows[T_V] = 16, c.colsb[T_V] = 64;                        /* 16 key pairs x 16 columns */
+    c.rows[T_O] = (uint8_t)group, c.colsb[T_O] = 64;            /* the heads x 16 columns' sums */
+    _tile_loadconfig(&c);
+}
+
+/* the scores of chunk c for one kv head's query heads (as chunk_scores): qt those heads as B tiles
+ * ([d / 32][16 element pairs][group], a tile a 32 elements); kbuf the copy of a chunk shorter than 16 */
+INLINE void amx_scores(const Task *tk, Chunk c, const uint32_t *qt, uint16_t (*kbuf)[MAX_HEAD_DIM], __m512 *s) {
+    const uint16_t *rows = (const uint16_t *)tk->k_cache + chunk_at(tk, c);
+    int64_t stride = tk->token_stride * 2;
+    if (c.n < LANES) {
+        for (int t = 0; t < LANES; t++)
+            for (int i = 0; i < tk->d; i += 32)
+                _mm512_store_si512(&kbuf[t][i], _mm512_maskz_loadu_epi16(t < c.n ? ~0u : 0, rows + t * tk->token_stride + i));
+        rows = &kbuf[0][0], stride = sizeof kbuf[0];
+    }
+    float sc[LANES][LANES] __attribute__((aligned(64)));
+    _tile_zero(T_S);
+    for (int i = 0; i < tk->d; i += 32) {
+        _tile_loadd(T_K, rows + i, stride);
+        _tile_loadd(T_Q, qt + i / 2 * tk->group, 4 * tk->group);
+        _tile_dpbf16ps(T_S, T_K, T_Q);
+    }
+    _tile_stored(T_S, sc, sizeof sc[0]);
+    const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32(LANES));
+    for (int g = 0; g < tk->group; g++) {
+        __m512 x = _mm512_mul_ps(_mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(g)), &sc[0][0], 4),
+                                 _mm512_set1_ps(tk->scale));
+        if (tk->softcap > 0.0f) x = soft_cap16(x, tk->softcap);
+        s[g] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), first16(c.n), x);
+    }
+}
+
+/* chunk c's value rows as rows 8 * half .. 8 * half + 7 of the B tiles vb (a tile a 16 columns): key
+ * pairs interleaved, zero past the chunk's keys; the rows AHEAD blocks on are asked for meanwhile */
+INLINE void amx_values(const Task *tk, Chunk c, int half, uint16_t (*vb)[16][32]) {
+    if (!c.n) {
+        for (int r = 0; r < LANES / 2; r++)
+            for (int j = 0; j < tk->d / 16; j++) _mm512_store_si512(vb[j][8 * half + r], _mm512_setzero_si512());
+        return;
+    }
+    const Ahead ahead = {rows_ahead(tk, c, tk->k_cache), rows_ahead(tk, c, tk->v_cache)};
+    const int64_t ts = tk->token_stride;
+    const uint16_t *rows = (const uint16_t *)tk->v_cache + chunk_at(tk, c);
+    for (int r = 0; r < LANES / 2; r++) {
+        const int t = 2 * r;
+        if (ahead.k) {
+            for (int u = t; u < t + 2 && u < c.n; u++)
+                for (int i = 0; i < tk->d * 2; i += 64) {
+                    _mm_prefetch(ahead.k + u * ts * 2 + i, _MM_HINT_T1);
+                    _mm_prefetch(ahead.v + u * ts * 2 + i, _MM_HINT_T1);
+                }
+        }
+        for (int i = 0; i < tk->d; i += 32) {
+            const __m512i a = _mm512_maskz_loadu_epi16(t < c.n ? ~0u : 0, rows + t * ts + i);
+            const __m512i b = _mm512_maskz_loadu_epi16(t + 1 < c.n ? ~0u : 0, rows + (t + 1) * ts + i);
+            _mm512_store_si512(vb[i / 16][8 * half + r], _mm512_unpacklo_epi16(a, b));
+            _mm512_store_si512(vb[i / 16 + 1][8 * half + r], _mm512_unpackhi_epi16(a, b));
+        }
+    }
+}
+
+/* decode_task on the tile unit (the arguments are the same, storage bf16) */
+INLINE void decode_task_amx(const void *q, const void *k_cache, const void *v_cache, const int32_t *table,
+                            int context_len, int start, int64_t q_row, void *out, int hq, int hkv, int d, int bs,
+                            int kvh, float scale, float softcap, Upcoming upcoming) {
+    const int group = hq / hkv;
+    const Task tk = {k_cache, v_cache, table, (int64_t)hkv * d, (int64_t)bs * hkv * d, (int64_t)kvh * d,
+                     context_len, start, bs, group, d, 1, scale, softcap, upcoming};
+    uint32_t qt[MAX_GROUP * MAX_HEAD_DIM / 2] __attribute__((aligned(64))); /* [d / 32][16 pairs][group] */
+    uint16_t kbuf[LANES][MAX_HEAD_DIM] __attribute__((aligned(64)));
+    uint16_t vb[MAX_HEAD_DIM / 16][16][32] __attribute__((aligned(64)));
+    uint16_t pb[MAX_GROUP][32] __attribute__((aligned(64)));
+    float ob[MAX_GROUP][16] __attribute__((aligned(64)));
+    float p[2][MAX_GROUP][LANES] __attribute__((aligned(64))), corr[2][MAX_GROUP], m[MAX_GROUP];
+    __m512 acc[MAX_GROUP][VECS], l[MAX_GROUP], s[MAX_GROUP];
+    const int64_t q_at = (q_row * hq + (int64_t)kvh * group) * d;
+    for (int g = 0; g < group; g++) {
+        const uint16_t *qg = (const uint16_t *)q + q_at + (int64_t)g * d;
+        for (int i = 0; i < d / 2; i++) qt[i * group + g] = qg[2 * i] | (uint32_t)qg[2 * i + 1] << 16;
+        for (int j = 0; j < d / 16; j++) acc[g][j] = _mm512_setzero_ps();
+        m[g] = -INFINITY;
+        l[g] = _mm512_setzero_ps();
+    }
+    for (Chunk c = first_chunk(&tk); c.n;) {
+        const Chunk pair[2] = {c, chunk_after(&tk, c)};
+        c = pair[1].n ? chunk_after(&tk, pair[1]) : pair[1];
+        for (int h = 0; h < 2; h++) {
+            if (pair[h].n) {
+                amx_scores(&tk, pair[h], qt, kbuf, s);
+                chunk_softmax(s, pair[h].n, group, m, l, p[h], corr[h]);
+            } else {
+                for (int g = 0; g < group; g++) _mm512_store_ps(p[h][g], _mm512_setzero_ps()), corr[h][g] = 1.0f;
+            }
+        }
+        for (int g = 0; g < group; g++) { /* the first chunk's probabilities against the second's maximum */
+            const __m512 p0 = _mm512_mul_ps(_mm512_load_ps(p[0][g]), _mm512_set1_ps(corr[1][g]));
+            _mm512_store_si512(pb[g], (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(p[1][g]), p0));
+            corr[0][g] *= corr[1][g];
+        }
+        amx_values(&tk, pair[0], 0, vb);
+        amx_values(&tk, pair[1], 1, vb);
+        _tile_loadd(T_P, pb, sizeof pb[0]);
+        for (int j = 0; j < d / 16; j++) {
+            _tile_loadd(T_V, vb[j], sizeof vb[0][0]);
+            _tile_zero(T_O);
+            _tile_dpbf16ps(T_O, T_P, T_V);
+            _tile_stored(T_O, ob, sizeof ob[0]);
+            for (int g = 0; g < group; g++)
+                acc[g][j] = _mm512_fmadd_ps(acc[g][j], _mm512_set1_ps(corr[0][g]), _mm512_load_ps(ob[g]));
+        }
+    }
+    /* the columns back in order: of each 32, tile 2j's quarters hold 0-3, 8-11, 16-19, 24-27 */
+    const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+    const __m512i second = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+    for (int g = 0; g < group; g++) {
+        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(l[g]));
+        for (int i = 0; i < d; i += 32) {
+            const __m512 lo = acc[g][i / 16], hi = acc[g][i / 16 + 1];
+            const __m512i a = round_bf16(_mm512_mul_ps(_mm512_permutex2var_ps(lo, first, hi), inv));
+            const __m512i b = round_bf16(_mm512_mul_ps(_mm512_permutex2var_ps(lo, second, hi), inv));
+            uint16_t *o = (uint16_t *)out + q_at + (int64_t)g * d + i;
+            _mm256_storeu_si256((__m256i *)o, _mm512_cvtepi32_epi16(_mm512_srli_epi32(a, 16)));
+            _mm256_storeu_si256((__m256i *)(o + 16), _mm512_cvtepi32_epi16(_mm512_srli_epi32(b, 16)));
+        }
+    }
+}
+#endif /* AMX */
 #else
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -618,6 +786,20 @@ INLINE void decode_task(const void *q, const void *k_cache, const void *v_cache,
 }
 #endif /* AVX-512 */
 
+/* 1 (the default) where bf16 decode may run on AMX tiles, 0 to keep it on the vector units (the
+ * tests and benches run both) */
+static int use_amx = 1;
+void paged_decode_set_amx(int on) { use_amx = on; }
+
+/* 1 where this build and the OS give bf16 decode the tile path (head sizes a multiple of 32) */
+int paged_decode_amx(void) {
+#ifdef HAVE_AMX_ATTENTION
+    return amx_permitted();
+#else
+    return 0;
+#endif
+}
+
 #define TASK_COST 16 /* keys' worth; more than 0, so that every task weighs and the last share ends at the end */
 INLINE int64_t task_work(int len, int window) {
     const int start = window_start(len, window);
@@ -672,10 +854,16 @@ INLINE int run(const void *q, const void *k_cache, const void *v_cache, const in
         if (seq_ids[i] < 0 || seq_ids[i] >= num_tables) return 2;
         if (cu_seqlens_q[seq_ids[i]] < 0 || cu_seqlens_q[seq_ids[i]] >= num_q_rows) return 3;
     }
+#ifdef HAVE_AMX_ATTENTION
+    const int amx = use_amx && bf16 && d % 32 == 0 && amx_permitted();
+#endif
 #pragma omp parallel num_threads(num_threads)
     {
         int64_t first, last;
         task_share(seq_ids, num_seqs, hkv, context_lens, window, &first, &last);
+#ifdef HAVE_AMX_ATTENTION
+        if (amx && first < last) amx_attention_configure(hq / hkv);
+#endif
         for (int64_t t = first; t < last; t++) {
             const int seq = seq_ids[t / hkv], kvh = (int)(t % hkv);
             const int32_t *table = block_tables + (int64_t)seq * table_stride;
@@ -686,6 +874,17 @@ INLINE int run(const void *q, const void *k_cache, const void *v_cache, const in
                 next = (Upcoming){block_tables + (int64_t)s * table_stride, context_lens[s],
                                   window_start(context_lens[s], window), (int64_t)((t + 1) % hkv) * d};
             }
+#ifdef HAVE_AMX_ATTENTION
+            if (amx) {
+                if (d == 64)
+                    decode_task_amx(q, k_cache, v_cache, table, len, start, cu_seqlens_q[seq], out, hq, hkv, 64, bs,
+                                    kvh, scale, softcap, next);
+                else
+                    decode_task_amx(q, k_cache, v_cache, table, len, start, cu_seqlens_q[seq], out, hq, hkv, d, bs,
+                                    kvh, scale, softcap, next);
+                continue;
+            }
+#endif
             /* the common head sizes as constants, so that their loops unroll */
             if (d == 64)
                 decode_task(q, k_cache, v_cache, table, len, start, cu_seqlens_q[seq], out, hq, hkv, 64, bs, kvh,
@@ -697,6 +896,9 @@ INLINE int run(const void *q, const void *k_cache, const void *v_cache, const in
                 decode_task(q, k_cache, v_cache, table, len, start, cu_seqlens_q[seq], out, hq, hkv, d, bs, kvh,
                             scale, softcap, bf16, next);
         }
+#ifdef HAVE_AMX_ATTENTION
+        if (amx && first < last) _tile_release();
+#endif
     }
     return 0;
 }
