@@ -22,7 +22,8 @@ Usage: .venv/bin/python bench/kernels_cpu.py [--batch 96] [--ctx 300] [--spread 
         kernel's logits then the engine's argmax, against the kernel's argmax folded in, each C kernel)
 
 The figures, per CPU kind, are in docs/BENCHMARKS.md ("CPU kernels"). v_native is the C kernel the
-engine uses on CPU (kernels/cpu/csrc/paged_decode.c); v_library the torch path it falls back to.
+engine uses on CPU (kernels/cpu/csrc/paged_decode.c), on AMX tiles where the CPU has them for bf16;
+v_native_vector the same kernel kept on the vector units; v_library the torch path it falls back to.
 """
 
 import argparse
@@ -249,9 +250,21 @@ def v_native(q, kc, vc, tables, lens, scale):
     return paged_attention(q, kc, vc, tables, cu, lens, scale)
 
 
+def v_native_vector(q, kc, vc, tables, lens, scale):
+    # the same C kernel kept on the vector units where its bf16 decode runs on AMX tiles
+    from batchapi.kernels.cpu import build
+
+    lib = build.load()
+    lib.paged_decode_set_amx(0)
+    try:
+        return v_native(q, kc, vc, tables, lens, scale)
+    finally:
+        lib.paged_decode_set_amx(1)
+
+
 VARIANTS = [
     v_einsum, v_sdpa, v_sdpa_contig, v_sdpa_trim, v_float, v_loop, v_gqa_bool, v_gqa_bool_2d, v_gqa_bool_clean,
-    v_gqa_bool_inplace, v_group_bias, v_fp32_gqa_bias, v_chunk8, v_chunk24, v_library, v_native,
+    v_gqa_bool_inplace, v_group_bias, v_fp32_gqa_bias, v_chunk8, v_chunk24, v_library, v_native, v_native_vector,
 ]
 
 
@@ -264,16 +277,26 @@ def bench_native_from_memory(a, dtype):
               for i in range(a.layers)]
     scale = a.dim**-0.5
 
-    def step():
-        for q, kc, vc, tables, lens in layers:
-            v_native(q, kc, vc, tables, lens, scale)
+    from batchapi.kernels.cpu import build
 
-    best, median = (ms / a.layers for ms in bench_interleaved([step], (), a.reps)[step])
+    def steps(variant):
+        def step():
+            for q, kc, vc, tables, lens in layers:
+                variant(q, kc, vc, tables, lens, scale)
+        step.__name__ = variant.__name__
+        return step
+
+    # where bf16 decode runs on AMX tiles, the vector units' path beside it
+    tiles = a.dtype == "bf16" and a.dim % 32 == 0 and build.load().paged_decode_amx()
+    fns = [steps(v) for v in ([v_native, v_native_vector] if tiles else [v_native])]
+    timings = bench_interleaved(fns, (), a.reps)
     kv = sum(int(lens.sum()) for *_, lens in layers) / a.layers * a.hkv * a.dim * 2 * (2 if a.dtype == "bf16" else 4)
     print(f"decode B={a.batch} ctx {a.ctx}+-{a.spread} Hq={a.hq} Hkv={a.hkv} D={a.dim} {a.dtype} "
           f"block size {a.block_size}, threads={torch.get_num_threads()}, {a.layers} layers' caches in turn")
-    print(f"v_native from memory: best {best:.3f} ms  median {median:.3f} ms a call, "
-          f"{kv / 1e6:.1f} MB of keys and values a call, {kv / best / 1e6:.1f} GB/s")
+    for fn in fns:
+        best, median = (ms / a.layers for ms in timings[fn])
+        print(f"{fn.__name__} from memory: best {best:.3f} ms  median {median:.3f} ms a call, "
+              f"{kv / 1e6:.1f} MB of keys and values a call, {kv / best / 1e6:.1f} GB/s")
 
 
 def bench_interleaved(fns, args, reps):
