@@ -35,12 +35,15 @@ import torch.nn.functional as F
 from batchapi.kernels.cpu import memory
 
 
-def make_inputs(batch, ctx, hq, hkv, d, block_size, dtype, seed=0, spread=50):
+def make_inputs(batch, ctx, hq, hkv, d, block_size, dtype, seed=0, spread=50, blocks="random"):
+    """blocks "random": each sequence's blocks anywhere in the pool; "runs": each sequence's blocks one
+    run of it, as a fresh engine hands a prompt's blocks out (its free list in order)."""
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(ctx - spread, ctx + spread, (batch,), generator=g).int()
     max_blocks = int((lens.max() + block_size - 1) // block_size)
     num_blocks = batch * max_blocks + 7
-    perm = torch.randperm(num_blocks, generator=g)[: batch * max_blocks].view(batch, max_blocks).int()
+    ids = torch.randperm(num_blocks, generator=g) if blocks == "random" else torch.arange(num_blocks)
+    perm = ids[: batch * max_blocks].view(batch, max_blocks).int()
     nblk = (lens + block_size - 1) // block_size
     tables = torch.where(torch.arange(max_blocks)[None] < nblk[:, None], perm, -1).int()
     # the pool in huge pages where the OS gives them, as the engine's (kernels/cpu/memory.py)
@@ -269,11 +272,12 @@ VARIANTS = [
 
 
 def bench_native_from_memory(a, dtype):
-    """The engine's C kernel (v_native) over ``a.layers`` layers' caches in turn, each its own blocks in
-    random order, as a decode step calls it: each call's keys and values come from memory, not from the
+    """The engine's C kernel (v_native) over ``a.layers`` layers' caches in turn, each its own blocks
+    (``a.blocks``: anywhere in the pool, or a run of it a sequence), as a decode step calls it: each call's keys and values come from memory, not from the
     cache the call before left them in (the single-layer timing above reads them from L2 or L3). Best
     and median ms a call, and the KV bytes a call reads per second."""
-    layers = [make_inputs(a.batch, a.ctx, a.hq, a.hkv, a.dim, a.block_size, dtype, seed=i, spread=a.spread)
+    layers = [make_inputs(a.batch, a.ctx, a.hq, a.hkv, a.dim, a.block_size, dtype, seed=i, spread=a.spread,
+                          blocks=a.blocks)
               for i in range(a.layers)]
     scale = a.dim**-0.5
 
@@ -527,6 +531,8 @@ def main():
     ap.add_argument("--hkv", type=int, default=3)
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=16, help="paged_attention with --layers: tokens a KV block")
+    ap.add_argument("--blocks", default="random", choices=["random", "runs"],
+                    help="paged_attention with --layers: each sequence's blocks anywhere in the pool, or one run of it")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--only", default="")
