@@ -18,8 +18,8 @@
  * the rows of later blocks, which reads nothing into the result. Where the CPU has AMX (and the OS
  * grants its tiles), bf16 storage with head sizes a multiple of 32 runs on the tile unit instead,
  * the probabilities rounded to bf16 for their products with the values (described at its code):
- * a decode step of SmolLM2 with 1,000-token contexts at 16 / 64 sequences 0.91 / 0.82x as long, with
- * 100-token ones at 32 / 96 sequences 0.97x, at 8 and 256 the same (docs/BENCHMARKS.md).
+ * a decode step of SmolLM2 with 1,000-token contexts at 16 / 64 sequences 0.89 / 0.81x as long, with
+ * 100-token ones at 32 / 96 sequences 0.94 / 0.97x, at 8 and 256 the same (docs/BENCHMARKS.md).
  */
 #define _GNU_SOURCE /* syscall(), for AMX's permission */
 #include <math.h>
