@@ -263,6 +263,15 @@ typedef struct {
     const char *k, *v; /* NULL: none */
 } Ahead;
 
+/* row t's `bytes` of the keys and values ahead (rows `row_bytes` apart) asked for into L2 */
+INLINE void ask_ahead(const Ahead *ahead, int t, int64_t row_bytes, int bytes) {
+    if (!ahead || !ahead->k) return;
+    for (int i = 0; i < bytes; i += 64) {
+        _mm_prefetch(ahead->k + t * row_bytes + i, _MM_HINT_T1);
+        _mm_prefetch(ahead->v + t * row_bytes + i, _MM_HINT_T1);
+    }
+}
+
 /* acc = acc * corr + sum_t p[t] v_t for `heads` query heads (a constant at each call) over the
  * chunk's n value rows, TILE_COLS columns at a time */
 INLINE void pv_tile(__m512 (*acc)[VECS], const float (*p)[LANES], const float *corr, int heads, const void *v_cache,
@@ -274,12 +283,8 @@ INLINE void pv_tile(__m512 (*acc)[VECS], const float (*p)[LANES], const float *c
             for (int k = 0; k < TILE_COLS / 16; k++)
                 a[g][k] = _mm512_mul_ps(acc[g][c0 / 16 + k], _mm512_set1_ps(corr[g]));
         for (int t = 0; t < n; t++) {
-            if (ahead && ahead->k && c0 == 0) { /* spread over the rows: a burst would stall on the miss buffers */
-                for (int i = 0; i < d * (int)esize; i += 64) {
-                    _mm_prefetch(ahead->k + t * stride * (int64_t)esize + i, _MM_HINT_T1);
-                    _mm_prefetch(ahead->v + t * stride * (int64_t)esize + i, _MM_HINT_T1);
-                }
-            }
+            /* spread over the rows: a burst would stall on the miss buffers */
+            if (c0 == 0) ask_ahead(ahead, t, stride * (int64_t)esize, d * (int)esize);
             row_tile((const char *)v_cache + (at + t * stride) * esize, c0, d, bf16, v);
             /* p[g][t] broadcast by the FMA itself from memory ({1to16}): compilers broadcast it into a
              * register first, an instruction more on the vector units that are the bottleneck here */
@@ -581,13 +586,7 @@ INLINE void amx_values(const Task *tk, Chunk c, int half, uint16_t (*vb)[16][32]
     const uint16_t *rows = (const uint16_t *)tk->v_cache + chunk_at(tk, c);
     for (int r = 0; r < LANES / 2; r++) {
         const int t = 2 * r;
-        if (ahead.k) {
-            for (int u = t; u < t + 2 && u < c.n; u++)
-                for (int i = 0; i < tk->d * 2; i += 64) {
-                    _mm_prefetch(ahead.k + u * ts * 2 + i, _MM_HINT_T1);
-                    _mm_prefetch(ahead.v + u * ts * 2 + i, _MM_HINT_T1);
-                }
-        }
+        for (int u = t; u < t + 2 && u < c.n; u++) ask_ahead(&ahead, u, ts * 2, tk->d * 2);
         for (int i = 0; i < tk->d; i += 32) {
             const __m512i a = _mm512_maskz_loadu_epi16(t < c.n ? ~0u : 0, rows + t * ts + i);
             const __m512i b = _mm512_maskz_loadu_epi16(t + 1 < c.n ? ~0u : 0, rows + (t + 1) * ts + i);
