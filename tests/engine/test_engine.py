@@ -133,7 +133,7 @@ def test_a_steps_layers_in_one_c_call_give_the_python_loops_bits(tmp_path, smoll
     """Models whose projections all run a C kernel (bf16 ones on AVX512-BF16 or AMX; in float32 the bf16
     checkpoint's weights stored in bf16) run a step's layers in one C call (kernels/cpu/decoder.py):
     prompts chunked and mixed with decodes, a qkv bias, a window narrower than the prompts; the same
-    tokens and logprob bits as the Python loop over the layers, and every step in C (on AMX tiles with
+    tokens and logprob bits as the Python loop over the layers, and every step in C (in bf16 with
     SiLU-and-mul in the gate_up kernel's epilogue). Where the projections run oneDNN (bf16 without
     AVX512-BF16) no step can, and both runs are the loop."""
     from batchapi.kernels.cpu import matmul
@@ -166,8 +166,8 @@ def test_a_steps_layers_in_one_c_call_give_the_python_loops_bits(tmp_path, smoll
     assert (len(ran) > 20 and all(ran)) if in_c_kernels else not any(ran)
     model = engine.runner.model
     assert (model._decoder_layers() is not None) == in_c_kernels
-    if in_c_kernels:  # on AMX tiles each gate_up ran SiLU-and-mul in its epilogue (linear_amx_silu)
-        assert model._decoder_layers().act_in_gate_up == (dtype == "bfloat16" and kinds["amx-bf16"] > 0)
+    if in_c_kernels:  # in bf16 each gate_up ran SiLU-and-mul in its epilogue (linear_bf16_silu, linear_amx_silu)
+        assert model._decoder_layers().act_in_gate_up == (dtype == "bfloat16")
     down = model.layers[-1].mlp.down_proj
     down.forward = down.forward  # as a profiler wraps it: the step must call it, so the loop runs
     assert model._decoder_layers() is None

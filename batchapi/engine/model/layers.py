@@ -105,5 +105,5 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj
         if self.act_and_mul is cpu_elementwise.silu_and_mul and getattr(gate_up, "fuses_silu", False):
-            return self.down_proj.forward(gate_up.silu_and_mul(x))  # on AMX tiles, SiLU in their epilogue
+            return self.down_proj.forward(gate_up.silu_and_mul(x))  # SiLU in the C kernel's epilogue
         return self.down_proj.forward(self.act_and_mul(gate_up.forward(x)))  # [T, H]

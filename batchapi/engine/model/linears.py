@@ -175,6 +175,17 @@ class Avx512Bf16Linear(CKernelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return matmul.linear_bf16(x, self.packed_weight, self.out_features, self.in_features, self.panel_bias)
 
+    @property
+    def fuses_silu(self) -> bool:
+        """Whether ``silu_and_mul`` runs here: no bias, halves of whole panels, and ``forward`` not
+        replaced on the instance (a profiler's wrapper must see the call)."""
+        return self.bias is None and self.out_features % (2 * matmul.PANEL) == 0 and "forward" not in self.__dict__
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``elementwise.silu_and_mul(self.forward(x))`` for a gated MLP's [gate; up] projection, in one
+        kernel (``matmul.linear_bf16_silu``): the same bits, the projection's outputs never written."""
+        return matmul.linear_bf16_silu(x, self.packed_weight, self.out_features, self.in_features)
+
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """``forward(x).argmax(-1)``, the outputs never written (a greedy step's lm_head)."""
         if self.screen is None:
@@ -216,15 +227,7 @@ class AmxBf16Linear(Avx512Bf16Linear):
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         return matmul.linear_amx_argmax(x, self.packed_weight, self.out_features, self.in_features, self.panel_bias)
 
-    @property
-    def fuses_silu(self) -> bool:
-        """Whether ``silu_and_mul`` runs here: no bias, halves of whole panels, and ``forward`` not
-        replaced on the instance (a profiler's wrapper must see the call)."""
-        return self.bias is None and self.out_features % (2 * matmul.PANEL) == 0 and "forward" not in self.__dict__
-
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """``elementwise.silu_and_mul(self.forward(x))`` for a gated MLP's [gate; up] projection, in one
-        kernel (``matmul.linear_amx_silu``): the same bits, the projection's outputs never written."""
         return matmul.linear_amx_silu(x, self.packed_weight, self.out_features, self.in_features)
 
 

@@ -145,7 +145,7 @@ def _load_matmul() -> ctypes.CDLL | None:
         lib.linear_bf16_native.restype = ctypes.c_int
         lib.linear_bf16_instructions.restype = ctypes.c_int
         lib.linear_bf16_instructions.argtypes = [ctypes.c_int]
-        for linear in (lib.linear_amx, lib.linear_amx_silu):
+        for linear in (lib.linear_bf16_silu, lib.linear_amx, lib.linear_amx_silu):
             linear.restype = ctypes.c_int
             linear.argtypes = lib.linear_bf16w.argtypes
         for argmax in (lib.linear_bf16w_argmax, lib.linear_bf16_argmax, lib.linear_amx_argmax):

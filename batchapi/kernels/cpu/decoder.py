@@ -18,13 +18,13 @@ import torch
 
 from batchapi.kernels.cpu import attention, build
 from batchapi.kernels.cpu.elementwise import MAX_ROTARY_DIM
-from batchapi.kernels.cpu.matmul import PANEL  # linear_amx_silu takes gate and up halves of whole panels
+from batchapi.kernels.cpu.matmul import PANEL  # the *_silu kernels take gate and up halves of whole panels
 
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 # matmul.c's entry points a projection may run, by the layers' dtype
 LINEAR_KERNELS = {torch.bfloat16: ("linear_bf16", "linear_amx"), torch.float32: ("linear_bf16w",)}
 # a gate_up projection's kernel -> the one that also runs SiLU-and-mul (the same bits, its outputs unwritten)
-WITH_ACT = {"linear_amx": "linear_amx_silu"}
+WITH_ACT = {"linear_bf16": "linear_bf16_silu", "linear_amx": "linear_amx_silu"}
 
 
 class _Kernels(ctypes.Structure):

@@ -240,20 +240,31 @@ def linear_amx(x: torch.Tensor, packed: torch.Tensor, out_features: int, in_feat
     return _pairs_call("linear_amx", x, packed, out_features, in_features, bias)
 
 
-def linear_amx_silu(x: torch.Tensor, packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+def linear_bf16_silu(x: torch.Tensor, packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
     """An MLP's gate and up projections and its SiLU-and-mul in one call: for ``packed = pack_pairs(w)`` of
-    ``w = [w_gate; w_up]`` [out_features, in_features] (``out_features`` a multiple of 32, ``in_features`` of
-    32), ``silu_and_mul(linear_amx(x, packed, ...))`` [..., out_features / 2], the same bits, without the
-    projections' outputs written. Only where ``native_amx()``."""
-    if in_features % 32 or out_features % (2 * PANEL):
-        raise ValueError(f"linear_amx_silu needs in_features a multiple of 32 and out_features of {2 * PANEL}, not "
-                         f"{in_features} and {out_features}")
-    lib, x2, rows, row_stride, _ = _pairs_args("linear_amx_silu", x, packed, out_features, in_features, None)
+    ``w = [w_gate; w_up]`` [out_features, in_features] (``out_features`` a multiple of 32),
+    ``silu_and_mul(linear_bf16(x, packed, ...))`` [..., out_features / 2], the same bits, without the
+    projections' outputs written. Only where ``native_bf16()``."""
+    return _silu_call("linear_bf16_silu", x, packed, out_features, in_features)
+
+
+def linear_amx_silu(x: torch.Tensor, packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """``linear_bf16_silu`` on AMX tiles (``in_features`` a multiple of 32): ``silu_and_mul(linear_amx(x,
+    packed, ...))``, the same bits. Only where ``native_amx()``."""
+    if in_features % 32:
+        raise ValueError(f"linear_amx_silu needs in_features a multiple of 32, not {in_features}")
+    return _silu_call("linear_amx_silu", x, packed, out_features, in_features)
+
+
+def _silu_call(name: str, x: torch.Tensor, packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    if out_features % (2 * PANEL):
+        raise ValueError(f"{name} needs out_features a multiple of {2 * PANEL}, not {out_features}")
+    lib, x2, rows, row_stride, _ = _pairs_args(name, x, packed, out_features, in_features, None)
     y = torch.empty(rows, out_features // 2, dtype=torch.bfloat16)
-    rc = lib.linear_amx_silu(x2.data_ptr(), row_stride, rows, packed.data_ptr(), out_features, in_features, None,
-                             y.data_ptr(), y.stride(0), torch.get_num_threads())
+    rc = getattr(lib, name)(x2.data_ptr(), row_stride, rows, packed.data_ptr(), out_features, in_features, None,
+                            y.data_ptr(), y.stride(0), torch.get_num_threads())
     if rc != 0:
-        raise RuntimeError(f"linear_amx_silu refused [{rows}, {in_features}] x [{out_features}, {in_features}]")
+        raise RuntimeError(f"{name} refused [{rows}, {in_features}] x [{out_features}, {in_features}]")
     return y.view(*x.shape[:-1], out_features // 2)
 
 

@@ -346,35 +346,47 @@ def test_amx_work_taken_from_other_threads_shares_gives_the_same_bits_and_choice
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize(("inter", "in_features"), [(1536, 576), (48, 64)])
-def test_amx_gate_up_with_silu_gives_silu_and_mul_of_its_outputs_bit_for_bit(inter, in_features):
-    """linear_amx_silu (an MLP's gate and up projections with SiLU-and-mul in their epilogue, where the
-    kernel has AMX tiles, else refused): the bits of elementwise.silu_and_mul on linear_amx's outputs,
-    at row counts about a tile's, on 1 and 2 threads, with rows of zeros, an infinite and a NaN input
-    and large values (SiLU's exp past its range); shapes whose halves are not whole panels refused."""
+@pytest.mark.parametrize(("kernel", "inter", "in_features"), [
+    (kernel, inter, in_features) for kernel in ("amx", "bf16-dpbf16", "bf16-fma")
+    for inter, in_features in ((1536, 576), (48, 64), (32, 33)) if kernel != "amx" or in_features % 32 == 0])
+def test_gate_up_with_silu_gives_silu_and_mul_of_its_outputs_bit_for_bit(kernel, inter, in_features):
+    """linear_amx_silu and linear_bf16_silu (an MLP's gate and up projections with SiLU-and-mul in their
+    epilogue, where the kernel has AMX tiles or AVX512-BF16, else refused; the latter with VDPBF16PS
+    and with its FMA form): the bits of elementwise.silu_and_mul on linear_amx's or linear_bf16's
+    outputs, at row counts about a tile's (32 rows on AMX, 12 on the vectors) and a chunk's (96), on
+    1 and 2 threads, with rows of zeros, an infinite and a NaN input and large values (SiLU's exp past
+    its range); shapes whose halves are not whole panels refused."""
     from batchapi.kernels.cpu import elementwise
 
+    amx = kernel == "amx"  # K in whole tiles of 32
+    linear, fused = (matmul.linear_amx, matmul.linear_amx_silu) if amx else (matmul.linear_bf16,
+                                                                            matmul.linear_bf16_silu)
     g = torch.Generator().manual_seed(5)
     weight = (torch.randn(2 * inter, in_features, generator=g) / in_features**0.5).bfloat16()
     packed = matmul.pack_pairs(weight)
     x = (3 * torch.randn(203, in_features, generator=g)).bfloat16()
     x[1], x[2, 0], x[3, 1], x[4, 2] = 0.0, float("inf"), float("nan"), 3e4
-    if not matmul.native_amx():
+    if not (matmul.native_amx() if amx else matmul.native_bf16()):
         with pytest.raises(RuntimeError, match="refused"):
-            matmul.linear_amx_silu(x, packed, 2 * inter, in_features)
+            fused(x, packed, 2 * inter, in_features)
         return
     threads = torch.get_num_threads()
+    instructions = None if amx else matmul.bf16_instructions()
     try:
+        if not amx:
+            matmul.bf16_instructions(kernel.removeprefix("bf16-"))
         for n in (1, 2):
             torch.set_num_threads(n)
-            for rows in (0, 1, 5, 31, 32, 33, 96, 203):
-                expected = elementwise.silu_and_mul(matmul.linear_amx(x[:rows], packed, 2 * inter, in_features, None))
-                got = matmul.linear_amx_silu(x[:rows], packed, 2 * inter, in_features)
+            for rows in (0, 1, 5, 11, 12, 13, 31, 32, 33, 96, 97, 203):
+                expected = elementwise.silu_and_mul(linear(x[:rows], packed, 2 * inter, in_features, None))
+                got = fused(x[:rows], packed, 2 * inter, in_features)
                 assert torch.equal(got.view(torch.int16), expected.view(torch.int16)), (rows, n)
     finally:
         torch.set_num_threads(threads)
+        if instructions:
+            matmul.bf16_instructions(instructions)
     with pytest.raises(ValueError, match="multiple"):
-        matmul.linear_amx_silu(x, matmul.pack_pairs(weight[:2 * inter - 16]), 2 * inter - 16, in_features)
+        fused(x, matmul.pack_pairs(weight[:2 * inter - 16]), 2 * inter - 16, in_features)
 
 
 @pytest.mark.parametrize("bias", [False, True])

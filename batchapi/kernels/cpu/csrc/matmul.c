@@ -280,9 +280,11 @@ int linear_bf16w_argmax(const float *x, int64_t xs, int64_t m, const uint16_t *p
  */
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define HAVE_AVX512BF16 1
+#include "silu16.h"
 #endif
 
 #define PAIR_TILE_ROWS 8
+#define SILU_TILE_ROWS 12 /* linear_bf16_silu's tiles: 12 rows by 2 panels, the 24 accumulators of 8 by 3 */
 #define PAIR_TILE_PANELS 3
 
 /* the pair of bf16 at p as one 32-bit word; `half` only the first (the odd K's last pair) */
@@ -355,7 +357,19 @@ INLINE void fold_panels(__m512 *v, int np, int cols, int64_t col0, Best best) {
 #ifdef HAVE_AVX512BF16
 /* a tile's fp32 sums acc[MR][NP] (rows by panels) + bias, rounded to bf16 and stored, or (best.value)
  * folded into the rows' greedy choices instead */
-#define PAIR_EPILOGUE(MR, NP)                                                                                  \
+#define PAIR_EPILOGUE(MR, NP, SILU)                                                                            \
+    if (SILU) { /* panel 0 a gate panel, panel 1 its up panel: silu_and_mul's bits on the outputs as stored */ \
+        const __mmask16 live = (__mmask16)(cols >= PANEL ? 0xffff : (1u << cols) - 1);                        \
+        _Pragma("GCC unroll 12") for (int r = 0; r < MR; r++) {                                                \
+            const __m512 gate = _mm512_castsi512_ps(                                                          \
+                _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(acc[r][0])), 16));       \
+            const __m512 up = _mm512_castsi512_ps(                                                            \
+                _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(acc[r][1])), 16));       \
+            const __m512i out = _mm512_srli_epi32(_mm512_castps_si512(silu_mul_bf16_16(gate, up)), 16);       \
+            _mm256_mask_storeu_epi16(y + r * ys, live, _mm512_cvtepi32_epi16(out));                          \
+        }                                                                                                     \
+        return;                                                                                               \
+    }                                                                                                         \
     if (best.value) { /* the rows' greedy choices instead of the outputs */                                   \
         for (int r = 0; r < MR; r++) {                                                                        \
             __m512 v[NP];                                                                                     \
@@ -365,7 +379,7 @@ INLINE void fold_panels(__m512 *v, int np, int cols, int64_t col0, Best best) {
         }                                                                                                     \
         return;                                                                                               \
     }                                                                                                         \
-    _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++)                                                      \
+    _Pragma("GCC unroll 12") for (int r = 0; r < MR; r++)                                                      \
         _Pragma("GCC unroll 3") for (int p = 0; p < NP; p++) {                                                \
             __m512 v = bias ? _mm512_add_ps(acc[r][p], _mm512_loadu_ps(bias + p * PANEL)) : acc[r][p];       \
             __m256i out = (__m256i)_mm512_cvtneps_pbh(v);                                                     \
@@ -396,7 +410,9 @@ INLINE void fold_panels(__m512 *v, int np, int cols, int64_t col0, Best best) {
     ROW_STEP(OP, A, 0, NP, AT(0)) ROW_STEP(OP, A, 1, NP, AT(1)) ROW_STEP(OP, A, 2, NP, AT(2))                 \
     ROW_STEP(OP, A, 3, NP, AT(3)) ROW_STEP(OP, A, 4, NP, AT(4)) ROW_STEP(OP, A, 5, NP, AT(5))                 \
     ROW_STEP(OP, A, 6, NP, AT(6)) ROW_STEP(OP, A, 7, NP, AT(7))
-#define PAIR_ROWS(NP, AT) ROWS_STEP(DP1, a, NP, AT)
+#define PAIR_ROWS(NP, AT)                                                                                      \
+    ROWS_STEP(DP1, a, NP, AT) ROW_STEP(DP1, a, 8, NP, AT(8)) ROW_STEP(DP1, a, 9, NP, AT(9))                    \
+    ROW_STEP(DP1, a, 10, NP, AT(10)) ROW_STEP(DP1, a, 11, NP, AT(11))
 /* one pair i of K: the panels' weights (and the next group's asked for), then every row */
 #define PAIR_STEP(NP, i, AT)                                                                                   \
     {                                                                                                          \
@@ -404,7 +420,7 @@ INLINE void fold_panels(__m512 *v, int np, int cols, int64_t col0, Best best) {
         const __m512 w1 = NP > 1 ? _mm512_loadu_ps(w + pstride + (i) * PANEL) : w0;                            \
         const __m512 w2 = NP > 2 ? _mm512_loadu_ps(w + 2 * pstride + (i) * PANEL) : w0;                        \
         if (next) /* the next group's panels into L2 while this one computes: 1.05-1.1x at 8-48 rows */       \
-            _Pragma("GCC unroll 3") for (int p = 0; p < PAIR_TILE_PANELS; p++)                                 \
+            _Pragma("GCC unroll 3") for (int p = 0; p < NP; p++)                                               \
                 _mm_prefetch((const char *)(next + p * pstride + (i) * PANEL), _MM_HINT_T1);                   \
         PAIR_ROWS(NP, AT)                                                                                      \
     }
@@ -412,12 +428,13 @@ INLINE void fold_panels(__m512 *v, int np, int cols, int64_t col0, Best best) {
 #define ACC_OUT(r)                                                                                             \
     if (r < mr) acc[r][0] = a##r##0, acc[r][1] = a##r##1, acc[r][2] = a##r##2; /* past NP: never read */
 
-#define PAIR_TILE(MR, NP)                                                                                      \
-    static void pair_tile_##MR##_##NP(const uint16_t *x, int64_t xs, const uint32_t *w, int64_t k,            \
+#define PAIR_TILE_AS(NAME, MR, NP, SILU)                                                                       \
+    static void NAME##_##MR##_##NP(const uint16_t *x, int64_t xs, const uint32_t *w, int64_t k,               \
                                       int64_t pstride, const float *bias, uint16_t *y, int64_t ys, int cols,    \
                                       const uint32_t *next, Best best, int64_t col0) {                           \
         const int mr = MR; /* the rows of the tile: the helpers' rows past it are dead code */              \
         ACC_ROW(0) ACC_ROW(1) ACC_ROW(2) ACC_ROW(3) ACC_ROW(4) ACC_ROW(5) ACC_ROW(6) ACC_ROW(7)               \
+        ACC_ROW(8) ACC_ROW(9) ACC_ROW(10) ACC_ROW(11) /* past MR: dead code */                                 \
         const int64_t whole = k / 2; /* pairs of two elements; K odd: a last one of one, its high half 0 */   \
         for (int64_t i = 0; i < whole; i++) {                                                                 \
             PAIR_STEP(NP, i, PAIR_IN_ROW)                                                                      \
@@ -427,10 +444,13 @@ INLINE void fold_panels(__m512 *v, int np, int cols, int64_t col0, Best best) {
             for (int r = 0; r < MR; r++) last[r] = pair_at(x + r * xs + 2 * whole, 1);                        \
             PAIR_STEP(NP, whole, PAIR_IN_LAST)                                                                 \
         }                                                                                                     \
-        __m512 acc[MR][PAIR_TILE_PANELS];                                                                     \
+        __m512 acc[SILU_TILE_ROWS][PAIR_TILE_PANELS];                                                         \
         ACC_OUT(0) ACC_OUT(1) ACC_OUT(2) ACC_OUT(3) ACC_OUT(4) ACC_OUT(5) ACC_OUT(6) ACC_OUT(7)                \
-        PAIR_EPILOGUE(MR, NP)                                                                                 \
+        ACC_OUT(8) ACC_OUT(9) ACC_OUT(10) ACC_OUT(11)                                                         \
+        PAIR_EPILOGUE(MR, NP, SILU)                                                                           \
     }
+#define PAIR_TILE(MR, NP) PAIR_TILE_AS(pair_tile, MR, NP, 0)
+#define PAIR_SILU_TILE(MR, NP) PAIR_TILE_AS(pair_silu_tile, MR, NP, 1)
 #define PAIR_IN_ROW(r) ((const uint32_t *)(x + (r) * xs + 2 * i))
 #define PAIR_IN_LAST(r) (last + (r))
 
@@ -445,12 +465,12 @@ INLINE void fold_panels(__m512 *v, int np, int cols, int64_t col0, Best best) {
  * a panel's pairs are split into its odd and even weights by a masked move (a mask register, not a
  * vector: 8 rows by 3 panels leave no vector spare) and a shift. The pair tile's 8 rows by 3 panels
  * (6 rows: 0.95-0.99x, 4 rows: 0.85x at 64-256 rows). */
-#define FMA_TILE(MR, NP)                                                                                       \
-    static void fma_tile_##MR##_##NP(const float *x, int64_t xs, const uint32_t *w, int64_t k,                \
+#define FMA_TILE_AS(NAME, MR, NP, SILU)                                                                        \
+    static void NAME##_##MR##_##NP(const float *x, int64_t xs, const uint32_t *w, int64_t k,                  \
                                      int64_t pstride, const float *bias, uint16_t *y, int64_t ys, int cols,     \
                                      const uint32_t *next, Best best, int64_t col0) {                            \
         __m512 acc[MR][NP];                                                                                   \
-        _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++)                                                  \
+        _Pragma("GCC unroll 12") for (int r = 0; r < MR; r++)                                                  \
             _Pragma("GCC unroll 3") for (int p = 0; p < NP; p++) acc[r][p] = _mm512_setzero_ps();             \
         const int64_t pairs = (k + 1) / 2;                                                                    \
         const unsigned csr = _mm_getcsr();                                                                    \
@@ -465,9 +485,9 @@ INLINE void fold_panels(__m512 *v, int np, int cols, int64_t col0, Best best) {
                 even[p] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));                                      \
             }                                                                                                 \
             if (next)                                                                                         \
-                _Pragma("GCC unroll 3") for (int p = 0; p < PAIR_TILE_PANELS; p++)                            \
+                _Pragma("GCC unroll 3") for (int p = 0; p < NP; p++)                                          \
                     _mm_prefetch((const char *)(next + p * pstride + i * PANEL), _MM_HINT_T1);                \
-            _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++) {                                            \
+            _Pragma("GCC unroll 12") for (int r = 0; r < MR; r++) {                                            \
                 const __m512 a1 = _mm512_set1_ps(x[r * xs + 2 * i + 1]), a0 = _mm512_set1_ps(x[r * xs + 2 * i]); \
                 _Pragma("GCC unroll 3") for (int p = 0; p < NP; p++) {                                        \
                     acc[r][p] = _mm512_fmadd_ps(a1, odd[p], acc[r][p]);                                       \
@@ -476,8 +496,10 @@ INLINE void fold_panels(__m512 *v, int np, int cols, int64_t col0, Best best) {
             }                                                                                                 \
         }                                                                                                     \
         _mm_setcsr(csr);                                                                                      \
-        PAIR_EPILOGUE(MR, NP)                                                                                 \
+        PAIR_EPILOGUE(MR, NP, SILU)                                                                           \
     }
+#define FMA_TILE(MR, NP) FMA_TILE_AS(fma_tile, MR, NP, 0)
+#define FMA_SILU_TILE(MR, NP) FMA_TILE_AS(fma_silu_tile, MR, NP, 1)
 #else
 #define PAIR_TILE(MR, NP)                                                                                      \
     static void pair_tile_##MR##_##NP(const uint16_t *x, int64_t xs, const uint32_t *w, int64_t k,            \
@@ -521,6 +543,10 @@ INLINE void fold_panels(__m512 *v, int np, int cols, int64_t col0, Best best) {
 #define TILE_ROW(NAME, NP) {0, NAME##_1_##NP, NAME##_2_##NP, NAME##_3_##NP, NAME##_4_##NP, NAME##_5_##NP, \
     NAME##_6_##NP, NAME##_7_##NP, NAME##_8_##NP}
 #define TILE_TABLE(NAME) {{0}, TILE_ROW(NAME, 1), TILE_ROW(NAME, 2), TILE_ROW(NAME, 3)}
+/* ... and for 1..SILU_TILE_ROWS rows by NP panels */
+#define TILES_OF_12(TILE, NP) TILES_OF(TILE, NP) TILE(9, NP) TILE(10, NP) TILE(11, NP) TILE(12, NP)
+#define TILE_ROW_12(NAME, NP) {0, NAME##_1_##NP, NAME##_2_##NP, NAME##_3_##NP, NAME##_4_##NP, NAME##_5_##NP, \
+    NAME##_6_##NP, NAME##_7_##NP, NAME##_8_##NP, NAME##_9_##NP, NAME##_10_##NP, NAME##_11_##NP, NAME##_12_##NP}
 
 TILES_OF(PAIR_TILE, 1)
 TILES_OF(PAIR_TILE, 2)
@@ -531,6 +557,12 @@ typedef void (*pair_tile_fn)(const uint16_t *, int64_t, const uint32_t *, int64_
 static const pair_tile_fn PAIR_TILES_BY[PAIR_TILE_PANELS + 1][PAIR_TILE_ROWS + 1] = TILE_TABLE(pair_tile);
 
 #ifdef HAVE_AVX512BF16
+/* SiLU-and-mul in the epilogue (linear_bf16_silu): a gate panel and its up panel, pstride apart */
+TILES_OF_12(PAIR_SILU_TILE, 2)
+static const pair_tile_fn PAIR_SILU_TILES[SILU_TILE_ROWS + 1] = TILE_ROW_12(pair_silu_tile, 2);
+#endif
+
+#ifdef HAVE_AVX512BF16
 TILES_OF(FMA_TILE, 1)
 TILES_OF(FMA_TILE, 2)
 TILES_OF(FMA_TILE, 3)
@@ -538,6 +570,8 @@ TILES_OF(FMA_TILE, 3)
 typedef void (*fma_tile_fn)(const float *, int64_t, const uint32_t *, int64_t, int64_t, const float *,
                             uint16_t *, int64_t, int, const uint32_t *, Best, int64_t);
 static const fma_tile_fn FMA_TILES_BY[PAIR_TILE_PANELS + 1][PAIR_TILE_ROWS + 1] = TILE_TABLE(fma_tile);
+TILES_OF_12(FMA_SILU_TILE, 2)
+static const fma_tile_fn FMA_SILU_TILES[SILU_TILE_ROWS + 1] = TILE_ROW_12(fma_silu_tile, 2);
 
 /* this thread's buffer of CHUNK_ROWS rows of `width` floats, kept across calls (NULL: no memory) */
 static float *widened_rows(int64_t width) {
@@ -586,12 +620,18 @@ int linear_bf16_instructions(int choice) {
     return __atomic_load_n(&pair_fma, __ATOMIC_RELAXED);
 }
 
-/* linear_bf16's work: outputs into y, or (chosen != NULL) each row's greedy choice into chosen[m] */
+/* linear_bf16's work: outputs into y, or (chosen != NULL) each row's greedy choice into chosen[m], or
+ * (silu) silu(gate) * up into y for a weight [gate; up], each half whole panels: a group is then gate
+ * panel g and up panel g (half the panels on), a tile of 2 panels */
 static int pair_linear(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *packed, int64_t n, int64_t k,
-                       const float *bias, uint16_t *y, int64_t ys, int threads, int64_t *chosen) {
-    if (m < 0 || n < 0 || k < 0 || xs < k || (!chosen && ys < n)) return -1;
+                       const float *bias, uint16_t *y, int64_t ys, int threads, int64_t *chosen, int silu) {
+    if (m < 0 || n < 0 || k < 0 || xs < k || (!chosen && ys < (silu ? n / 2 : n))) return -1;
+    if (silu && (bias || chosen || n % (2 * PANEL))) return -1;
     int64_t panels = (n + PANEL - 1) / PANEL, pstride = (k + 1) / 2 * PANEL;
-    int64_t groups = (panels + PAIR_TILE_PANELS - 1) / PAIR_TILE_PANELS;
+    int64_t groups = silu ? panels / 2 : (panels + PAIR_TILE_PANELS - 1) / PAIR_TILE_PANELS;
+#ifndef HAVE_AVX512BF16
+    if (silu) return -1;
+#endif
     int parallel = threads > 1 && m * n * k >= (1 << 19) && groups > 1, team = parallel ? threads : 1;
 #ifdef HAVE_AVX512BF16
     const int fma = __atomic_load_n(&pair_fma, __ATOMIC_RELAXED);
@@ -616,17 +656,28 @@ static int pair_linear(const uint16_t *x, int64_t xs, int64_t m, const uint32_t 
             if (wide) widen_rows(x + m0 * xs, xs, m1 - m0, k, wide, width); /* once, for all this thread's groups */
 #endif
             for (int64_t g = first; g < last; g++) {
-                int64_t p0 = g * PAIR_TILE_PANELS;
+                int64_t p0 = silu ? g : g * PAIR_TILE_PANELS;
                 int np = (int)(panels - p0 < PAIR_TILE_PANELS ? panels - p0 : PAIR_TILE_PANELS);
-                int cols = (int)(n - p0 * PANEL);
+                int cols = (int)((silu ? n / 2 : n) - p0 * PANEL);
                 /* the first row tile asks for the next group of this thread's, where that is a whole one */
-                int ahead = g + 1 < last && panels - p0 >= 2 * PAIR_TILE_PANELS;
-                for (int64_t r = m0; r < m1; r += PAIR_TILE_ROWS) {
-                    int rows = (int)(m1 - r < PAIR_TILE_ROWS ? m1 - r : PAIR_TILE_ROWS);
-                    const uint32_t *next = r == m0 && ahead ? packed + (p0 + PAIR_TILE_PANELS) * pstride : NULL;
+                int ahead = g + 1 < last && (silu || panels - p0 >= 2 * PAIR_TILE_PANELS);
+                const int tile_rows = silu ? SILU_TILE_ROWS : PAIR_TILE_ROWS;
+                for (int64_t r = m0; r < m1; r += tile_rows) {
+                    int rows = (int)(m1 - r < tile_rows ? m1 - r : tile_rows);
+                    const uint32_t *next = r == m0 && ahead ? packed + (p0 + (silu ? 1 : PAIR_TILE_PANELS)) * pstride
+                                                            : NULL;
                     const float *b = bias ? bias + p0 * PANEL : NULL;
                     uint16_t *out = chosen ? NULL : y + r * ys + p0 * PANEL;
 #ifdef HAVE_AVX512BF16
+                    if (silu) { /* the up panel half the panels on, where the tile's second panel lies */
+                        if (wide)
+                            FMA_SILU_TILES[rows](wide + (r - m0) * width, width, packed + p0 * pstride, k,
+                                                 panels / 2 * pstride, NULL, out, ys, cols, next, mine, 0);
+                        else
+                            PAIR_SILU_TILES[rows](x + r * xs, xs, packed + p0 * pstride, k, panels / 2 * pstride,
+                                                  NULL, out, ys, cols, next, mine, 0);
+                        continue;
+                    }
                     if (wide) {
                         FMA_TILES_BY[np][rows](wide + (r - m0) * width, width, packed + p0 * pstride, k, pstride, b,
                                                out, ys, cols, next, best_at(mine, r), p0 * PANEL);
@@ -647,7 +698,17 @@ static int pair_linear(const uint16_t *x, int64_t xs, int64_t m, const uint32_t 
  * [n] fp32 padded to whole panels (or NULL). Groups of 3 panels split between `threads` threads. */
 int linear_bf16(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *packed, int64_t n, int64_t k,
                 const float *bias, uint16_t *y, int64_t ys, int threads) {
-    return pair_linear(x, xs, m, packed, n, k, bias, y, ys, threads, NULL);
+    return pair_linear(x, xs, m, packed, n, k, bias, y, ys, threads, NULL, 0);
+}
+
+/* silu(x W_gate^T) * (x W_up^T) into y [m, n / 2] (stride ys), for W = [W_gate; W_up] [n, k] packed as
+ * linear_bf16 reads it, each half whole panels (n a multiple of 32), no bias: the bits of silu_and_mul
+ * (elementwise.c) on linear_bf16's outputs, without them written and read back. A tile is 8 rows by a
+ * gate panel and its up panel (the 3-panel tile's loop at two thirds of its width). -1 where the build
+ * has no AVX512-BF16, or the shapes are not these. */
+int linear_bf16_silu(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *packed, int64_t n, int64_t k,
+                     const float *bias, uint16_t *y, int64_t ys, int threads) {
+    return pair_linear(x, xs, m, packed, n, k, bias, y, ys, threads, NULL, 1);
 }
 
 /* argmax of linear_bf16's bf16 outputs for each row, into chosen[m] (int64), without writing them: the
@@ -657,7 +718,7 @@ int linear_bf16_argmax(const uint16_t *x, int64_t xs, int64_t m, const uint32_t 
                        const float *bias, int64_t *chosen, int threads) {
     if (m == 0) return 0; /* nothing to choose (chosen may be NULL) */
     if (chosen == NULL) return -1;
-    return pair_linear(x, xs, m, packed, n, k, bias, NULL, 0, threads, chosen);
+    return pair_linear(x, xs, m, packed, n, k, bias, NULL, 0, threads, chosen, 0);
 }
 
 /* A greedy lm_head screened in int8 first (linear_bf16_argmax_screened): the same choice as
@@ -826,7 +887,7 @@ static float bf16_below(float f) {
             const __m512 w0 = _mm512_loadu_ps(w);                                                             \
             const __m512 w1 = NP > 1 ? _mm512_loadu_ps(w + sc->pstride) : w0;                                 \
             const __m512 w2 = NP > 2 ? _mm512_loadu_ps(w + 2 * sc->pstride) : w0;                             \
-            PAIR_ROWS(NP, PAIR_OUT_ROW)                                                                        \
+            ROWS_STEP(DP1, a, NP, PAIR_OUT_ROW)                                                               \
         }                                                                                                     \
         __m512 acc[MR][PAIR_TILE_PANELS];                                                                     \
         SCREEN_OUT(0) SCREEN_OUT(1) SCREEN_OUT(2) SCREEN_OUT(3)                                               \
@@ -982,7 +1043,7 @@ static int screened_argmax(const uint16_t *x, int64_t xs, int64_t m, const uint3
     int finite_bias = 1; /* a NaN or infinite bias would make its column's bounds NaN */
     for (int64_t j = 0; bias && j < n; j++) finite_bias &= isfinite(bias[j]) != 0;
     if (k % 4 || k < 2 * SCREEN_PAIRS || !finite_bias || __atomic_load_n(&pair_fma, __ATOMIC_RELAXED))
-        return pair_linear(x, xs, m, packed, n, k, bias, NULL, 0, threads, chosen);
+        return pair_linear(x, xs, m, packed, n, k, bias, NULL, 0, threads, chosen, 0);
     const int64_t pstride = (k + 1) / 2 * PANEL;
     int parallel = threads > 1 && m * n * k >= (1 << 19) && groups > 1, team = parallel ? threads : 1;
     int32_t pairs[SCREEN_PAIRS];
@@ -1047,14 +1108,14 @@ static int screened_argmax(const uint16_t *x, int64_t xs, int64_t m, const uint3
     free(xq), free(xo), free(rows), free(bounds), free(taken), free(kept), free(kept_upper);
     if (!finite) {
         free(values), free(columns);
-        return pair_linear(x, xs, m, packed, n, k, bias, NULL, 0, threads, chosen);
+        return pair_linear(x, xs, m, packed, n, k, bias, NULL, 0, threads, chosen, 0);
     }
     best_finish(team, m, values, columns, chosen);
     if (exact) *exact = total;
     return 0;
 #else
     (void)quads, (void)stats, (void)w_norm;
-    return pair_linear(x, xs, m, packed, n, k, bias, NULL, 0, threads, chosen);
+    return pair_linear(x, xs, m, packed, n, k, bias, NULL, 0, threads, chosen, 0);
 #endif
 }
 
@@ -1070,7 +1131,6 @@ static int screened_argmax(const uint16_t *x, int64_t xs, int64_t m, const uint3
  * from earlier calls and never stored, and a row's bits depend on nothing but its own values.
  * Linux hands a process AMX's tile state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM). */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(HAVE_AVX512BF16)
-#include "silu16.h"
 #define HAVE_AMX 1
 #define AMX_ROWS 32
 #define AMX_L1_WEIGHTS (40 << 10) /* a group's weights (2 panels x K bf16) that L1 (48 KB) keeps beside x's lines */
