@@ -358,6 +358,7 @@ INLINE void fold_panels(__m512 *v, int np, int cols, int64_t col0, Best best) {
 /* a tile's fp32 sums acc[MR][NP] (rows by panels) + bias, rounded to bf16 and stored, or (best.value)
  * folded into the rows' greedy choices instead */
 #define PAIR_EPILOGUE(MR, NP, SILU)                                                                            \
+    const Best best = bestp ? *bestp : (Best){NULL, NULL, NULL};                                              \
     if (SILU) { /* panel 0 a gate panel, panel 1 its up panel: silu_and_mul's bits on the outputs as stored */ \
         const __mmask16 live = (__mmask16)(cols >= PANEL ? 0xffff : (1u << cols) - 1);                        \
         _Pragma("GCC unroll 12") for (int r = 0; r < MR; r++) {                                                \
@@ -430,8 +431,8 @@ INLINE void fold_panels(__m512 *v, int np, int cols, int64_t col0, Best best) {
 
 #define PAIR_TILE_AS(NAME, MR, NP, SILU)                                                                       \
     static void NAME##_##MR##_##NP(const uint16_t *x, int64_t xs, const uint32_t *w, int64_t k,               \
-                                      int64_t pstride, const float *bias, uint16_t *y, int64_t ys, int cols,    \
-                                      const uint32_t *next, Best best, int64_t col0) {                           \
+                                      int64_t pstride, const float *bias, uint16_t *y, int64_t ys, int cols,  \
+                                      const uint32_t *next, const Best *bestp, int64_t col0) {                \
         const int mr = MR; /* the rows of the tile: the helpers' rows past it are dead code */              \
         ACC_ROW(0) ACC_ROW(1) ACC_ROW(2) ACC_ROW(3) ACC_ROW(4) ACC_ROW(5) ACC_ROW(6) ACC_ROW(7)               \
         ACC_ROW(8) ACC_ROW(9) ACC_ROW(10) ACC_ROW(11) /* past MR: dead code */                                 \
@@ -467,8 +468,8 @@ INLINE void fold_panels(__m512 *v, int np, int cols, int64_t col0, Best best) {
  * (6 rows: 0.95-0.99x, 4 rows: 0.85x at 64-256 rows). */
 #define FMA_TILE_AS(NAME, MR, NP, SILU)                                                                        \
     static void NAME##_##MR##_##NP(const float *x, int64_t xs, const uint32_t *w, int64_t k,                  \
-                                     int64_t pstride, const float *bias, uint16_t *y, int64_t ys, int cols,     \
-                                     const uint32_t *next, Best best, int64_t col0) {                            \
+                                     int64_t pstride, const float *bias, uint16_t *y, int64_t ys, int cols,   \
+                                     const uint32_t *next, const Best *bestp, int64_t col0) {                 \
         __m512 acc[MR][NP];                                                                                   \
         _Pragma("GCC unroll 12") for (int r = 0; r < MR; r++)                                                  \
             _Pragma("GCC unroll 3") for (int p = 0; p < NP; p++) acc[r][p] = _mm512_setzero_ps();             \
@@ -503,8 +504,8 @@ INLINE void fold_panels(__m512 *v, int np, int cols, int64_t col0, Best best) {
 #else
 #define PAIR_TILE(MR, NP)                                                                                      \
     static void pair_tile_##MR##_##NP(const uint16_t *x, int64_t xs, const uint32_t *w, int64_t k,            \
-                                      int64_t pstride, const float *bias, uint16_t *y, int64_t ys, int cols,    \
-                                      const uint32_t *next, Best best, int64_t col0) {                           \
+                                      int64_t pstride, const float *bias, uint16_t *y, int64_t ys, int cols,  \
+                                      const uint32_t *next, const Best *bestp, int64_t col0) {                \
         float acc[MR][NP * PANEL];                                                                            \
         (void)next;                                                                                           \
         memset(acc, 0, sizeof acc);                                                                           \
@@ -525,6 +526,7 @@ INLINE void fold_panels(__m512 *v, int np, int cols, int64_t col0, Best best) {
             }                                                                                                 \
         }                                                                                                     \
         nearest_end(mode);                                                                                    \
+        const Best best = bestp ? *bestp : (Best){NULL, NULL, NULL};                                          \
         for (int r = 0; r < MR; r++)                                                                          \
             for (int j = 0; j < cols && j < NP * PANEL; j++) {                                                \
                 uint16_t out = f32_to_bf16_daz(acc[r][j] + (bias ? bias[j] : 0.0f));                          \
@@ -553,7 +555,7 @@ TILES_OF(PAIR_TILE, 2)
 TILES_OF(PAIR_TILE, 3)
 
 typedef void (*pair_tile_fn)(const uint16_t *, int64_t, const uint32_t *, int64_t, int64_t, const float *,
-                             uint16_t *, int64_t, int, const uint32_t *, Best, int64_t);
+                             uint16_t *, int64_t, int, const uint32_t *, const Best *, int64_t);
 static const pair_tile_fn PAIR_TILES_BY[PAIR_TILE_PANELS + 1][PAIR_TILE_ROWS + 1] = TILE_TABLE(pair_tile);
 
 #ifdef HAVE_AVX512BF16
@@ -568,7 +570,7 @@ TILES_OF(FMA_TILE, 2)
 TILES_OF(FMA_TILE, 3)
 
 typedef void (*fma_tile_fn)(const float *, int64_t, const uint32_t *, int64_t, int64_t, const float *,
-                            uint16_t *, int64_t, int, const uint32_t *, Best, int64_t);
+                            uint16_t *, int64_t, int, const uint32_t *, const Best *, int64_t);
 static const fma_tile_fn FMA_TILES_BY[PAIR_TILE_PANELS + 1][PAIR_TILE_ROWS + 1] = TILE_TABLE(fma_tile);
 TILES_OF_12(FMA_SILU_TILE, 2)
 static const fma_tile_fn FMA_SILU_TILES[SILU_TILE_ROWS + 1] = TILE_ROW_12(fma_silu_tile, 2);
@@ -668,24 +670,25 @@ static int pair_linear(const uint16_t *x, int64_t xs, int64_t m, const uint32_t 
                                                             : NULL;
                     const float *b = bias ? bias + p0 * PANEL : NULL;
                     uint16_t *out = chosen ? NULL : y + r * ys + p0 * PANEL;
+                    const Best row_best = best_at(mine, r); /* by pointer: a struct passed by value was a stall */
 #ifdef HAVE_AVX512BF16
                     if (silu) { /* the up panel half the panels on, where the tile's second panel lies */
                         if (wide)
                             FMA_SILU_TILES[rows](wide + (r - m0) * width, width, packed + p0 * pstride, k,
-                                                 panels / 2 * pstride, NULL, out, ys, cols, next, mine, 0);
+                                                 panels / 2 * pstride, NULL, out, ys, cols, next, NULL, 0);
                         else
                             PAIR_SILU_TILES[rows](x + r * xs, xs, packed + p0 * pstride, k, panels / 2 * pstride,
-                                                  NULL, out, ys, cols, next, mine, 0);
+                                                  NULL, out, ys, cols, next, NULL, 0);
                         continue;
                     }
                     if (wide) {
                         FMA_TILES_BY[np][rows](wide + (r - m0) * width, width, packed + p0 * pstride, k, pstride, b,
-                                               out, ys, cols, next, best_at(mine, r), p0 * PANEL);
+                                               out, ys, cols, next, chosen ? &row_best : NULL, p0 * PANEL);
                         continue;
                     }
 #endif
                     PAIR_TILES_BY[np][rows](x + r * xs, xs, packed + p0 * pstride, k, pstride, b, out, ys, cols,
-                                            next, best_at(mine, r), p0 * PANEL);
+                                            next, chosen ? &row_best : NULL, p0 * PANEL);
                 }
             }
         }
@@ -789,9 +792,10 @@ static void screen_exact(Screen *sc, int64_t r, int64_t g) {
     const int64_t p0 = g * PAIR_TILE_PANELS, panels = sc->npad / PANEL;
     const int np = (int)(panels - p0 < PAIR_TILE_PANELS ? panels - p0 : PAIR_TILE_PANELS);
     sc->exact++;
+    const Best row_best = best_at(sc->mine, r);
     PAIR_TILES_BY[np][1](sc->x + r * sc->xs, sc->xs, sc->packed + p0 * sc->pstride, sc->k, sc->pstride,
                          sc->bias ? sc->bias + p0 * PANEL : NULL, NULL, 0, (int)(sc->n - p0 * PANEL), NULL,
-                         best_at(sc->mine, r), p0 * PANEL);
+                         &row_best, p0 * PANEL);
 }
 
 /* row r's kept groups whose upper bound lies above `below` run exactly, in order; the list empties */
