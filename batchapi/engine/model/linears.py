@@ -228,6 +228,7 @@ class AmxBf16Linear(Avx512Bf16Linear):
         return matmul.linear_amx_argmax(x, self.packed_weight, self.out_features, self.in_features, self.panel_bias)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """As ``Avx512Bf16Linear.silu_and_mul``, on AMX tiles (``matmul.linear_amx_silu``)."""
         return matmul.linear_amx_silu(x, self.packed_weight, self.out_features, self.in_features)
 
 

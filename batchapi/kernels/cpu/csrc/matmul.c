@@ -361,7 +361,7 @@ INLINE void fold_panels(__m512 *v, int np, int cols, int64_t col0, Best best) {
     const Best best = bestp ? *bestp : (Best){NULL, NULL, NULL};                                              \
     if (SILU) { /* panel 0 a gate panel, panel 1 its up panel: silu_and_mul's bits on the outputs as stored */ \
         const __mmask16 live = (__mmask16)(cols >= PANEL ? 0xffff : (1u << cols) - 1);                        \
-        _Pragma("GCC unroll 12") for (int r = 0; r < MR; r++) {                                                \
+        _Pragma("GCC unroll 12") for (int r = 0; r < MR; r++) {                                               \
             const __m512 gate = _mm512_castsi512_ps(                                                          \
                 _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(acc[r][0])), 16));       \
             const __m512 up = _mm512_castsi512_ps(                                                            \
@@ -380,7 +380,7 @@ INLINE void fold_panels(__m512 *v, int np, int cols, int64_t col0, Best best) {
         }                                                                                                     \
         return;                                                                                               \
     }                                                                                                         \
-    _Pragma("GCC unroll 12") for (int r = 0; r < MR; r++)                                                      \
+    _Pragma("GCC unroll 12") for (int r = 0; r < MR; r++)                                                     \
         _Pragma("GCC unroll 3") for (int p = 0; p < NP; p++) {                                                \
             __m512 v = bias ? _mm512_add_ps(acc[r][p], _mm512_loadu_ps(bias + p * PANEL)) : acc[r][p];       \
             __m256i out = (__m256i)_mm512_cvtneps_pbh(v);                                                     \
@@ -471,7 +471,7 @@ INLINE void fold_panels(__m512 *v, int np, int cols, int64_t col0, Best best) {
                                      int64_t pstride, const float *bias, uint16_t *y, int64_t ys, int cols,   \
                                      const uint32_t *next, const Best *bestp, int64_t col0) {                 \
         __m512 acc[MR][NP];                                                                                   \
-        _Pragma("GCC unroll 12") for (int r = 0; r < MR; r++)                                                  \
+        _Pragma("GCC unroll 12") for (int r = 0; r < MR; r++)                                                 \
             _Pragma("GCC unroll 3") for (int p = 0; p < NP; p++) acc[r][p] = _mm512_setzero_ps();             \
         const int64_t pairs = (k + 1) / 2;                                                                    \
         const unsigned csr = _mm_getcsr();                                                                    \
@@ -488,7 +488,7 @@ INLINE void fold_panels(__m512 *v, int np, int cols, int64_t col0, Best best) {
             if (next)                                                                                         \
                 _Pragma("GCC unroll 3") for (int p = 0; p < NP; p++)                                          \
                     _mm_prefetch((const char *)(next + p * pstride + i * PANEL), _MM_HINT_T1);                \
-            _Pragma("GCC unroll 12") for (int r = 0; r < MR; r++) {                                            \
+            _Pragma("GCC unroll 12") for (int r = 0; r < MR; r++) {                                           \
                 const __m512 a1 = _mm512_set1_ps(x[r * xs + 2 * i + 1]), a0 = _mm512_set1_ps(x[r * xs + 2 * i]); \
                 _Pragma("GCC unroll 3") for (int p = 0; p < NP; p++) {                                        \
                     acc[r][p] = _mm512_fmadd_ps(a1, odd[p], acc[r][p]);                                       \
@@ -706,9 +706,9 @@ int linear_bf16(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *packed
 
 /* silu(x W_gate^T) * (x W_up^T) into y [m, n / 2] (stride ys), for W = [W_gate; W_up] [n, k] packed as
  * linear_bf16 reads it, each half whole panels (n a multiple of 32), no bias: the bits of silu_and_mul
- * (elementwise.c) on linear_bf16's outputs, without them written and read back. A tile is 8 rows by a
- * gate panel and its up panel (the 3-panel tile's loop at two thirds of its width). -1 where the build
- * has no AVX512-BF16, or the shapes are not these. */
+ * (elementwise.c) on linear_bf16's outputs, without them written and read back. A tile is 12 rows by a
+ * gate panel and its up panel (the 24 accumulators of the 8-row, 3-panel tile). -1 where the build has
+ * no AVX512-BF16, or the shapes are not these. */
 int linear_bf16_silu(const uint16_t *x, int64_t xs, int64_t m, const uint32_t *packed, int64_t n, int64_t k,
                      const float *bias, uint16_t *y, int64_t ys, int threads) {
     return pair_linear(x, xs, m, packed, n, k, bias, y, ys, threads, NULL, 1);
