@@ -323,6 +323,18 @@ INLINE void nearest_end(int mode) { fesetround(mode); }
 #endif
 
 #ifdef HAVE_AVX512BF16
+/* 16 fp32 sums as the layer stores them: rounded to bf16 (VCVTNEPS2BF16), widened back */
+INLINE __m512 as_stored(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+/* a row's 16 gate sums and their 16 up sums, each as stored, through silu_and_mul's arithmetic
+ * (silu16.h) into y's `live` columns: the epilogue of linear_bf16_silu's and linear_amx_silu's tiles */
+INLINE void store_silu16(__m512 gate, __m512 up, uint16_t *y, __mmask16 live) {
+    const __m512 both = silu_mul_bf16_16(as_stored(gate), as_stored(up)); /* already bf16: its high halves */
+    _mm256_mask_storeu_epi16(y, live, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(both), 16)));
+}
+
 /* a row's `np` panels of fp32 outputs (bias added), columns col0.. of which `cols` are live, folded
  * into row 0 of `best` as fold_value would fold them one by one after rounding to bf16, but in any
  * order of calls (a dealt unit may come after a later one): a tie keeps the first column, and the
@@ -333,7 +345,7 @@ INLINE void fold_panels(__m512 *v, int np, int cols, int64_t col0, Best best) {
     for (int p = 0; p < np; p++) {
         const int c = cols - p * PANEL;
         const __mmask16 live = (__mmask16)(c >= PANEL ? 0xffff : c > 0 ? (1u << c) - 1 : 0);
-        v[p] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v[p])), 16));
+        v[p] = as_stored(v[p]);
         const __mmask16 nan = _mm512_mask_cmp_ps_mask(live, v[p], v[p], _CMP_UNORD_Q);
         if (nan && (*best.nan < 0 || col0 + p * PANEL + __builtin_ctz(nan) < *best.nan))
             *best.nan = col0 + p * PANEL + __builtin_ctz(nan);
@@ -361,14 +373,8 @@ INLINE void fold_panels(__m512 *v, int np, int cols, int64_t col0, Best best) {
     const Best best = bestp ? *bestp : (Best){NULL, NULL, NULL};                                              \
     if (SILU) { /* panel 0 a gate panel, panel 1 its up panel: silu_and_mul's bits on the outputs as stored */ \
         const __mmask16 live = (__mmask16)(cols >= PANEL ? 0xffff : (1u << cols) - 1);                        \
-        _Pragma("GCC unroll 12") for (int r = 0; r < MR; r++) {                                               \
-            const __m512 gate = _mm512_castsi512_ps(                                                          \
-                _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(acc[r][0])), 16));       \
-            const __m512 up = _mm512_castsi512_ps(                                                            \
-                _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(acc[r][1])), 16));       \
-            const __m512i out = _mm512_srli_epi32(_mm512_castps_si512(silu_mul_bf16_16(gate, up)), 16);       \
-            _mm256_mask_storeu_epi16(y + r * ys, live, _mm512_cvtepi32_epi16(out));                          \
-        }                                                                                                     \
+        _Pragma("GCC unroll 12") for (int r = 0; r < MR; r++)                                                 \
+            store_silu16(acc[r][0], acc[r][1], y + r * ys, live);                                             \
         return;                                                                                               \
     }                                                                                                         \
     if (best.value) { /* the rows' greedy choices instead of the outputs */                                   \
@@ -1243,14 +1249,8 @@ static inline __attribute__((always_inline)) void amx_tile(const uint16_t *x, in
     }
     if (silu) { /* the outputs as stored (bf16), widened, through silu_and_mul's arithmetic */
         const __mmask16 live = (__mmask16)(cols >= PANEL ? 0xffff : (1u << cols) - 1);
-        for (int r = 0; r < rows; r++) {
-            const __m512 gate = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(&acc[r][0]))), 16));
-            const __m512 up = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(&acc[r][PANEL]))), 16));
-            const __m512i out = _mm512_srli_epi32(_mm512_castps_si512(silu_mul_bf16_16(gate, up)), 16);
-            _mm256_mask_storeu_epi16(y + r * ys, live, _mm512_cvtepi32_epi16(out));
-        }
+        for (int r = 0; r < rows; r++)
+            store_silu16(_mm512_load_ps(&acc[r][0]), _mm512_load_ps(&acc[r][PANEL]), y + r * ys, live);
         return;
     }
     for (int r = 0; r < rows; r++)
