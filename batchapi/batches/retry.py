@@ -121,7 +121,8 @@ def _unspent_or_refuse(ctx: Context, original: Batch) -> Decimal | None:
 def _unspent(ctx: Context, original: Batch) -> Decimal | None:
     """What the original's ``max_cost`` leaves for a retry: the cap less its own cost and less the
     cap of each earlier retry of it (a retry's cap bounds it and its own retries), so a batch and
-    all its retries together stay within the cap however often it is retried. None: no cap."""
+    all its retries together stay within the cap however often it is retried, but for what each
+    spends past its own cap as it stops (``spend_cap``). None: no cap."""
     if original.max_cost is None:
         return None
     with ctx.sessions() as session:

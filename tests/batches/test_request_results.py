@@ -4,6 +4,7 @@ when a worker completes the shard or the sweeper closes it (on PostgreSQL and SQ
 from __future__ import annotations
 
 import json
+from decimal import Decimal
 
 from sqlalchemy import func, select
 
@@ -87,6 +88,22 @@ def test_rows_are_counted_at_once_and_only_by_the_lease_owner(any_jobs):
     batch = batch_row(ctx, batch_id)
     assert (batch.request_completed, batch.request_failed, batch.input_tokens, batch.output_tokens) == (3, 1, 11, 11)
     assert rows_of(ctx, shard_id) == 0  # in the shard's objects now
+
+
+def test_the_spend_cap_stops_a_batch_with_requests_left_and_not_one_whose_every_request_ended(any_jobs):
+    ctx = any_jobs
+    stopped, ended = running_batch(ctx), running_batch(ctx)  # four requests each
+    for batch_id, shard_id, _ in (stopped, ended):
+        with session_scope(ctx.sessions) as session:
+            session.get(Batch, batch_id).max_cost = Decimal("0.000004")  # under two requests' cost
+        leases.claim(ctx, shard_id, "w1")
+    request_results.record(ctx, [Group(stopped[1], stopped[0], 1, [ok(0, 5), ok(1, 5)])], "w1")
+    batch = batch_row(ctx, stopped[0])
+    assert batch.status == BatchStatus.CANCELLING and batch.errors["data"][0]["code"] == "max_cost_reached"
+    # the group that passes the cap ends the last of its requests: nothing is left to cut short
+    request_results.record(ctx, [Group(ended[1], ended[0], 1, [ok(0, 5), ok(1, 5), ok(2, 5), refused(3)])], "w1")
+    batch = batch_row(ctx, ended[0])
+    assert (batch.status, batch.errors, batch.request_completed) == (BatchStatus.IN_PROGRESS, None, 3)
 
 
 def test_the_sweeper_keeps_finished_requests_of_a_shard_it_closes(any_jobs):

@@ -1,9 +1,11 @@
 """The spend cap: a batch created with ``max_cost`` stops, as a cancel stops it, once its cost
 reaches the cap. The check runs where usage is added (``request_results.add_counts``), in the
 same transaction and under the batch's row lock that UPDATE took, so the cost it reads is the
-batch's own up to that moment. Requests already running when the cap is reached are cut short
-as a cancel cuts them (their cost is never more than what finished before the stop); every
-finished request is kept, and the batch's ``errors`` say why it stopped (``max_cost_reached``).
+batch's own up to that moment. Requests still running when the cap is reached are cut short as a
+cancel cuts them; every finished request is kept and charged, so the cost may pass the cap by what
+finished as it was reached (the rest of the group of results that reached it, and what other
+workers finish before they see the stop). The batch's ``errors`` say why it stopped
+(``max_cost_reached``). A batch with nothing left to run is not stopped: it ends as it would.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ def stop_at_cap(session: Session, batch_id: str) -> bool:
     ).scalar_one()
     if batch.max_cost is None or batch.status != BatchStatus.IN_PROGRESS:
         return False
+    if batch.request_completed + batch.request_failed >= batch.request_total:
+        return False  # every request has ended: a cancel would cut nothing short
     spent = cost(batch).amount
     if spent < batch.max_cost:
         return False
