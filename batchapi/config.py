@@ -92,7 +92,12 @@ class Settings(BaseSettings):
     # one upload; unset: max_file_bytes (a larger upload would only fail validation later)
     max_upload_bytes: int | None = Field(default=None, ge=1)
     validation_lease_seconds: int = Field(default=300, ge=5)
-    # list prices per 1M tokens for the served model; unset: the table in batchapi/batches/billing.py
+    # list prices per 1M tokens of any model by its id, as JSON: {"model-id": {"input": "0.2",
+    # "cached_input": "0.1", "output": "0.6"}}, each field optional; over the table in
+    # batchapi/batches/billing.py
+    prices: dict[str, dict[Literal["input", "cached_input", "output"], Annotated[Decimal, Field(ge=0)]]] = Field(
+        default_factory=dict)
+    # list prices per 1M tokens of the chat model (BATCHAPI_MODEL), over both of those
     price_input_per_mtok: Decimal | None = Field(default=None, ge=0)
     price_cached_input_per_mtok: Decimal | None = Field(default=None, ge=0)
     price_output_per_mtok: Decimal | None = Field(default=None, ge=0)

@@ -15,6 +15,7 @@ from decimal import ROUND_HALF_EVEN, Decimal
 from batchapi.batches.states import BatchStatus
 from batchapi.config import Settings
 from batchapi.db.models import Batch
+from batchapi.models.registry import served_model_id
 
 MILLION = Decimal(1_000_000)
 CENT_FRACTION = Decimal("0.00000001")  # amounts are kept to 1e-8 of the currency unit
@@ -40,12 +41,17 @@ DEFAULT_PRICE = Price(Decimal("0.10"), Decimal("0.05"), Decimal("0.40"))
 
 
 def price_for(settings: Settings, model_id: str) -> Price:
-    """The list price of ``model_id``; settings override the table field by field."""
-    base = PRICES.get(model_id.lower(), DEFAULT_PRICE)
+    """The list price of ``model_id``: the table's, with ``BATCHAPI_PRICES``' fields for it over
+    them, and for the chat model (``BATCHAPI_MODEL``) the ``BATCHAPI_PRICE_*`` settings over those."""
+    key = model_id.lower()
+    base = PRICES.get(key, DEFAULT_PRICE)
+    listed = next((fields for name, fields in settings.prices.items() if name.lower() == key), {})
+    chat = key == served_model_id(settings).lower()
     return Price(
-        input=_pick(settings.price_input_per_mtok, base.input),
-        cached_input=_pick(settings.price_cached_input_per_mtok, base.cached_input),
-        output=_pick(settings.price_output_per_mtok, base.output),
+        input=_pick(settings.price_input_per_mtok if chat else None, listed.get("input", base.input)),
+        cached_input=_pick(settings.price_cached_input_per_mtok if chat else None,
+                           listed.get("cached_input", base.cached_input)),
+        output=_pick(settings.price_output_per_mtok if chat else None, listed.get("output", base.output)),
         currency=base.currency,
     )
 
