@@ -170,8 +170,9 @@ class DryRunErrors(BaseModel):
 class DryRunObject(BaseModel):
     """Beyond OpenAI (docs/API_EXTENSIONS.md, "Dry runs"): what a batch of the file would meet.
     ``valid`` false: ``errors`` would fail it. ``prompt_tokens`` are exact; ``max_output_tokens``
-    the max_tokens bound; ``estimated_completion_at`` null until the fleet has a measured rate;
-    ``quota`` the error that would fail it as it starts (``token_limit_exceeded``, ...), or null."""
+    the max_tokens bound; ``enqueued_tokens`` what a quota counts for it as it starts (validation's
+    bounds); ``estimated_completion_at`` null until the fleet has a measured rate; ``quota`` the
+    error that would fail it as it starts (``token_limit_exceeded``, ...), or null."""
 
     object: Literal["batch.dry_run"] = "batch.dry_run"
     input_file_id: str
@@ -184,6 +185,7 @@ class DryRunObject(BaseModel):
     request_counts: RequestCounts
     prompt_tokens: int
     max_output_tokens: int
+    enqueued_tokens: int
     estimated_cost: Cost | None
     estimated_completion_at: int | None
     fleet_tokens_per_second: float | None
@@ -198,7 +200,7 @@ class DryRunObject(BaseModel):
             request_errors=run.request_errors,
             request_counts=RequestCounts(total=run.request_total, completed=0, failed=0),
             prompt_tokens=run.prompt_tokens, max_output_tokens=run.max_output_tokens,
-            estimated_cost=Cost(**run.estimated_cost.as_dict()) if run.estimated_cost else None,
+            enqueued_tokens=run.enqueued_tokens, estimated_cost=Cost(**run.estimated_cost.as_dict()) if run.estimated_cost else None,
             estimated_completion_at=run.estimated_completion_at,
             fleet_tokens_per_second=round(run.fleet_rate, 1) if run.fleet_rate is not None else None,
             quota={"code": run.quota[0], "message": run.quota[1]} if run.quota else None,

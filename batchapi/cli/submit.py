@@ -76,7 +76,8 @@ def _dry_run(client, file_id: str, endpoint: str, priority: int, show: int, cons
         console.print(f"{refused['total']} request(s) would be refused alone (a 400 each), e.g. line "
                       f"{refused['data'][0]['line']}: {refused['data'][0]['message']}", soft_wrap=True)
     if run["quota"]:
-        console.print(f"[bold]over quota[/bold]: {run['quota']['code']}: {run['quota']['message']}", soft_wrap=True)
+        console.print(f"[bold]over quota[/bold] ({run['enqueued_tokens']} enqueued tokens as it starts): "
+                      f"{run['quota']['code']}: {run['quota']['message']}", soft_wrap=True)
         return 1
     return 0
 

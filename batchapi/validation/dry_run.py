@@ -4,7 +4,8 @@ The file is scanned as validation scans it (its line errors and refused bodies),
 prompt is tokenized as the background count does, so the prompt tokens are exact; the cost is
 that of those tokens and the max_tokens bound at the price in force; the completion is where
 the plan (``fair_share``) puts a batch of that work behind what is queued now, at the fleet's
-measured rate; and the quota check says whether it would start. Nothing is written.
+measured rate; and the quota check says whether it would start, on the tokens the start counts
+(validation's bounds, not the exact prompts). Nothing is written.
 
 A dry run reads and tokenizes the whole file on an API thread, so each project runs one at a
 time in each API process (a second one meanwhile is a 429), and one project's dry runs cannot
@@ -45,6 +46,7 @@ class DryRun:
     request_total: int
     prompt_tokens: int  # exact
     max_output_tokens: int  # the max_tokens bound
+    enqueued_tokens: int  # what a quota counts as it starts: validation's prompt and max_tokens bounds
     estimated_cost: Cost | None
     estimated_completion_at: int | None  # None: the fleet has no measured rate yet
     fleet_rate: float | None  # estimated tokens per second
@@ -81,15 +83,16 @@ def _run(ctx: Context, project_id: str, input_file_id: str, endpoint: str, windo
     if isinstance(result, list) or result.errors:
         errors = result if isinstance(result, list) else result.errors
         report = None if isinstance(result, list) else result.request_report
-        return DryRun(input_file_id, endpoint, window, model, errors, report, 0, 0, 0, None, None, None, None)
+        return DryRun(input_file_id, endpoint, window, model, errors, report, 0, 0, 0, 0, None, None, None, None)
     prompt, output = _exact(ctx, file.storage_key, endpoint, result)
     price = price_for(ctx.settings, result.model)
     full = list_amount(price, prompt, 0, output)
     cost = Cost(price.currency, discounted(full, ctx.settings.batch_discount_percent), full)
     t = time.time()
     with ctx.sessions() as session:
-        over = quotas.refusal(session, ctx.settings, project_id, "", {result.model or "": prompt + output},
-                              lock=False)
+        # the quota counts what the start counts: validation's bounds, not the exact prompts
+        enqueued = result.enqueued()
+        over = quotas.refusal(session, ctx.settings, project_id, "", enqueued, lock=False)
         rate = fair_share.fleet_rate(session, t, ctx.settings.fair_share_window_seconds)
         eta = None
         if rate is not None:
@@ -97,7 +100,7 @@ def _run(ctx: Context, project_id: str, input_file_id: str, endpoint: str, windo
             batches, weights = fair_share.queued(session, [mine])
             eta = round(fair_share.finish_times(batches, weights, rate, t)[""])
     return DryRun(input_file_id, endpoint, window, result.model, [], result.request_report, result.request_count,
-                  prompt, output, cost, eta, rate, (str(over[0]), over[1]) if over else None)
+                  prompt, output, sum(enqueued.values()), cost, eta, rate, (str(over[0]), over[1]) if over else None)
 
 
 def _exact(ctx: Context, key: str, endpoint: str, result: ScanResult) -> tuple[int, int]:

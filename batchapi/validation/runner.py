@@ -126,8 +126,7 @@ def _start(ctx: Context, batch_id: str, result: ScanResult) -> str:
     with session_scope(ctx.sessions) as session:
         project_id, per_model = session.execute(
             select(Batch.project_id, Batch.per_model).where(Batch.id == batch_id)).one()
-        over = quotas.refusal(session, ctx.settings, project_id, batch_id,
-                              {model or result.model or "": sum(pair) for model, pair in result.estimates().items()})
+        over = quotas.refusal(session, ctx.settings, project_id, batch_id, result.enqueued())
         if over is not None:
             moved = states.transition(session, batch_id, BatchStatus.FAILED, sources={BatchStatus.VALIDATING},
                                       errors={"object": "list", "data": [LineError(*over).as_dict()]},

@@ -105,6 +105,10 @@ class ScanResult:
             out[shard.model] = (prompt + shard.prompt_tokens, output + shard.estimated_output_tokens)
         return out
 
+    def enqueued(self) -> dict[str, int]:
+        """Per model, the tokens a quota counts for this batch as it starts (``estimates``)."""
+        return {model or self.model or "": sum(pair) for model, pair in self.estimates().items()}
+
     @property
     def request_report(self) -> dict | None:
         """The batch's ``request_errors``: None when every body was good."""

@@ -167,6 +167,21 @@ def test_a_dry_run_tells_exact_prompt_tokens_cost_completion_and_quota_and_runs_
     assert dry_run(server, key, file.id).json()["quota"]["code"] == "token_limit_exceeded"
 
 
+def test_a_dry_runs_quota_counts_what_the_start_counts(server, client, key, model):
+    lines = [request_line(f"r{i}", model, "Say hello, twice.") for i in range(2)]  # no max_tokens: the context
+    file = client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+    run = dry_run(server, key, file.id).json()
+    exact = run["prompt_tokens"] + run["max_output_tokens"]
+    assert run["quota"] is None and run["enqueued_tokens"] > exact  # validation bounds prompts by their bytes
+    limit(server, key, enqueued_tokens=exact)  # the exact counts fit, what the start counts does not
+    run = dry_run(server, key, file.id).json()
+    assert run["quota"]["code"] == "token_limit_exceeded"
+    assert f"this batch: {run['enqueued_tokens']:,}" in run["quota"]["message"]
+    batch = wait_for_batch(client, client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
+                                                         completion_window="24h").id)
+    assert batch.status == "failed" and batch.errors.data[0].message == run["quota"]["message"]
+
+
 def test_a_dry_run_of_a_bad_file_names_its_lines(server, client, key, model):
     good = json.dumps(request_line("a", model)).encode()
     file = client.files.create(file=("bad.jsonl", good + b"\n{not json\n"), purpose="batch")
