@@ -32,7 +32,7 @@ from batchapi.context import Context
 from batchapi.db.clock import now
 from batchapi.db.models import Batch, File, RequestResult, Shard
 from batchapi.db.session import session_scope
-from batchapi.errors import TRANSIENT, InvalidRequest, NotFound
+from batchapi.errors import TRANSIENT, Conflict, InvalidRequest, NotFound
 from batchapi.openai.body import MESSAGES
 from batchapi.openai.lines import is_blank, iter_lines, peek_line
 from batchapi.openai.message_requests import Written, line_head, read_requests
@@ -45,6 +45,7 @@ MAX_REQUESTS = 100_000
 MAX_BODY_BYTES = 256 * 1024 * 1024
 WINDOW = "24h"
 # what a request of a batch that ended before it ran ends as
+NOTHING_TO_CANCEL = TERMINAL | {BatchStatus.FINALIZING}
 UNRUN = {BatchStatus.CANCELLED: {"type": "canceled"}, BatchStatus.EXPIRED: {"type": "expired"}}
 
 
@@ -142,11 +143,19 @@ def list_page(ctx: Context, project_id: str, limit: int, after_id: str | None,
 
 
 def cancel(ctx: Context, project_id: str, message_batch_id: str) -> Batch:
-    """Cancel; a batch that already ended is returned as it is, as Anthropic does."""
+    """Cancel; a batch that already ended is returned as it is, as Anthropic does, and so is one
+    whose every request has ended (its results being gathered, still ``in_progress`` to
+    Anthropic's client): there is nothing left to cut short, here or if it ends meanwhile."""
     batch = get(ctx, project_id, message_batch_id)
-    if batch.status in TERMINAL:
+    if batch.status in NOTHING_TO_CANCEL:
         return batch
-    return service.cancel_batch(ctx, project_id, batch.id)
+    try:
+        return service.cancel_batch(ctx, project_id, batch.id)
+    except Conflict:
+        batch = get(ctx, project_id, message_batch_id)
+        if batch.status in NOTHING_TO_CANCEL:
+            return batch
+        raise
 
 
 def delete(ctx: Context, project_id: str, message_batch_id: str) -> str:

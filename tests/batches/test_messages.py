@@ -10,7 +10,8 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.exc import OperationalError
 
-from batchapi.batches import messages
+from batchapi.batches import messages, service, states
+from batchapi.batches.states import BatchStatus
 from batchapi.db.models import Batch, File
 from batchapi.db.projects import get_or_create_project
 from batchapi.db.session import session_scope
@@ -98,3 +99,23 @@ def test_an_error_after_the_batch_is_in_keeps_its_input(sqlite_jobs, project, mo
     with sqlite_jobs.sessions() as session:
         batch = session.scalar(select(Batch).where(Batch.project_id == project))
     assert batch is not None and [f.id for f in live_files(sqlite_jobs, project)] == [batch.input_file_id]
+
+
+def test_a_batch_whose_requests_all_ended_is_returned_by_a_cancel_as_it_is(sqlite_jobs, project, monkeypatch):
+    ctx = sqlite_jobs
+    gathering, ending = (messages.create(ctx, project, body(2, served_model_id(ctx.settings))).id for _ in range(2))
+    with session_scope(ctx.sessions) as session:
+        session.get(Batch, gathering).status = BatchStatus.FINALIZING  # its results being gathered
+        session.get(Batch, ending).status = BatchStatus.IN_PROGRESS
+    assert messages.cancel(ctx, project, messages.public_id(gathering)).status == BatchStatus.FINALIZING
+
+    cancel_batch = service.cancel_batch
+
+    def ends_first(ctx, project_id, bid):  # the batch ends between the cancel's look and its cancel
+        with session_scope(ctx.sessions) as session:
+            assert states.transition(session, bid, BatchStatus.FINALIZING)
+            assert states.transition(session, bid, BatchStatus.COMPLETED)
+        return cancel_batch(ctx, project_id, bid)
+
+    monkeypatch.setattr(service, "cancel_batch", ends_first)
+    assert messages.cancel(ctx, project, messages.public_id(ending)).status == BatchStatus.COMPLETED
