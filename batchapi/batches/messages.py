@@ -131,6 +131,7 @@ def list_page(ctx: Context, project_id: str, limit: int, after_id: str | None,
               before_id: str | None) -> tuple[list[Batch], bool]:
     """Newest first, as Anthropic lists: ``after_id`` pages to older batches, ``before_id`` to the
     ``limit`` newer ones just before it; whether more follow in that direction."""
+    before_id, after_id = before_id or None, after_id or None  # an empty cursor is none
     if after_id is not None and before_id is not None:
         raise InvalidRequest("give at most one of before_id and after_id", "before_id")
     cursor = before_id or after_id

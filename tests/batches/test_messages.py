@@ -119,3 +119,10 @@ def test_a_batch_whose_requests_all_ended_is_returned_by_a_cancel_as_it_is(sqlit
 
     monkeypatch.setattr(service, "cancel_batch", ends_first)
     assert messages.cancel(ctx, project, messages.public_id(ending)).status == BatchStatus.COMPLETED
+
+
+def test_an_empty_cursor_lists_the_newest_page(sqlite_jobs, project):
+    ids = [messages.create(sqlite_jobs, project, body(1, served_model_id(sqlite_jobs.settings))).id for _ in range(3)]
+    for before_id, after_id in ((None, None), ("", None), (None, ""), ("", "")):
+        rows, more = messages.list_page(sqlite_jobs, project, 2, after_id, before_id)
+        assert ([r.id for r in rows], more) == (ids[::-1][:2], True), (before_id, after_id)
