@@ -227,6 +227,6 @@ def usage(batch: Batch) -> dict:
         "input_tokens": batch.input_tokens,
         "input_tokens_details": {"cached_tokens": batch.cached_tokens},
         "output_tokens": batch.output_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": batch.reasoning_tokens},
         "total_tokens": batch.input_tokens + batch.output_tokens,
     }

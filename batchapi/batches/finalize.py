@@ -25,9 +25,10 @@ from batchapi.storage.keys import batch_error_key, batch_output_key
 
 log = logging.getLogger(__name__)
 
-SUMMED = ("completed_count", "failed_count", "unrun_count", "input_tokens", "cached_tokens", "output_tokens")  # shards
+SUMMED = ("completed_count", "failed_count", "unrun_count", "input_tokens", "cached_tokens", "output_tokens",
+          "reasoning_tokens")  # shards
 BATCH_COLUMNS = ("request_completed", "request_failed", "request_unrun", "input_tokens", "cached_tokens",
-                 "output_tokens")
+                 "output_tokens", "reasoning_tokens")
 # the states a finalizer may end a batch from (``completed`` only after its own ``finalizing``)
 FROM = {
     BatchStatus.COMPLETED: {BatchStatus.FINALIZING},

@@ -66,6 +66,7 @@ class Outcome:
     # seq -> the usage a request answered without running (a copy of another of the shard) had:
     # counted as saved where its row is not stored yet (a stored row counted it when written)
     saved: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    reasoning_tokens: int = 0  # of the output tokens, those spent thinking
 
 
 def _runnable_batches(t: int):
@@ -251,6 +252,7 @@ def complete(ctx: Context, claimed: Claimed, owner: str, outcome: Outcome, outpu
                 error_key=error_key, last_error=total.reason, completed_count=total.completed,
                 failed_count=total.failed, unrun_count=total.unrun, input_tokens=total.input_tokens,
                 cached_tokens=total.cached_tokens, output_tokens=total.output_tokens,
+                reasoning_tokens=total.reasoning_tokens,
             )
             .execution_options(synchronize_session=False)
         )
@@ -259,7 +261,7 @@ def complete(ctx: Context, claimed: Claimed, owner: str, outcome: Outcome, outpu
         rest = request_results.Counted(
             total.completed - stored.completed, total.failed - stored.failed,
             total.input_tokens - stored.input_tokens, total.cached_tokens - stored.cached_tokens,
-            total.output_tokens - stored.output_tokens,
+            total.output_tokens - stored.output_tokens, total.reasoning_tokens - stored.reasoning_tokens,
         )
         if cache_entries:
             result_cache.store(session, ctx.settings, claimed.batch_id, cache_entries)
@@ -284,7 +286,7 @@ def _with_stored(claimed: Claimed, outcome: Outcome, stored: request_results.Cou
     never_run = max(outcome.failed - stored.total, 0)
     return Outcome(
         stored.completed, stored.failed + never_run, stored.input_tokens, stored.cached_tokens, stored.output_tokens,
-        outcome.reason, never_run if outcome.reason in CUT_OFF else 0,
+        outcome.reason, never_run if outcome.reason in CUT_OFF else 0, reasoning_tokens=stored.reasoning_tokens,
     )
 
 

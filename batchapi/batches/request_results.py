@@ -48,6 +48,7 @@ class Finished:
     # answered from the result cache (``result_cache``): charged nothing, so its usage above is 0;
     # the usage it had (input, cached, output tokens), which the batch shows as saved
     saved: tuple[int, int, int] | None = None
+    reasoning_tokens: int = 0  # of its output tokens, those spent thinking
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class Counted:
     input_tokens: int = 0
     cached_tokens: int = 0
     output_tokens: int = 0
+    reasoning_tokens: int = 0
 
     @property
     def total(self) -> int:
@@ -68,7 +70,7 @@ class Counted:
 def _counted(rows: list[Finished]) -> Counted:
     ok = [r for r in rows if r.succeeded]
     return Counted(len(ok), len(rows) - len(ok), sum(r.input_tokens for r in ok), sum(r.cached_tokens for r in ok),
-                   sum(r.output_tokens for r in ok))
+                   sum(r.output_tokens for r in ok), sum(r.reasoning_tokens for r in ok))
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,7 @@ def record(ctx: Context, groups: list[Group], owner: str) -> set[str]:
                 _insert_new(session).values([
                     dict(shard_id=group.shard_id, seq=r.seq, succeeded=r.succeeded, line=r.line,
                          input_tokens=r.input_tokens, cached_tokens=r.cached_tokens, output_tokens=r.output_tokens,
+                         reasoning_tokens=r.reasoning_tokens,
                          attempt=group.attempt)
                     for r in group.rows
                 ]).on_conflict_do_nothing(index_elements=[RequestResult.shard_id, RequestResult.seq])
@@ -161,6 +164,7 @@ def add_counts(session: Session, batch_id: str, c: Counted, unrun: int = 0, mode
             input_tokens=Batch.input_tokens + c.input_tokens,
             cached_tokens=Batch.cached_tokens + c.cached_tokens,
             output_tokens=Batch.output_tokens + c.output_tokens,
+            reasoning_tokens=Batch.reasoning_tokens + c.reasoning_tokens,
             **_saved_values(saved or []),
         )
         .returning(Batch.per_model, Batch.max_cost)
@@ -185,7 +189,8 @@ def counted(session: Session, shard_id: str) -> Counted:
         select(
             func.count().filter(ok), func.count().filter(~ok),
             *(func.coalesce(func.sum(c), 0) for c in
-              (RequestResult.input_tokens, RequestResult.cached_tokens, RequestResult.output_tokens)),
+              (RequestResult.input_tokens, RequestResult.cached_tokens, RequestResult.output_tokens,
+               RequestResult.reasoning_tokens)),
         ).where(RequestResult.shard_id == shard_id)
     ).one()
     return Counted(*(int(v) for v in row))
@@ -202,7 +207,8 @@ def forget(session: Session, shard_id: str) -> None:
 
 
 def _finished(row: RequestResult) -> Finished:
-    return Finished(row.seq, row.succeeded, row.line, row.input_tokens, row.cached_tokens, row.output_tokens)
+    return Finished(row.seq, row.succeeded, row.line, row.input_tokens, row.cached_tokens, row.output_tokens,
+                    reasoning_tokens=row.reasoning_tokens)
 
 
 def stored(ctx: Context, shard_id: str) -> dict[int, Finished]:

@@ -150,6 +150,7 @@ class Batch(Base):
     input_tokens: Mapped[int] = mapped_column(default=0)
     cached_tokens: Mapped[int] = mapped_column(default=0)
     output_tokens: Mapped[int] = mapped_column(default=0)
+    reasoning_tokens: Mapped[int] = mapped_column(default=0, server_default="0")  # of the output: thinking
 
     # estimates from validation: prompt tokens of every request and the max_tokens bound
     estimated_input_tokens: Mapped[int] = mapped_column(default=0)
@@ -229,6 +230,7 @@ class Shard(Base):
     input_tokens: Mapped[int] = mapped_column(default=0)
     cached_tokens: Mapped[int] = mapped_column(default=0)
     output_tokens: Mapped[int] = mapped_column(default=0)
+    reasoning_tokens: Mapped[int] = mapped_column(default=0, server_default="0")
 
     created_at: Mapped[int]
     started_at: Mapped[int | None]
@@ -251,6 +253,7 @@ class RequestResult(Base):
     input_tokens: Mapped[int] = mapped_column(default=0)  # usage: succeeded requests only
     cached_tokens: Mapped[int] = mapped_column(default=0)
     output_tokens: Mapped[int] = mapped_column(default=0)
+    reasoning_tokens: Mapped[int] = mapped_column(default=0, server_default="0")
     attempt: Mapped[int] = mapped_column(Integer)  # the shard attempt that ran it
 
 

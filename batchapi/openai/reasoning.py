@@ -203,8 +203,8 @@ def reasoning_error(parsed, template: ThinkingTemplate | None, key: bytes) -> Re
 
 def reasoning_tokens(result) -> int:
     """The output tokens a result spent thinking, markers included (billed as output, as the
-    providers bill them)."""
-    return sum(getattr(out, "thinking_tokens", 0) for out in result.outputs)
+    providers bill them); 0 for an embedding's."""
+    return sum(getattr(out, "thinking_tokens", 0) for out in getattr(result, "outputs", ()))
 
 
 def sign(text: str, key: bytes) -> str:

@@ -26,6 +26,7 @@ from batchapi.engine import GenerationResult
 from batchapi.openai import render as wire
 from batchapi.openai.errors import ErrorCode, RequestError
 from batchapi.openai.lines import InputLine
+from batchapi.openai.reasoning import reasoning_tokens
 from batchapi.workers.codec import LineCodec
 
 log = logging.getLogger(__name__)
@@ -193,7 +194,8 @@ class ShardWork:
         rendered, ok = codec.line(self.lines[seq], result, not_run)
         if not ok:
             return Finished(seq, False, rendered)
-        return Finished(seq, True, rendered, result.prompt_tokens, result.cached_tokens, result.completion_tokens)
+        return Finished(seq, True, rendered, result.prompt_tokens, result.cached_tokens, result.completion_tokens,
+                        reasoning_tokens=reasoning_tokens(result))
 
     def _copy(self, codec: LineCodec, seq: int, not_run: ErrorCode) -> Finished:
         """A copy's row: its first's response body (ids and usage included) under its own
@@ -213,7 +215,7 @@ class ShardWork:
         """The output and error lines in input order: earlier attempts' rows, this attempt's
         results, and the reason for the rest."""
         output, errors = [], []
-        completed = failed = unrun = input_tokens = cached = output_tokens = 0
+        completed = failed = unrun = input_tokens = cached = output_tokens = reasoning = 0
         saved = {}
         not_run = self.reason or ErrorCode.SHARD_FAILED
         for seq, line in enumerate(self.lines):
@@ -238,5 +240,7 @@ class ShardWork:
             input_tokens += row.input_tokens
             cached += row.cached_tokens
             output_tokens += row.output_tokens
-        outcome = Outcome(completed, failed, input_tokens, cached, output_tokens, self.reason, unrun, saved)
+            reasoning += row.reasoning_tokens
+        outcome = Outcome(completed, failed, input_tokens, cached, output_tokens, self.reason, unrun, saved,
+                          reasoning_tokens=reasoning)
         return Rendered(b"".join(output), b"".join(errors), outcome)

@@ -39,9 +39,9 @@ def running_batch(ctx) -> tuple[str, str, str]:
     return batch_id, shard_id, project_id
 
 
-def ok(seq: int, tokens: int = 3) -> Finished:
+def ok(seq: int, tokens: int = 3, thought: int = 0) -> Finished:
     return Finished(seq, True, json.dumps({"custom_id": IDS[seq], "response": {"status_code": 200}}).encode() + b"\n",
-                    input_tokens=tokens, cached_tokens=1, output_tokens=tokens)
+                    input_tokens=tokens, cached_tokens=1, output_tokens=tokens, reasoning_tokens=thought)
 
 
 def refused(seq: int) -> Finished:
@@ -70,9 +70,10 @@ def test_rows_are_counted_at_once_and_only_by_the_lease_owner(any_jobs):
     ctx = any_jobs
     batch_id, shard_id, project_id = running_batch(ctx)
     claimed = leases.claim(ctx, shard_id, "w1")
-    assert request_results.record(ctx, [Group(shard_id, batch_id, 1, [ok(0, 5), refused(2)])], "w1") == {shard_id}
+    assert request_results.record(ctx, [Group(shard_id, batch_id, 1, [ok(0, 5, 2), refused(2)])], "w1") == {shard_id}
     batch = batch_row(ctx, batch_id)
     assert (batch.request_completed, batch.request_failed, batch.input_tokens, batch.output_tokens) == (1, 1, 5, 5)
+    assert batch.reasoning_tokens == 2
     # someone whose lease is gone writes nothing and counts nothing
     assert request_results.record(ctx, [Group(shard_id, batch_id, 1, [ok(1)])], "w2") == set()
     assert rows_of(ctx, shard_id) == 2 and batch_row(ctx, batch_id).request_completed == 1
@@ -83,10 +84,11 @@ def test_rows_are_counted_at_once_and_only_by_the_lease_owner(any_jobs):
     assert [json.loads(line)["custom_id"] for line in errors] == ["r2"]
 
     # the worker completes the shard: its render holds all four; only the rest is added
-    outcome = Outcome(completed=3, failed=1, input_tokens=11, cached_tokens=3, output_tokens=11)
+    outcome = Outcome(completed=3, failed=1, input_tokens=11, cached_tokens=3, output_tokens=11, reasoning_tokens=5)
     assert leases.complete(ctx, claimed, "w1", outcome, "out", "err")
     batch = batch_row(ctx, batch_id)
     assert (batch.request_completed, batch.request_failed, batch.input_tokens, batch.output_tokens) == (3, 1, 11, 11)
+    assert batch.reasoning_tokens == 5
     assert rows_of(ctx, shard_id) == 0  # in the shard's objects now
 
 
@@ -113,7 +115,7 @@ def test_the_sweeper_keeps_finished_requests_of_a_shard_it_closes(any_jobs):
     sweep(ctx)  # what other tests left in the shared database goes first: the sweep below has only this batch
     batch_id, shard_id, project_id = running_batch(ctx)
     leases.claim(ctx, shard_id, "dead-worker")
-    request_results.record(ctx, [Group(shard_id, batch_id, 1, [ok(1, 4), refused(3)])], "dead-worker")
+    request_results.record(ctx, [Group(shard_id, batch_id, 1, [ok(1, 4, 3), refused(3)])], "dead-worker")
     with session_scope(ctx.sessions) as session:  # its lease runs out; the user cancels
         session.get(Shard, shard_id).lease_expires_at = 1
         session.get(Batch, batch_id).status = BatchStatus.CANCELLING
@@ -123,7 +125,7 @@ def test_the_sweeper_keeps_finished_requests_of_a_shard_it_closes(any_jobs):
     batch = batch_row(ctx, batch_id)
     assert batch.status == BatchStatus.CANCELLED
     assert (batch.request_completed, batch.request_failed, batch.request_unrun) == (1, 3, 2)
-    assert (batch.input_tokens, batch.cached_tokens, batch.output_tokens) == (4, 1, 4)
+    assert (batch.input_tokens, batch.cached_tokens, batch.output_tokens, batch.reasoning_tokens) == (4, 1, 4, 3)
     output, errors = lines_of(ctx, batch.output_file_id), lines_of(ctx, batch.error_file_id)
     assert [line["custom_id"] for line in output] == ["r1"]
     assert [(e["custom_id"], (e.get("error") or {}).get("code")) for e in errors] == [

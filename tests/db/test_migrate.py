@@ -11,7 +11,7 @@ from batchapi.db.migrate import current, downgrade, upgrade
 from batchapi.db.models import Base
 from tests.utils import services
 
-HEAD = "0010"
+HEAD = "0011"
 TABLES = {"projects", "api_keys", "files", "batches", "shards", "alembic_version"}
 TABLES |= {"request_results"}  # 0004
 TABLES |= {"webhook_endpoints", "webhook_deliveries", "uploads", "upload_parts"}  # 0005

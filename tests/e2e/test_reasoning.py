@@ -46,8 +46,10 @@ def test_chat_thinking_on_and_off(openai_client, model):
              tools=[TOOL], tool_choice="required"),
         chat("default", model, "Hello", max_completion_tokens=8, prompt_cache_key="k", safety_identifier="s"),
     ]
-    _, out, errors = run_to_end(openai_client, lines, "/v1/chat/completions")
+    batch, out, errors = run_to_end(openai_client, lines, "/v1/chat/completions")
     assert not errors
+    thought = [line["response"]["body"]["usage"]["completion_tokens_details"]["reasoning_tokens"] for line in out.values()]
+    assert batch.usage.output_tokens_details.reasoning_tokens == sum(thought) > 2 * LOW  # the batch sums its lines
     off = out["off"]["response"]["body"]
     assert "reasoning_content" not in off["choices"][0]["message"] and off["choices"][0]["message"]["content"]
     assert off["usage"]["completion_tokens_details"]["reasoning_tokens"] == 0
