@@ -81,12 +81,20 @@ def pin(settings: Settings, url: str) -> Target:
     if not addresses:
         raise HostUnresolved(f"{parts.hostname} does not resolve", "url")
     ip = addresses[0]
-    userinfo, _, hostport = parts.netloc.rpartition("@")
+    name = _idna(parts.hostname)  # as DNS and TLS know it, and as a header can carry it
+    userinfo = parts.netloc.rpartition("@")[0]
     netloc = (f"{userinfo}@" if userinfo else "") + (f"[{ip}]" if ip.version == 6 else str(ip))
-    if parts.port is not None:
-        netloc += f":{parts.port}"
-    extensions = {"sni_hostname": parts.hostname} if parts.scheme == "https" else {}
-    return Target(parts._replace(netloc=netloc).geturl(), {"host": hostport}, extensions)
+    port = f":{parts.port}" if parts.port is not None else ""
+    extensions = {"sni_hostname": name} if parts.scheme == "https" else {}
+    return Target(parts._replace(netloc=netloc + port).geturl(), {"host": name + port}, extensions)
+
+
+def _idna(host: str) -> str:
+    """``host`` in ASCII: a name beyond it in its IDNA (punycode) form; HostUnresolved where it has none."""
+    try:
+        return host.encode("idna").decode("ascii")
+    except UnicodeError:
+        raise HostUnresolved(f"{host} is not a host name that can be sent", "url") from None
 
 
 def resolve(host: str, port: int) -> list[IPAddress]:

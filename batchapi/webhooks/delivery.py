@@ -6,7 +6,11 @@ at ``webhook_retry_seconds`` and doubles up to an hour, until the event is
 ``webhook_max_age_seconds`` old (a day), when it is given up as ``failed``. The event id stays
 the same across attempts, so a receiver can drop repeats. Before each POST the host is resolved and
 checked again (``addresses.pin``) and the POST goes to the address checked; a host that now
-resolves to a private address, or to nothing, is a failed attempt with no POST."""
+resolves to a private address, or to nothing, is a failed attempt with no POST.
+
+The sweeper sends on one event loop: ``SENDERS`` posts at once, at most ``PER_ENDPOINT`` of them to
+one endpoint, each over within ``webhook_timeout_seconds`` however slowly its receiver answers, so
+an endpoint that is slow or never answers holds up no other project's events."""
 
 from __future__ import annotations
 
@@ -15,12 +19,12 @@ import functools
 import logging
 import ssl
 import time
+from collections import Counter
 from collections.abc import Collection
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import httpx
-from sqlalchemy import or_, select, update
+from sqlalchemy import func, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from batchapi.config import Settings
@@ -38,7 +42,8 @@ log = logging.getLogger(__name__)
 
 MAX_WAIT_SECONDS = 3600
 SENDERS = 8  # posts at once
-ROUND_SECONDS = 2.0  # a sweep starts no new round of posts after this long
+PER_ENDPOINT = 2  # posts at once to one endpoint
+ROUND_SECONDS = 2.0  # a sweep starts no new post after this long
 MAX_ERROR = 500  # characters of an error kept on the row
 USER_AGENT = "batchapi-webhooks/1"
 
@@ -59,45 +64,83 @@ def retry_wait(settings: Settings, attempts: int) -> int:
 
 
 def deliver_due(sessions: sessionmaker[Session], settings: Settings) -> int:
-    """Send what is due, a round of ``SENDERS`` posts at a time, for about ``ROUND_SECONDS``;
-    returns how many were delivered. Each delivery is tried at most once a call: one that failed
-    waits out its backoff even where the wait ends within the call (waits are whole seconds, so the
-    first one of a second can end a moment after the attempt)."""
+    """Send what is due for about ``ROUND_SECONDS``, each post taken as another ends (``SENDERS`` at
+    once, ``PER_ENDPOINT`` to one endpoint); returns how many were delivered. Each delivery is tried
+    at most once a call: one that failed waits out its backoff even where the wait ends within the
+    call (waits are whole seconds, so the first one of a second can end a moment after the attempt)."""
     due = _due(sessions, SENDERS)
-    if not due:  # the common case: no client, no threads
+    if not due:  # the common case: no client, no event loop
         return 0
+    return asyncio.run(_deliver(sessions, settings, due))
+
+
+async def _deliver(sessions: sessionmaker[Session], settings: Settings, due: list[tuple[str, str]]) -> int:
     delivered = 0
     tried: set[str] = set()
+    sending: dict[asyncio.Task, str] = {}  # each post in flight, and its endpoint
     started = time.monotonic()
-    with _client(settings) as client, ThreadPoolExecutor(SENDERS) as pool:
-        while due:
-            tried.update(due)
-            delivered += sum(pool.map(lambda d: deliver_one(sessions, settings, client, d), due))
-            due = _due(sessions, SENDERS, tried) if time.monotonic() - started < ROUND_SECONDS else []
-    return delivered
+    async with _client(settings) as client:
+        while True:
+            for delivery_id, endpoint_id in due:
+                if len(sending) < SENDERS and list(sending.values()).count(endpoint_id) < PER_ENDPOINT:
+                    tried.add(delivery_id)
+                    sending[asyncio.create_task(deliver_one(sessions, settings, client, delivery_id))] = endpoint_id
+            if not sending:
+                return delivered
+            done, _ = await asyncio.wait(sending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                del sending[task]
+                delivered += task.result()
+            if time.monotonic() - started < ROUND_SECONDS:
+                full = [e for e, n in Counter(sending.values()).items() if n >= PER_ENDPOINT]
+                due = await asyncio.to_thread(_due, sessions, SENDERS - len(sending), tried, full)
+            else:
+                due = []
 
 
-def _client(settings: Settings) -> httpx.Client:
-    # no kept-alive connections: a POST pinned to an address would otherwise reuse a TLS connection
-    # to that address made for another host name; no redirects: they could lead anywhere
-    return httpx.Client(timeout=settings.webhook_timeout_seconds, follow_redirects=False, verify=_tls(),
-                        headers={"user-agent": USER_AGENT}, limits=httpx.Limits(max_keepalive_connections=0))
-
-
-def _due(sessions: sessionmaker[Session], limit: int, tried: Collection[str] = ()) -> list[str]:
+def _due(sessions: sessionmaker[Session], limit: int, tried: Collection[str] = (),
+         full: Collection[str] = ()) -> list[tuple[str, str]]:
+    """Due deliveries and their endpoints, the longest due first, at most ``PER_ENDPOINT`` of one
+    endpoint (an endpoint with a backlog takes no more of a round than that) and none of ``full``'s."""
     t = now()
+    rank = func.row_number().over(partition_by=WebhookDelivery.endpoint_id,
+                                  order_by=(WebhookDelivery.next_attempt_at, WebhookDelivery.id))
+    listed = select(WebhookDelivery.id, WebhookDelivery.endpoint_id, WebhookDelivery.next_attempt_at,
+                    rank.label("rank")).where(
+        WebhookDelivery.status == DeliveryStatus.PENDING, WebhookDelivery.next_attempt_at <= t,
+        or_(WebhookDelivery.lease_expires_at.is_(None), WebhookDelivery.lease_expires_at < t),
+        WebhookDelivery.id.not_in(tried), WebhookDelivery.endpoint_id.not_in(full),
+    ).subquery()
     with sessions() as session:
-        return list(session.scalars(
-            select(WebhookDelivery.id).where(
-                WebhookDelivery.status == DeliveryStatus.PENDING, WebhookDelivery.next_attempt_at <= t,
-                or_(WebhookDelivery.lease_expires_at.is_(None), WebhookDelivery.lease_expires_at < t),
-                WebhookDelivery.id.not_in(tried),
-            ).order_by(WebhookDelivery.next_attempt_at).limit(limit)
-        ))
+        return [(row.id, row.endpoint_id) for row in session.execute(
+            select(listed.c.id, listed.c.endpoint_id).where(listed.c.rank <= PER_ENDPOINT)
+            .order_by(listed.c.next_attempt_at, listed.c.id).limit(limit))]
 
 
-def deliver_one(sessions: sessionmaker[Session], settings: Settings, client: httpx.Client, delivery_id: str) -> bool:
-    """Claim, post and record one delivery; whether it was delivered now."""
+async def deliver_one(sessions: sessionmaker[Session], settings: Settings, client: httpx.AsyncClient,
+                      delivery_id: str) -> bool:
+    """Claim, post and record one delivery; whether it was delivered now. The database and the
+    resolver are asked on threads, so the loop's other posts go on meanwhile."""
+    claimed = await asyncio.to_thread(_claim, sessions, settings, delivery_id)
+    if claimed is None:
+        return False
+    url, event_id, payload, secrets = claimed
+    try:
+        outcome = await post(settings, client, await asyncio.to_thread(pin, settings, url), event_id, payload, secrets)
+    except (ForbiddenAddress, HostUnresolved) as exc:
+        outcome = Outcome(None, f"{type(exc).__name__}: {exc.message}"[:MAX_ERROR])
+    except Exception as exc:  # noqa: BLE001 - a POST that could not be made is a failed attempt: the row
+        # backs off and is given up in time, rather than taken again at every lease's end
+        log.exception("webhook %s: the POST to its endpoint could not be made", event_id)
+        outcome = Outcome(None, f"{type(exc).__name__}: {exc}"[:MAX_ERROR])
+    await asyncio.to_thread(_record, sessions, settings, delivery_id, outcome)
+    return outcome.ok
+
+
+def _claim(sessions: sessionmaker[Session], settings: Settings,
+           delivery_id: str) -> tuple[str, str, str, list[str]] | None:
+    """The delivery leased to this sender while it posts (its URL, event id, payload and signing
+    secrets), or None where another sender has it, it is no longer due, or its endpoint is gone."""
     t = now()
     with session_scope(sessions) as session:
         claimed = session.execute(
@@ -110,19 +153,12 @@ def deliver_one(sessions: sessionmaker[Session], settings: Settings, client: htt
             .execution_options(synchronize_session=False)
         ).rowcount == 1
         if not claimed:
-            return False
+            return None
         delivery = session.get(WebhookDelivery, delivery_id)
         endpoint = session.get(WebhookEndpoint, delivery.endpoint_id) if delivery is not None else None
         if endpoint is None:  # deleted since the claim, with its deliveries
-            return False
-        url, event_id, payload = endpoint.url, delivery.event_id, delivery.payload
-        secrets = signing_secrets(endpoint, t)
-    try:
-        outcome = post(client, pin(settings, url), event_id, payload, secrets)
-    except (ForbiddenAddress, HostUnresolved) as exc:
-        outcome = Outcome(None, f"{type(exc).__name__}: {exc.message}"[:MAX_ERROR])
-    _record(sessions, settings, delivery_id, outcome)
-    return outcome.ok
+            return None
+        return endpoint.url, delivery.event_id, delivery.payload, signing_secrets(endpoint, t)
 
 
 async def send_test(settings: Settings, endpoint: WebhookEndpoint, event_type: str) -> Outcome:
@@ -134,15 +170,13 @@ async def send_test(settings: Settings, endpoint: WebhookEndpoint, event_type: s
     event_id = new_id("evt_")
     payload = event_body(event_id, event_type, now(), new_id("batch_test_"))
     secrets = signing_secrets(endpoint, now())
-    async with _async_client(settings) as client:
-        try:
-            async with asyncio.timeout(settings.webhook_timeout_seconds):
-                return await post_async(client, target, event_id, payload, secrets)
-        except TimeoutError:  # an answer trickled in too slowly to time out any one read
-            return Outcome(None, f"no answer within {settings.webhook_timeout_seconds} s")
+    async with _client(settings) as client:
+        return await post(settings, client, target, event_id, payload, secrets)
 
 
-def _async_client(settings: Settings) -> httpx.AsyncClient:
+def _client(settings: Settings) -> httpx.AsyncClient:
+    # no kept-alive connections: a POST pinned to an address would otherwise reuse a TLS connection
+    # to that address made for another host name; no redirects: they could lead anywhere
     return httpx.AsyncClient(timeout=settings.webhook_timeout_seconds, follow_redirects=False, verify=_tls(),
                              headers={"user-agent": USER_AGENT}, limits=httpx.Limits(max_keepalive_connections=0))
 
@@ -154,38 +188,27 @@ def _tls() -> ssl.SSLContext:
     return httpx.create_ssl_context()
 
 
-def post(client: httpx.Client, target: Target, event_id: str, payload: str, secrets: list[str]) -> Outcome:
+async def post(settings: Settings, client: httpx.AsyncClient, target: Target, event_id: str, payload: str,
+               secrets: list[str]) -> Outcome:
+    """POST the event to ``target``: its answer's status, and the start of its body where that is
+    not a 2xx. Over within ``webhook_timeout_seconds``, however slowly an answer trickles in (the
+    client's timeout bounds each read, not the whole)."""
     try:
-        # streamed, and only the start of the body read: a receiver answering with gigabytes must
-        # not fill the sweeper's memory
-        with client.stream("POST", target.url, content=payload.encode(), headers=_headers(target, event_id, payload,
-                           secrets), extensions=target.extensions) as response:
-            if 200 <= response.status_code < 300:
-                return Outcome(response.status_code, None)
-            head = b""
-            for chunk in response.iter_bytes():
-                head += chunk
-                if len(head) >= 200:
-                    break
+        async with asyncio.timeout(settings.webhook_timeout_seconds):
+            # streamed, and only the start of the body read: a receiver answering with gigabytes
+            # must not fill the sweeper's memory
+            async with client.stream("POST", target.url, content=payload.encode(), headers=_headers(
+                    target, event_id, payload, secrets), extensions=target.extensions) as response:
+                if 200 <= response.status_code < 300:
+                    return Outcome(response.status_code, None)
+                head = b""
+                async for chunk in response.aiter_bytes():
+                    head += chunk
+                    if len(head) >= 200:
+                        break
+    except TimeoutError:
+        return Outcome(None, f"no answer within {settings.webhook_timeout_seconds} s")
     except httpx.HTTPError as exc:  # refused, reset, timed out, a bad URL: the endpoint is not there
-        return _unanswered(exc)
-    return _refused(response.status_code, head)
-
-
-async def post_async(client: httpx.AsyncClient, target: Target, event_id: str, payload: str,
-                     secrets: list[str]) -> Outcome:
-    """``post`` on an async client."""
-    try:
-        async with client.stream("POST", target.url, content=payload.encode(), headers=_headers(
-                target, event_id, payload, secrets), extensions=target.extensions) as response:
-            if 200 <= response.status_code < 300:
-                return Outcome(response.status_code, None)
-            head = b""
-            async for chunk in response.aiter_bytes():
-                head += chunk
-                if len(head) >= 200:
-                    break
-    except httpx.HTTPError as exc:
         return _unanswered(exc)
     return _refused(response.status_code, head)
 

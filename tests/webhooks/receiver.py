@@ -1,8 +1,10 @@
-"""A real HTTP receiver for webhook tests: a ThreadingHTTPServer on a free port that records every
-POST (body bytes and headers) and answers with the statuses it is told, 200 once they run out."""
+"""Real HTTP receivers for webhook tests: a ThreadingHTTPServer on a free port that records every
+POST (body bytes and headers) and answers with the statuses it is told, 200 once they run out; and
+one that never finishes answering."""
 
 from __future__ import annotations
 
+import socket
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -58,6 +60,66 @@ class Receiver:
             self._server = None
 
     def __enter__(self) -> Receiver:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+@dataclass
+class Stalling:
+    """A receiver that takes each POST and never finishes answering it: with ``trickle`` a status
+    line and then header lines, a byte every 0.2 s (each read ends well within any read timeout),
+    else nothing at all. ``accepted`` counts the connections it took."""
+
+    trickle: bool = False
+    port: int = 0
+    accepted: int = 0
+    _listener: socket.socket | None = None
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/hooks"
+
+    def start(self) -> Stalling:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(0.1)
+        self.port = self._listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+        return self
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:  # closed
+                return
+            self.accepted += 1
+            threading.Thread(target=self._stall, args=(conn,), daemon=True).start()
+
+    def _stall(self, conn: socket.socket) -> None:
+        with conn:
+            conn.recv(65536)
+            answer = b"HTTP/1.1 200 OK\r\n" + b"x-wait: 1\r\n" * 100_000
+            for byte in answer:
+                if self._stop.wait(0.2):
+                    return
+                if self.trickle:
+                    try:
+                        conn.sendall(bytes([byte]))
+                    except OSError:  # the sender gave up
+                        return
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+    def __enter__(self) -> Stalling:
         return self.start()
 
     def __exit__(self, *exc) -> None:

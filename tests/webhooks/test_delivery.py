@@ -4,6 +4,10 @@ retried with backoff when the receiver fails or is down, given up after a day.""
 
 from __future__ import annotations
 
+import asyncio
+import ipaddress
+import time
+
 import httpx
 import openai
 import pytest
@@ -16,13 +20,13 @@ from batchapi.db.clock import now
 from batchapi.db.models import Batch, WebhookDelivery
 from batchapi.db.session import session_scope
 from batchapi.errors import InvalidRequest
-from batchapi.webhooks import endpoints
-from batchapi.webhooks.delivery import deliver_due, deliver_one
+from batchapi.webhooks import addresses, endpoints
+from batchapi.webhooks.delivery import PER_ENDPOINT, deliver_due, deliver_one
 from batchapi.webhooks.signing import new_secret
 from tests.utils.job_rows import make_batch
 from tests.utils.services import free_port
 from tests.utils.waiting import wait_until
-from tests.webhooks.receiver import Receiver
+from tests.webhooks.receiver import Receiver, Stalling
 
 SDK = openai.OpenAI(api_key="unused", base_url="http://127.0.0.1:9/v1")
 
@@ -267,9 +271,12 @@ def test_a_sweeper_that_listed_a_delivery_before_another_failed_it_does_not_send
         register(pg_jobs, project_of(pg_jobs, batch_id), receiver.url)
         end(pg_jobs, batch_id)
         [row] = deliveries(pg_jobs, batch_id)
-        with httpx.Client(timeout=2.0) as client:
-            assert deliver_one(pg_jobs.sessions, settings, client, row.id) is False  # the first: a 500
-            assert deliver_one(pg_jobs.sessions, settings, client, row.id) is False  # the second: not claimed
+
+        async def twice() -> list[bool]:
+            async with httpx.AsyncClient(timeout=2.0) as client:
+                return [await deliver_one(pg_jobs.sessions, settings, client, row.id) for _ in range(2)]
+
+        assert asyncio.run(twice()) == [False, False]  # the first: a 500; the second: not claimed
         [row] = deliveries(pg_jobs, batch_id)
     assert row.attempts == 1 and len(receiver.received) == 1
 
@@ -282,3 +289,55 @@ def test_only_the_start_of_a_failing_answer_is_kept(pg_jobs, settings):
         assert deliver_due(pg_jobs.sessions, settings) == 0
         [row] = deliveries(pg_jobs, batch_id)
     assert row.last_error == "HTTP 500: " + "x" * 200
+
+
+def test_an_answer_that_trickles_in_is_cut_off_at_the_timeout(pg_jobs, settings):
+    batch_id, _ = make_batch(pg_jobs, 0)
+    with Stalling(trickle=True) as receiver:
+        endpoint_id, _ = register(pg_jobs, project_of(pg_jobs, batch_id), receiver.url)
+        end(pg_jobs, batch_id)
+        started = time.monotonic()
+        assert deliver_due(pg_jobs.sessions, settings) == 0
+        assert time.monotonic() - started < settings.webhook_timeout_seconds + 2  # not while it trickles
+    [row] = deliveries(pg_jobs, batch_id)
+    assert (row.status, row.attempts, row.last_error) == ("pending", 1, "no answer within 2.0 s")
+    with session_scope(pg_jobs.sessions) as session:
+        endpoints.delete_endpoint(session, endpoint_id)
+
+
+def test_an_endpoint_that_never_answers_holds_up_no_other_projects_events(pg_jobs, settings):
+    silent_batches = [make_batch(pg_jobs, 0)[0]]
+    project_id = project_of(pg_jobs, silent_batches[0])
+    silent_batches += [make_batch(pg_jobs, 0, project_id=project_id)[0] for _ in range(11)]
+    other, _ = make_batch(pg_jobs, 0)
+    with Stalling() as silent, Receiver() as receiver:
+        endpoint_id, _ = register(pg_jobs, project_id, silent.url)
+        for batch_id in silent_batches:  # twelve events due before the other project's one
+            end(pg_jobs, batch_id)
+        register(pg_jobs, project_of(pg_jobs, other), receiver.url)
+        end(pg_jobs, other)
+        started = time.monotonic()
+        assert deliver_due(pg_jobs.sessions, settings) == 1
+        assert time.monotonic() - started < settings.webhook_timeout_seconds + 2
+        assert len(receiver.received) == 1 and silent.accepted == PER_ENDPOINT
+    tried = [d.attempts for b in silent_batches for d in deliveries(pg_jobs, b)]
+    assert sorted(tried) == [0] * (12 - PER_ENDPOINT) + [1] * PER_ENDPOINT
+    with session_scope(pg_jobs.sessions) as session:
+        endpoints.delete_endpoint(session, endpoint_id)
+
+
+def test_a_host_name_beyond_ascii_is_sent_in_its_idna_form(pg_jobs, settings, monkeypatch):
+    monkeypatch.setattr(addresses, "resolve", lambda host, port: [ipaddress.ip_address("127.0.0.1")])  # it names us
+    named = settings.model_copy(update={"webhook_allow_private": False, "webhook_allowed_hosts": ["127.0.0.1/32"]})
+    batch_id, _ = make_batch(pg_jobs, 0)
+    with Receiver() as receiver:
+        with session_scope(pg_jobs.sessions) as session:
+            endpoint = endpoints.create_endpoint(session, named, project_of(pg_jobs, batch_id),
+                                                 f"http://bücher.test:{receiver.port}/hooks")
+            session.flush()
+            endpoint_id = endpoint.id
+        end(pg_jobs, batch_id)
+        assert deliver_due(pg_jobs.sessions, named) == 1
+    assert receiver.received[0].headers["host"] == f"xn--bcher-kva.test:{receiver.port}"
+    with session_scope(pg_jobs.sessions) as session:
+        endpoints.delete_endpoint(session, endpoint_id)
