@@ -155,12 +155,21 @@ def list_files(
 ) -> tuple[list[File], bool]:
     """Up to ``limit`` files after the cursor ``after`` (a file id), and whether more follow."""
     with ctx.sessions() as session:
-        cursor = get_file_row(session, project_id, after) if after else None
+        cursor = _cursor_row(session, project_id, after) if after else None
         query = select(File).where(File.project_id == project_id, File.deleted_at.is_(None),
                                    or_(File.expires_at.is_(None), File.expires_at > now()))
         if purpose:
             query = query.where(File.purpose == purpose)
         return page(session, query, File, cursor, limit, newest_first=order == "desc")
+
+
+def _cursor_row(session: Session, project_id: str, fid: str) -> File:
+    """The file a listing pages after: one deleted or expired since still marks its place (a client
+    that deletes what it lists pages on), unless its row is gone too (NotFound)."""
+    row = session.get(File, fid)
+    if row is None or row.project_id != project_id:
+        raise NotFound(f"No such File object: {fid}", "after")
+    return row
 
 
 def open_content(ctx: Context, project_id: str, fid: str) -> tuple[File, Iterator[bytes]]:

@@ -114,10 +114,12 @@ def _has_batch(ctx: Context, file_id: str) -> bool:
         return session.scalar(select(Batch.id).where(Batch.input_file_id == file_id).limit(1)) is not None
 
 
-def _row(session, project_id: str, message_batch_id: str) -> Batch:
+def _row(session, project_id: str, message_batch_id: str, *, deleted: bool = False) -> Batch:
+    """The project's Message Batch; NotFound for any other, and for a deleted one unless ``deleted``
+    (a listing's cursor: a batch deleted since still marks its place)."""
     batch = session.get(Batch, _row_id(message_batch_id))
     if (batch is None or batch.project_id != project_id or batch.endpoint != MESSAGES
-            or batch.deleted_at is not None):
+            or (batch.deleted_at is not None and not deleted)):
         raise _not_found(message_batch_id)
     return batch
 
@@ -136,8 +138,8 @@ def list_page(ctx: Context, project_id: str, limit: int, after_id: str | None,
         raise InvalidRequest("give at most one of before_id and after_id", "before_id")
     cursor = before_id or after_id
     if cursor is not None:
-        get(ctx, project_id, cursor)
-        cursor = _row_id(cursor)
+        with ctx.sessions() as session:
+            cursor = _row(session, project_id, cursor, deleted=True).id
     rows, more = service.list_batches(ctx, project_id, limit, cursor, endpoint=MESSAGES,
                                       newest_first=before_id is None)  # deleted batches left out
     return (rows[::-1] if before_id is not None else rows), more

@@ -227,11 +227,11 @@ def _key_reused() -> Conflict:
                     code="idempotency_key_reused")
 
 
-def get_batch_row(session: Session, project_id: str, bid: str) -> Batch:
+def get_batch_row(session: Session, project_id: str, bid: str, *, deleted: bool = False) -> Batch:
     """The project's batch; NotFound for another project's and for a deleted Message Batch (its
-    row stays for the reports only)."""
+    row stays for the reports only) unless ``deleted`` (a listing's cursor: it still marks its place)."""
     batch = session.get(Batch, bid)
-    if batch is None or batch.project_id != project_id or batch.deleted_at is not None:
+    if batch is None or batch.project_id != project_id or (batch.deleted_at is not None and not deleted):
         raise batch_not_found(bid)
     return batch
 
@@ -250,7 +250,7 @@ def list_batches(ctx: Context, project_id: str, limit: int, after: str | None, *
     """Newest first; up to ``limit`` batches after the cursor ``after``, and whether more follow.
     ``endpoint`` keeps that endpoint's batches only; ``newest_first`` False pages oldest first."""
     with ctx.sessions() as session:
-        cursor = get_batch_row(session, project_id, after) if after else None
+        cursor = get_batch_row(session, project_id, after, deleted=True) if after else None
         query = select(Batch).where(Batch.project_id == project_id, Batch.deleted_at.is_(None))
         if endpoint is not None:
             query = query.where(Batch.endpoint == endpoint)

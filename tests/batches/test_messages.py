@@ -15,7 +15,7 @@ from batchapi.batches.states import BatchStatus
 from batchapi.db.models import Batch, File
 from batchapi.db.projects import get_or_create_project
 from batchapi.db.session import session_scope
-from batchapi.errors import InvalidRequest
+from batchapi.errors import InvalidRequest, NotFound
 from batchapi.models.registry import served_model_id
 from batchapi.storage.streams import TooLarge
 
@@ -126,3 +126,15 @@ def test_an_empty_cursor_lists_the_newest_page(sqlite_jobs, project):
     for before_id, after_id in ((None, None), ("", None), (None, ""), ("", "")):
         rows, more = messages.list_page(sqlite_jobs, project, 2, after_id, before_id)
         assert ([r.id for r in rows], more) == (ids[::-1][:2], True), (before_id, after_id)
+
+
+def test_a_batch_deleted_since_still_marks_a_listings_place(sqlite_jobs, project):
+    ids = [messages.create(sqlite_jobs, project, body(1, served_model_id(sqlite_jobs.settings))).id for _ in range(3)]
+    with session_scope(sqlite_jobs.sessions) as session:
+        session.get(Batch, ids[1]).deleted_at = 1
+    rows, more = messages.list_page(sqlite_jobs, project, 5, messages.public_id(ids[1]), None)
+    assert ([r.id for r in rows], more) == ([ids[0]], False)
+    rows, _ = messages.list_page(sqlite_jobs, project, 5, None, messages.public_id(ids[1]))
+    assert [r.id for r in rows] == [ids[2]]
+    with pytest.raises(NotFound):  # another project's is not a cursor
+        messages.list_page(sqlite_jobs, "another-project", 5, messages.public_id(ids[1]), None)

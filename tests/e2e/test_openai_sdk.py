@@ -94,6 +94,11 @@ def test_list_and_delete_files(client):
     with pytest.raises(openai.NotFoundError):
         client.files.retrieve(ids[0])
     assert [f.id for f in client.files.list()] == ids[:0:-1]
+    assert [f.id for f in client.files.list(order="asc", after=ids[0])] == ids[1:]  # a deleted cursor keeps its place
+    for f in client.files.list(order="asc", limit=1):  # deleting as it pages: the next page is after a deleted file
+        if f.id in ids:
+            client.files.delete(f.id)
+    assert not {f.id for f in client.files.list()} & set(ids)
 
 
 def test_validation_errors_come_back_with_line_numbers(client, model_id):
