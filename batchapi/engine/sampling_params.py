@@ -83,8 +83,8 @@ class SamplingParams:
     def _check_distribution(self) -> None:
         if not _is_finite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not _is_finite(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_finite(self.top_p) or not 0 <= self.top_p <= 1:  # 0: the most likely token (and its ties)
+            raise ValueError(f"top_p must be in [0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be -1 or 0 (off) or a positive integer, got {self.top_k!r}")
         if not _is_finite(self.min_p) or not 0 <= self.min_p <= 1:

@@ -315,10 +315,10 @@ CHAT_FIELDS = {
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
     "min_p", "seed", "presence_penalty", "frequency_penalty", "logit_bias", "stop",
     "stop_token_ids", "n", "logprobs", "top_logprobs", "ignore_eos", "stream", "response_format", "tools",
-    "tool_choice", "parallel_tool_calls", "reasoning_effort",
+    "tool_choice", "parallel_tool_calls", "reasoning_effort", "modalities",
 } | IGNORED
 CHAT_ONLY = {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice",
-             "parallel_tool_calls", "reasoning_effort", "verbosity"}
+             "parallel_tool_calls", "reasoning_effort", "verbosity", "modalities"}
 COMPLETION_FIELDS = (CHAT_FIELDS - CHAT_ONLY) | {
     "prompt", "echo", "suffix", "best_of",
 }
@@ -356,6 +356,9 @@ def parse_body(endpoint: str, body: Any) -> ParsedBody:
         parse_responses(body, parsed)
     elif endpoint == CHAT:
         parsed.messages = _messages(body)
+        if body.get("max_completion_tokens") is not None and body.get("max_tokens") is not None:
+            raise RequestError("Setting 'max_tokens' and 'max_completion_tokens' at the same time is not supported",
+                               "max_tokens")
         token_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         parsed.max_tokens = integer(body, token_field, 1, None, None)
         parsed.logprobs = boolean(body, "logprobs")
@@ -365,6 +368,8 @@ def parse_body(endpoint: str, body: Any) -> ParsedBody:
         _response_format(body, parsed)
         parsed.tools, parsed.tool_choice, parsed.tool_name, parsed.parallel_tool_calls = parse_tools(body)
         parsed.reasoning = chat_reasoning(body)
+        if body.get("modalities") not in (None, ["text"]):  # OpenAI's default; audio out is not served
+            raise RequestError("'modalities' must be [\"text\"]: the served models answer in text", "modalities")
         _ignored_strings(body)
     else:
         prompts = _prompts(body)
@@ -379,9 +384,7 @@ def parse_body(endpoint: str, body: Any) -> ParsedBody:
 
     # a Responses body has only temperature and top_p of these: the rest were refused as unknown
     parsed.temperature = number(body, "temperature", 0.0, 2.0, 1.0)
-    parsed.top_p = number(body, "top_p", 0.0, 1.0, 1.0)
-    if parsed.top_p == 0.0:
-        raise RequestError("'top_p' must be greater than 0", "top_p")
+    parsed.top_p = number(body, "top_p", 0.0, 1.0, 1.0)  # 0, as OpenAI allows: the most likely token
     parsed.top_k = integer(body, "top_k", -1, None, -1)
     parsed.min_p = number(body, "min_p", 0.0, 1.0, 0.0)
     parsed.seed = integer(body, "seed", -(2**63), 2**63 - 1, None)
@@ -391,5 +394,7 @@ def parse_body(endpoint: str, body: Any) -> ParsedBody:
     parsed.stop = _stop(body)
     parsed.stop_token_ids = _stop_token_ids(body)
     parsed.n = integer(body, "n", 1, MAX_N, 1)
+    if parsed.max_tokens == 0 and parsed.n != 1:  # one scoring of the prompt: n of them would be the same
+        raise RequestError("'n' must be 1 where 'max_tokens' is 0 (the prompt scored, nothing generated)", "n")
     parsed.ignore_eos = boolean(body, "ignore_eos")
     return parsed

@@ -71,8 +71,6 @@ def parse_messages(body: dict, parsed) -> None:
                            f"messages[{len(body['messages']) - 1}].role")
     parsed.temperature = number(body, "temperature", 0.0, 1.0, 1.0)
     parsed.top_p = number(body, "top_p", 0.0, 1.0, 1.0)
-    if parsed.top_p == 0.0:
-        raise RequestError("'top_p' must be greater than 0", "top_p")
     parsed.top_k = integer(body, "top_k", 1, None, None) or -1
     parsed.stop = _stop_sequences(body.get("stop_sequences"))
     parsed.tools, parsed.tool_choice, parsed.tool_name, parsed.parallel_tool_calls = _tools(body)

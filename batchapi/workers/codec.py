@@ -80,7 +80,9 @@ def sampling_params(parsed: ParsedBody, thinking: Thinking | None = None) -> Sam
         frequency_penalty=parsed.frequency_penalty, logit_bias=dict(parsed.logit_bias), stop=list(parsed.stop),
         stop_token_ids=list(parsed.stop_token_ids), ignore_eos=parsed.ignore_eos, logprobs=parsed.logprobs,
         top_logprobs=parsed.top_logprobs, n=parsed.n, grammar=grammar_spec(parsed), thinking=thinking,
-        prompt_logprobs=parsed.top_logprobs if parsed.echo_prompt and parsed.logprobs else None,
+        # echo scores the prompt where its logprobs are asked for, or where it is all the request does
+        prompt_logprobs=parsed.top_logprobs if parsed.echo_prompt and (parsed.logprobs or parsed.max_tokens == 0)
+        else None,
     )
 
 

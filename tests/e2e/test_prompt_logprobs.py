@@ -73,9 +73,16 @@ def test_echo_returns_the_prompt_logprobs_of_transformers(openai_client, model, 
     assert all(lp is not None for lp in text["logprobs"]["token_logprobs"][1:])
 
 
-def test_max_tokens_zero_needs_echo(openai_client, model):
+def test_max_tokens_zero_needs_echo_and_one_choice(openai_client, model):
     _, out, errors = run_to_end(openai_client, [completion("zero", model, "Hi", max_tokens=0),
-                                                completion("many", model, [[1, 2], "text"])], "/v1/completions")
-    assert not out and set(errors) == {"zero", "many"}
+                                                completion("many", model, [[1, 2], "text"]),
+                                                completion("twice", model, "Hi", echo=True, max_tokens=0, n=2),
+                                                completion("bare", model, CONTEXT, echo=True, max_tokens=0)],
+                                "/v1/completions")
+    assert set(out) == {"bare"} and set(errors) == {"zero", "many", "twice"}
     assert errors["zero"]["response"]["body"]["error"]["param"] == "max_tokens"
     assert errors["many"]["response"]["body"]["error"]["param"] == "prompt"
+    assert errors["twice"]["response"]["body"]["error"]["param"] == "n"
+    bare = out["bare"]["response"]["body"]  # the prompt echoed, nothing generated, no logprobs asked for
+    assert [(c["text"], c["logprobs"], c["finish_reason"]) for c in bare["choices"]] == [(CONTEXT, None, "length")]
+    assert bare["usage"]["completion_tokens"] == 0

@@ -164,15 +164,16 @@ def test_top_k_top_p_cut_matches_a_full_sort_even_past_the_candidate_window():
     vocab = 49152
     gen = torch.Generator().manual_seed(5)
     # sharp and flat rows, so top_p cuts land inside the first window, the second, and past both
-    scale = torch.tensor([8.0, 4.0, 1.0, 0.05, 0.01, 3.0, 0.01, 2.0])[:, None]
-    probs = torch.softmax(torch.randn(8, vocab, generator=gen) * scale, dim=-1)
-    top_k = torch.tensor([vocab, vocab, vocab, vocab, vocab, 40, 5000, 300])
-    top_p = torch.tensor([0.9, 0.95, 0.5, 0.5, 0.99, 0.7, 0.9, 1.0])
+    scale = torch.tensor([8.0, 4.0, 1.0, 0.05, 0.01, 3.0, 0.01, 2.0, 0.05, 1.0])[:, None]
+    probs = torch.softmax(torch.randn(10, vocab, generator=gen) * scale, dim=-1)
+    top_k = torch.tensor([vocab, vocab, vocab, vocab, vocab, 40, 5000, 300, vocab, 40])
+    top_p = torch.tensor([0.9, 0.95, 0.5, 0.5, 0.99, 0.7, 0.9, 1.0, 0.0, 0.0])
     got = _keep_thresholds(probs, top_k, top_p)
     want = reference_thresholds(probs, top_k, top_p)
     assert torch.allclose(got.double(), want, rtol=1e-6, atol=0), (got, want)
     kept = (probs >= got[:, None]).sum(-1)
     assert kept[3] > TOP_P_CANDIDATES[-1], "a row must exercise the full-vocabulary fallback"
+    assert kept[8:].tolist() == [1, 1] and got[8:].tolist() == probs[8:].max(-1).values.tolist()  # top_p 0: the top one
 
 
 def seeded_row(seed: int, output: list[int], sample_index: int = 0, **kw) -> SampleRow:

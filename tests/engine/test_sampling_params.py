@@ -54,7 +54,7 @@ def test_accepts_the_edges():
         ({"max_tokens": 2.5}, "max_tokens"),
         ({"temperature": -0.1}, "temperature"),
         ({"temperature": float("nan")}, "temperature"),
-        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": -0.1}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -2}, "top_k"),
         ({"top_k": 1.5}, "top_k"),

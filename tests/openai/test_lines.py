@@ -47,8 +47,24 @@ def test_each_problem_has_its_code_and_field(content, code, param, custom_id):
 
 
 def test_body_errors_name_the_field_as_the_endpoint_sees_it():
-    error = parse_line(encode(good(body={**GOOD_BODY, "top_p": 0})), 1, CHAT).error
+    error = parse_line(encode(good(body={**GOOD_BODY, "top_p": 1.5})), 1, CHAT).error
     assert (error.param, error.line_param, error.in_body) == ("top_p", "body.top_p", True)
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"max_tokens": "lots", "max_completion_tokens": 5}, "max_tokens"),  # both: OpenAI refuses the pair
+    ({"max_tokens": 5, "max_completion_tokens": 5}, "max_tokens"),
+])
+def test_chat_body_pairs_openai_refuses_are_refused(extra, param):
+    error = parse_line(encode(good(body={**GOOD_BODY, **extra})), 1, CHAT).error
+    assert error is not None and error.param == param
+
+
+def test_top_p_zero_and_text_modalities_are_taken_as_openai_takes_them():
+    assert parse_line(encode(good(body={**GOOD_BODY, "top_p": 0})), 1, CHAT).body.top_p == 0.0
+    assert parse_line(encode(good(body={**GOOD_BODY, "modalities": ["text"]})), 1, CHAT).error is None
+    error = parse_line(encode(good(body={**GOOD_BODY, "modalities": ["text", "audio"]})), 1, CHAT).error
+    assert error.param == "modalities"
 
 
 def test_without_a_batch_endpoint_any_supported_url_is_taken():
