@@ -211,15 +211,23 @@ def heartbeat(ctx: Context, shard_ids: list[str], owner: str) -> set[str]:
         return set(held)
 
 
+def lost_leases():
+    """A shard's claims that ended without its worker giving it back: what ``max_shard_attempts``
+    bounds (a worker shutting down, or whose engine is gone, gives its shards back)."""
+    return Shard.attempts - Shard.given_back
+
+
 def release(ctx: Context, shard_ids: list[str], owner: str) -> int:
-    """Give shards back to the queue (a worker shutting down); returns how many went back."""
+    """Give shards back to the queue (a worker shutting down, or whose engine is gone), the claim
+    not counted as a lost lease; returns how many went back."""
     if not shard_ids:
         return 0
     with session_scope(ctx.sessions) as session:
         result = session.execute(
             update(Shard)
             .where(Shard.id.in_(shard_ids), Shard.lease_owner == owner, Shard.status == ShardStatus.RUNNING)
-            .values(status=ShardStatus.QUEUED, lease_owner=None, lease_expires_at=None)
+            .values(status=ShardStatus.QUEUED, lease_owner=None, lease_expires_at=None,
+                    given_back=Shard.given_back + 1)
             .execution_options(synchronize_session=False)
         )
         return result.rowcount
@@ -359,7 +367,7 @@ def take_back(ctx: Context, identity: str, owner: str) -> tuple[int, int]:
     """A worker restarted as ``identity`` (``owner``, its new lease owner name, is
     ``IDENTITY/INCARNATION``) takes back, at once, the shards an earlier process of that identity
     held, rather than waiting for their leases to run out: they go back to the queue (its own
-    feeder claims them next), except those already tried ``max_shard_attempts`` times, whose
+    feeder claims them next), except those whose leases were lost ``max_shard_attempts`` times, whose
     leases it ends now so that the sweeper closes them as it closes any shard that keeps losing
     its worker. An earlier process that still lives is fenced off as any worker that lost its
     lease is: its heartbeat, result writes and completion match no row. Returns (re-queued, ended)."""
@@ -367,7 +375,7 @@ def take_back(ctx: Context, identity: str, owner: str) -> tuple[int, int]:
     assert owner.startswith(prefix), f"{owner!r} is not an owner name of {identity!r}"
     earlier = (Shard.status == ShardStatus.RUNNING) & Shard.lease_owner.startswith(prefix, autoescape=True) & (
         Shard.lease_owner != owner)
-    spent = Shard.attempts >= ctx.settings.max_shard_attempts
+    spent = lost_leases() >= ctx.settings.max_shard_attempts
     t = now()
     with session_scope(ctx.sessions) as session:
         requeued = session.execute(

@@ -4,7 +4,7 @@
   validates, so only its sweep has one), and those cancelled while validating are settled;
   started batches whose prompts are not counted yet are counted (by the same ``Validator``);
 - shards whose lease ran out (their worker died) go back to the queue, or, after
-  ``max_shard_attempts``, are closed with every request in the error file as ``shard_failed``;
+  ``max_shard_attempts`` lost leases (``leases.lost_leases``), are closed with every request in the error file as ``shard_failed``;
 - batches being cancelled, or past ``expires_at``, get their unowned shards closed
   (``batch_cancelled`` / ``batch_expired``); shards a live worker holds are cut short by that
   worker within seconds; once nothing is open the batch is finalized, finished results kept;
@@ -178,18 +178,18 @@ def _expired_leases(ctx: Context, report: SweepReport, validator: Validator | No
     t = now()
     with ctx.sessions() as session:
         stale = session.execute(
-            select(Shard.id, Shard.attempts)
+            select(Shard.id, leases.lost_leases())
             .join(Batch, Batch.id == Shard.batch_id)
             .where(Shard.status == ShardStatus.RUNNING, Shard.lease_expires_at < t, Batch.status == BatchStatus.IN_PROGRESS)
         ).all()
 
     def recover(row) -> None:
-        shard_id, attempts = row
-        if attempts >= ctx.settings.max_shard_attempts:
-            log.warning("shard %s failed %d times; closing it", shard_id, attempts)
+        shard_id, lost = row
+        if lost >= ctx.settings.max_shard_attempts:
+            log.warning("shard %s lost its worker %d times; closing it", shard_id, lost)
             _close(ctx, report, shard_id, ErrorCode.SHARD_FAILED)
         elif leases.requeue_expired(ctx, shard_id):
-            log.warning("shard %s lost its worker (attempt %d); re-queued", shard_id, attempts)
+            log.warning("shard %s lost its worker (%d times); re-queued", shard_id, lost)
             report.requeued.append(shard_id)
 
     _each(stale, "recovering the expired lease of shard", recover)

@@ -217,7 +217,9 @@ class Shard(Base):
     prompt_token_counts: Mapped[list[int] | None]
 
     status: Mapped[str] = mapped_column(String(16))  # a batches.states.ShardStatus
-    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)  # claims: each attempt's number fences it
+    # of the claims, those its worker gave back (shutting down, its engine gone): not lost leases
+    given_back: Mapped[int] = mapped_column(default=0, server_default="0")
     lease_owner: Mapped[str | None] = mapped_column(String(200))
     lease_expires_at: Mapped[int | None]
     output_key: Mapped[str | None] = mapped_column(String(512))

@@ -8,7 +8,10 @@ import dataclasses
 from batchapi.batches import leases, request_results
 from batchapi.batches.leases import Outcome
 from batchapi.batches.states import ShardStatus
+from batchapi.batches.sweeper import sweep
 from batchapi.db.clock import now
+from batchapi.db.models import Shard
+from batchapi.db.session import session_scope
 from tests.utils.job_rows import make_batch, shard
 
 IDENTITY = "host-a:embedded"
@@ -78,3 +81,20 @@ def test_a_shard_out_of_attempts_is_left_to_the_sweeper_at_once(any_jobs):
     assert row.status == ShardStatus.RUNNING and row.lease_owner == "host-b:gpu0/3:gggggg"
     assert row.lease_expires_at < now()
     assert leases.claim(ctx, shard_id, "host-b:gpu0/3:gggggg") is None
+
+
+def test_claims_given_back_are_not_lost_leases(any_jobs):
+    """Three deploys, each worker giving the shard back as it stops, then a worker killed: one lost
+    lease of the two allowed, so the shard runs again (counting every claim would have failed it)."""
+    ctx = dataclasses.replace(any_jobs, settings=any_jobs.settings.model_copy(update={"max_shard_attempts": 2}))
+    _, (shard_id,) = make_batch(ctx, shards=1)
+    for n in range(1, 4):
+        assert leases.claim(ctx, shard_id, f"host-c:gpu0/{n}:aaaaaa").attempts == n
+        assert leases.release(ctx, [shard_id], f"host-c:gpu0/{n}:aaaaaa") == 1
+    assert leases.claim(ctx, shard_id, "host-c:gpu0/4:bbbbbb").attempts == 4  # and that one is killed
+    assert leases.take_back(ctx, "host-c:gpu0", "host-c:gpu0/5:cccccc") == (1, 0)
+    assert leases.claim(ctx, shard_id, "host-c:gpu0/5:cccccc").attempts == 5  # it runs again
+    with session_scope(ctx.sessions) as session:  # killed again, no restart: the sweeper finds its lease run out
+        session.get(Shard, shard_id).lease_expires_at = now() - 1
+    report = sweep(ctx)
+    assert shard_id in report.closed and shard(ctx, shard_id).status == ShardStatus.FAILED  # the second lost lease
