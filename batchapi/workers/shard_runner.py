@@ -193,7 +193,11 @@ class ShardRunner:
                 claimed = None
             if claimed is not None:
                 self._found_empty = None
-                self._start(claimed)
+                try:
+                    self._start(claimed)
+                except Exception:  # noqa: BLE001 - one shard that cannot start must not end the feeding
+                    # of every other: its lease runs out, and the sweeper re-queues or fails it
+                    log.exception("could not start shard %s; leaving it to its lease", claimed.id)
                 continue
             self._found_empty = time.monotonic()
             self._wake.wait(poll)
@@ -205,7 +209,10 @@ class ShardRunner:
             earlier = request_results.stored(self.ctx, claimed.id)
         except TRANSIENT:
             log.warning("could not read shard %s; giving it back", claimed.id, exc_info=True)
-            leases.release(self.ctx, [claimed.id], self.owner)
+            try:
+                leases.release(self.ctx, [claimed.id], self.owner)
+            except TRANSIENT:  # the database away too: the lease runs out, and the sweeper re-queues it
+                log.warning("could not give shard %s back; leaving it to its lease", claimed.id, exc_info=True)
             return None
         except NotFound:
             # never renewed, so the lease runs out and the attempts run up to shard_failed

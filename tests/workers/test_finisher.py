@@ -189,3 +189,42 @@ def test_a_store_that_keeps_failing_loses_no_finished_request(server, monkeypatc
 def rows(ctx, shard_id: str) -> int:
     with ctx.sessions() as session:
         return session.scalar(select(func.count()).select_from(RequestResult).where(RequestResult.shard_id == shard_id))
+
+
+def test_a_shard_that_cannot_start_while_the_database_blinks_leaves_the_feeder_running(server, monkeypatch):
+    """The shard's input cannot be read and the database refuses its give-back as well: the feeder
+    leaves it to its lease and goes on, and once the sweeper re-queues it the same worker runs it."""
+    from sqlalchemy.exc import OperationalError
+
+    from batchapi.workers import shard_runner
+
+    ctx = server.ctx
+    batch_id, shard_id = started_batch(server, "blink")
+    read, release, tried = shard_runner.read_shard, leases.release, threading.Event()
+
+    def unreadable_once(*args, **kwargs):
+        if not tried.is_set():
+            tried.set()
+            raise StorageError("the store blinked")
+        return read(*args, **kwargs)
+
+    def refused(*args, **kwargs):  # the database blinked too, just then
+        monkeypatch.setattr(leases, "release", release)
+        raise OperationalError("UPDATE shards", None, ConnectionError("the database blinked"))
+
+    monkeypatch.setattr(shard_runner, "read_shard", unreadable_once)
+    monkeypatch.setattr(leases, "release", refused)
+    worker = runner(ctx, "blinking-worker")
+    try:
+        assert tried.wait(120), "the runner never claimed the shard"
+        wait_until(lambda: leases.release is release, timeout=30)  # its give-back was refused
+        with session_scope(ctx.sessions) as session:  # its lease runs out; the sweeper re-queues the shard
+            session.execute(update(Shard).where(Shard.id == shard_id).values(
+                status="queued", lease_owner=None, lease_expires_at=None))
+        wait_until(lambda: status(ctx, batch_id) == "completed", timeout=120)
+    finally:
+        worker.shutdown()
+    with ctx.sessions() as session:
+        shard = session.get(Shard, shard_id)
+    assert (shard.status, shard.attempts, shard.given_back) == ("succeeded", 2, 0)
+    assert len(output_of(ctx, batch_id).splitlines()) == 4
