@@ -17,17 +17,35 @@ class Received:
     status: int  # what the receiver answered
 
 
+class Listening:
+    """A receiver on 127.0.0.1:``port`` once started, stopped as its ``with`` block ends."""
+
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/hooks"
+
+    def start(self):
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
 @dataclass
-class Receiver:
+class Receiver(Listening):
     port: int = 0
     statuses: list[int] = field(default_factory=list)  # answers to give, in order
     received: list[Received] = field(default_factory=list)
     body: bytes = b"ok"  # the body of every answer
     _server: ThreadingHTTPServer | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/hooks"
 
     def start(self) -> Receiver:
         receiver = self
@@ -59,15 +77,9 @@ class Receiver:
             self._server.server_close()
             self._server = None
 
-    def __enter__(self) -> Receiver:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
 
 @dataclass
-class Stalling:
+class Stalling(Listening):
     """A receiver that takes each POST and never finishes answering it: with ``trickle`` a status
     line and then header lines, a byte every 0.2 s (each read ends well within any read timeout),
     else nothing at all. ``accepted`` counts the connections it took."""
@@ -77,10 +89,6 @@ class Stalling:
     accepted: int = 0
     _listener: socket.socket | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/hooks"
 
     def start(self) -> Stalling:
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -118,9 +126,3 @@ class Stalling:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
-
-    def __enter__(self) -> Stalling:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()

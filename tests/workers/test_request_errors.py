@@ -72,7 +72,7 @@ def test_a_refused_body_is_a_400_and_the_rest_of_the_batch_runs(http, model):
 
 
 def test_a_batch_whose_every_body_is_refused_runs_and_every_request_is_a_400(http, model):
-    lines = lines_for(model, 6, prefix="allbad", top_p=0)
+    lines = lines_for(model, 6, prefix="allbad", top_p=1.5)
     batch = wait_for_batch(http, submit(http, lines))
     assert batch["status"] == "completed", batch
     assert batch["request_counts"] == {"total": 6, "completed": 0, "failed": 6}
