@@ -4,7 +4,8 @@
   validates, so only its sweep has one), and those cancelled while validating are settled;
   started batches whose prompts are not counted yet are counted (by the same ``Validator``);
 - shards whose lease ran out (their worker died) go back to the queue, or, after
-  ``max_shard_attempts`` lost leases (``leases.lost_leases``), are closed with every request in the error file as ``shard_failed``;
+  ``max_shard_attempts`` lost leases (``leases.lost_leases``), are closed with every request in
+  the error file as ``shard_failed``;
 - batches being cancelled, or past ``expires_at``, get their unowned shards closed
   (``batch_cancelled`` / ``batch_expired``); shards a live worker holds are cut short by that
   worker within seconds; once nothing is open the batch is finalized, finished results kept;
