@@ -212,14 +212,15 @@ def heartbeat(ctx: Context, shard_ids: list[str], owner: str) -> set[str]:
 
 
 def lost_leases():
-    """A shard's claims that ended without its worker giving it back: what ``max_shard_attempts``
-    bounds (a worker shutting down, or whose engine is gone, gives its shards back)."""
+    """A shard's claims that were lost rather than given back: what ``max_shard_attempts`` bounds."""
     return Shard.attempts - Shard.given_back
 
 
-def release(ctx: Context, shard_ids: list[str], owner: str) -> int:
-    """Give shards back to the queue (a worker shutting down, or whose engine is gone), the claim
-    not counted as a lost lease; returns how many went back."""
+def release(ctx: Context, shard_ids: list[str], owner: str, *, lost: bool = False) -> int:
+    """Give shards back to the queue; returns how many went back. The claim is given back (a
+    worker shutting down, or that could not read the shard), not lost, unless ``lost``: the
+    worker's engine died running it, which it may have caused, so it counts as a lost lease and a
+    shard that kills every engine it meets ends as ``shard_failed``."""
     if not shard_ids:
         return 0
     with session_scope(ctx.sessions) as session:
@@ -227,7 +228,7 @@ def release(ctx: Context, shard_ids: list[str], owner: str) -> int:
             update(Shard)
             .where(Shard.id.in_(shard_ids), Shard.lease_owner == owner, Shard.status == ShardStatus.RUNNING)
             .values(status=ShardStatus.QUEUED, lease_owner=None, lease_expires_at=None,
-                    given_back=Shard.given_back + 1)
+                    given_back=Shard.given_back + (0 if lost else 1))
             .execution_options(synchronize_session=False)
         )
         return result.rowcount

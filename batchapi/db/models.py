@@ -218,7 +218,7 @@ class Shard(Base):
 
     status: Mapped[str] = mapped_column(String(16))  # a batches.states.ShardStatus
     attempts: Mapped[int] = mapped_column(Integer, default=0)  # claims: each attempt's number fences it
-    # of the claims, those its worker gave back (shutting down, its engine gone): not lost leases
+    # of the claims, those its worker gave back (shutting down, the shard unreadable): not lost leases
     given_back: Mapped[int] = mapped_column(default=0, server_default="0")
     lease_owner: Mapped[str | None] = mapped_column(String(200))
     lease_expires_at: Mapped[int | None]

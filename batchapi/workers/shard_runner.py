@@ -327,7 +327,7 @@ class ShardRunner:
         unfinished = [w for w in works if w.close(None, lost=True)]  # lost: this worker writes no objects
         self._writer.write_last()  # while the leases are still ours
         try:
-            released = leases.release(self.ctx, [w.shard.id for w in unfinished], self.owner)
+            released = leases.release(self.ctx, [w.shard.id for w in unfinished], self.owner, lost=True)
         except OperationalError:
             released = 0  # no longer renewed, so they come back when their leases run out
             log.warning("database unavailable while giving shards back", exc_info=True)

@@ -1,8 +1,8 @@
 """reasoning tokens counted, and shards given back: batches.reasoning_tokens,
 shards.reasoning_tokens and request_results.reasoning_tokens, the output tokens of succeeded
 requests spent thinking, which a batch's ``usage.output_tokens_details.reasoning_tokens`` sums (0
-for rows made before); shards.given_back, the claims a worker gave back (shutting down, its engine
-gone), which are not lost leases and so do not count against ``max_shard_attempts``
+for rows made before); shards.given_back, the claims a worker gave back (shutting down, the shard
+unreadable), which are not lost leases and so do not count against ``max_shard_attempts``
 
 Revision ID: 0011
 Revises: 0010

@@ -98,3 +98,16 @@ def test_claims_given_back_are_not_lost_leases(any_jobs):
         session.get(Shard, shard_id).lease_expires_at = now() - 1
     report = sweep(ctx)
     assert shard_id in report.closed and shard(ctx, shard_id).status == ShardStatus.FAILED  # the second lost lease
+
+
+def test_a_claim_whose_engine_died_running_it_is_a_lost_lease(any_jobs):
+    """The shard may be what killed the engine: given back as lost, it counts, so a shard that kills
+    every engine it meets ends as shard_failed instead of going round the workers for good."""
+    ctx = dataclasses.replace(any_jobs, settings=any_jobs.settings.model_copy(update={"max_shard_attempts": 2}))
+    _, (shard_id,) = make_batch(ctx, shards=1)
+    for n in (1, 2):
+        assert leases.claim(ctx, shard_id, f"host-d:gpu0/{n}:aaaaaa") is not None
+        assert leases.release(ctx, [shard_id], f"host-d:gpu0/{n}:aaaaaa", lost=True) == 1
+    assert shard(ctx, shard_id).given_back == 0
+    assert leases.claim(ctx, shard_id, "host-d:gpu0/3:bbbbbb") is not None  # and that worker is killed
+    assert leases.take_back(ctx, "host-d:gpu0", "host-d:gpu0/4:cccccc") == (0, 1)  # three lost: ended
