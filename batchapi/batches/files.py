@@ -127,16 +127,19 @@ def register_file(session: Session, project_id: str, filename: str, purpose: str
     return row
 
 
-def get_file_row(session: Session, project_id: str, fid: str, *, lock: bool = False) -> File:
+def get_file_row(session: Session, project_id: str, fid: str, *, lock: bool = False, gone: bool = False) -> File:
     """The file, unless it is another project's, deleted or expired (NotFound). ``lock`` holds a
     shared lock on its row until the caller commits, so ``remove_expired`` cannot remove it
-    meanwhile (``create_batch``, on PostgreSQL; SQLite has one writer at a time anyway)."""
+    meanwhile (``create_batch``, on PostgreSQL; SQLite has one writer at a time anyway). ``gone``: a
+    deleted or expired one too, while its row is there (a listing's cursor still marks its place,
+    so a client that deletes what it lists pages on)."""
     if lock:
         row = session.scalar(select(File).where(File.id == fid).with_for_update(read=True)
                              .execution_options(populate_existing=True))
     else:
         row = session.get(File, fid)
-    if row is None or row.project_id != project_id or row.deleted_at is not None or _expired(row, now()):
+    if row is None or row.project_id != project_id or (
+            not gone and (row.deleted_at is not None or _expired(row, now()))):
         raise NotFound(f"No such File object: {fid}", "id")
     return row
 
@@ -155,21 +158,12 @@ def list_files(
 ) -> tuple[list[File], bool]:
     """Up to ``limit`` files after the cursor ``after`` (a file id), and whether more follow."""
     with ctx.sessions() as session:
-        cursor = _cursor_row(session, project_id, after) if after else None
+        cursor = get_file_row(session, project_id, after, gone=True) if after else None
         query = select(File).where(File.project_id == project_id, File.deleted_at.is_(None),
                                    or_(File.expires_at.is_(None), File.expires_at > now()))
         if purpose:
             query = query.where(File.purpose == purpose)
         return page(session, query, File, cursor, limit, newest_first=order == "desc")
-
-
-def _cursor_row(session: Session, project_id: str, fid: str) -> File:
-    """The file a listing pages after: one deleted or expired since still marks its place (a client
-    that deletes what it lists pages on), unless its row is gone too (NotFound)."""
-    row = session.get(File, fid)
-    if row is None or row.project_id != project_id:
-        raise NotFound(f"No such File object: {fid}", "after")
-    return row
 
 
 def open_content(ctx: Context, project_id: str, fid: str) -> tuple[File, Iterator[bytes]]:

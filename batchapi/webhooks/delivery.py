@@ -166,7 +166,7 @@ async def send_test(settings: Settings, endpoint: WebhookEndpoint, event_type: s
     ForbiddenAddress or HostUnresolved when it may not be posted. Nothing here holds a thread of
     the API's while it waits: the host is checked (``pin`` resolves it) in the event loop's own
     executor, the POST is async, and the whole test ends within ``webhook_timeout_seconds``."""
-    target = await asyncio.get_running_loop().run_in_executor(None, pin, settings, endpoint.url)
+    target = await asyncio.to_thread(pin, settings, endpoint.url)
     event_id = new_id("evt_")
     payload = event_body(event_id, event_type, now(), new_id("batch_test_"))
     secrets = signing_secrets(endpoint, now())

@@ -18,19 +18,14 @@ class Received:
 
 
 class Listening:
-    """A receiver on 127.0.0.1:``port`` once started, stopped as its ``with`` block ends."""
+    """A receiver on 127.0.0.1:``port`` once its ``start`` ran, stopped (``stop``) as its ``with``
+    block ends."""
 
     port: int
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}/hooks"
-
-    def start(self):
-        raise NotImplementedError
-
-    def stop(self) -> None:
-        raise NotImplementedError
 
     def __enter__(self):
         return self.start()
